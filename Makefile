@@ -1,0 +1,31 @@
+# One venv, CPU torch, everything from the package registry; no model downloads ever.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: demo test gpu-test proto clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/kvtransfer-bench demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -m "not gpu and not gpu2" -q
+
+# On a GPU machine (python3 with torch already there): make gpu-test PYTHON=python3
+gpu-test:
+	PYTHONPATH=. python3 -m pytest -m "gpu" -q
+
+proto: $(STAMP)
+	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. proto/kvtransfer.proto
+
+clean:
+	rm -rf $(VENV) *.egg-info

@@ -1,0 +1,138 @@
+"""kvtransfer-bench: the bench client's command line.
+
+Why this shape: every subcommand is registered by one small function (`register_*` in
+`REGISTRY`) that adds its parser and sets `run=`; running a subcommand returns a plain
+result dict, and `finish` does the rest the same way for all of them: rich tables,
+result.json + report.md under --out, and the whole result as ONE JSON object on the
+last stdout line. The exit status is non-zero when any verification failed.
+
+To add a subcommand (ttft, link, serve): write `register_x(sub)` that calls
+`sub.add_parser("x")`, adds options and `set_defaults(run=cmd_x)`, where
+`cmd_x(args) -> int` builds the result and returns `finish(args, result, steps-or-None)`;
+append `register_x` to REGISTRY and a table builder to `bench.report.BUILDERS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from collections.abc import Callable
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from bench.offload import OffloadConfig, run_offload, total_steps
+from bench.report import json_line, print_tables, tables_for, write_outputs
+from kvtransfer.tiers import TIER_KINDS
+
+
+def csv(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in csv(text)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of integers, got {text!r}") from None
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def with_progress(total: int, work: Callable[[Callable[[str], None]], dict]) -> dict:
+    """Run `work(step)` under a rich progress bar on stderr; `step(text)` advances it by one."""
+    columns = (TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=False) as bar:
+        task = bar.add_task("starting", total=total)
+        return work(lambda text: bar.update(task, advance=1, description=text))
+
+
+def finish(args: argparse.Namespace, result: dict) -> int:
+    """Tables to stdout, files under --out, then the result as one JSON line (the last stdout line)."""
+    tables = tables_for(result)
+    console = Console(file=sys.stdout, width=None if sys.stdout.isatty() else 220)
+    print_tables(tables, console)
+    if getattr(args, "out", None):
+        result["outputs"] = write_outputs(args.out, result, tables, args.command_line)
+    if not result["ok"]:
+        console.print("VERIFICATION FAILED: a reloaded cache differs from the original (see the tables)")
+    sys.stdout.write(json_line(result) + "\n")
+    sys.stdout.flush()
+    return 0 if result["ok"] else 1
+
+
+def run_offload_cmd(args: argparse.Namespace, cfg: OffloadConfig) -> int:
+    return finish(args, with_progress(total_steps(cfg), lambda step: run_offload(cfg, step)))
+
+
+def cmd_offload(args: argparse.Namespace) -> int:
+    device = args.device or default_device()
+    dtype = args.dtype or ("bfloat16" if torch.device(device).type == "cuda" else "float32")
+    models = [m for item in (args.model or ["tiny"]) for m in csv(item)]
+    try:
+        cfg = OffloadConfig(models=tuple(models), lengths=tuple(args.lengths), dtype=dtype, device=device,
+                            runs=args.runs, warmup=args.warmup, decode_tokens=args.decode_tokens,
+                            disk_dir=args.disk_dir, seed=args.seed, tiers=tuple(args.tiers),
+                            peer_device=args.peer_device,
+                            link_bytes=args.link_mib << 20 if args.link_mib else None)
+    except ValueError as e:
+        args.parser.error(str(e))
+    return run_offload_cmd(args, cfg)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    cfg = OffloadConfig(models=("tiny",), lengths=(64, 256), dtype="float32", device="cpu",
+                        runs=5, warmup=1, decode_tokens=8, link_bytes=16 << 20)
+    return run_offload_cmd(args, cfg)
+
+
+def register_offload(sub) -> None:
+    p = sub.add_parser("offload", help="recompute vs offload/reload per host tier (the seed's part-3 table)",
+                       description="Per model and context length: prefill time, offload and reload time per tier, "
+                                   "reload speed-up, GB/s, break-even link speed; every reload verified.")
+    p.add_argument("--model", action="append", help="preset or local dir; repeatable or comma list (default tiny)")
+    p.add_argument("--lengths", type=ints, default=[128, 512], help="comma list of prompt lengths (default 128,512)")
+    p.add_argument("--dtype", help="default bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--device", help="default cuda if available, else cpu")
+    p.add_argument("--runs", type=int, default=5, help="timed runs per figure (median reported)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs before the timed ones")
+    p.add_argument("--decode-tokens", type=int, default=8, help="tokens decoded to verify each reload")
+    p.add_argument("--tiers", type=csv, default=list(TIER_KINDS), help=f"comma list of {','.join(TIER_KINDS)}")
+    p.add_argument("--peer-device", help="device for the gpu tier's buffer, e.g. cuda:1 (default: model device)")
+    p.add_argument("--link-mib", type=int, help="raw link copy size in MiB (default: largest cache, >= 64)")
+    p.add_argument("--disk-dir", help="directory for the disk tier's file (default: a fresh temp dir)")
+    p.add_argument("--out", help="write result.json and report.md in this directory")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(run=cmd_offload, parser=p)
+
+
+def register_demo(sub) -> None:
+    p = sub.add_parser("demo", help="the offload table for the tiny preset on CPU (seconds)")
+    p.add_argument("--out", help="write result.json and report.md in this directory")
+    p.set_defaults(run=cmd_demo, parser=p)
+
+
+REGISTRY: list[Callable] = [register_offload, register_demo]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvtransfer-bench", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for register in REGISTRY:
+        register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser().parse_args(argv)
+    args.command_line = shlex.join(["kvtransfer-bench", *argv])
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""Report writing: one result dict -> rich tables, a Markdown report, JSON.
+
+Why one module: every bench subcommand produces a plain dict; turning it into tables is
+done once here, as neutral `Table`s rendered either by rich (terminal) or as Markdown
+(bench/results/), so the two never disagree. A new result kind registers a builder in
+`BUILDERS` keyed by the result's "kind".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table as RichTable
+
+
+@dataclass
+class Table:
+    title: str
+    headers: list[str]
+    rows: list[list[str]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def num(x: float | None, unit: str = "") -> str:
+    """Three significant-ish digits without scientific notation: 0.0123, 1.23, 123, 12345."""
+    if x is None:
+        return "-"
+    digits = 0 if abs(x) >= 100 else 1 if abs(x) >= 10 else 2 if abs(x) >= 1 else 3 if abs(x) >= 0.01 else 5
+    return f"{x:,.{digits}f}{unit}"
+
+
+def spread(s: dict) -> str:
+    """A stats dict as `median [min-max]` in ms."""
+    return f"{num(s['median_ms'])} [{num(s['min_ms'])}-{num(s['max_ms'])}]"
+
+
+def yes(b: bool) -> str:
+    return "yes" if b else "NO"
+
+
+def offload_tables(result: dict) -> list[Table]:
+    cfg = result["config"]
+    head = f"{cfg['device']} ({result['env']['device_name']}), {cfg['dtype']}, median [min-max] of {cfg['runs']}"
+    recompute = Table(f"Recompute (prefill) -- {head}",
+                      ["model", "tokens", "cache MiB", "bytes/token", "prefill ms", "us/token", "break-even GB/s"])
+    tiers = Table("Offload / reload per tier (ms; speed-up = prefill / reload)",
+                  ["model", "tokens", "tier", "offload ms", "reload ms", "offload GB/s", "reload GB/s",
+                   "speed-up", "bytes equal", "decode equal", "read"])
+    for r in result["rows"]:
+        recompute.rows.append([r["model"], str(r["length"]), num(r["cache_bytes"] / 2**20), f"{r['bytes_per_token']:,}",
+                               spread(r["prefill"]), num(r["prefill_us_per_token"]), num(r["break_even_gbps"])])
+        for kind, t in r["tiers"].items():
+            if not t["available"]:
+                tiers.rows.append([r["model"], str(r["length"]), kind, "skipped", "", "", "", "", "", "",
+                                   t["skip_reason"]])
+                continue
+            pc = t.get("page_cache")
+            read = "" if pc is None else ("cold" if pc["cold"] else
+                                          f"warm ({pc['runs'] - pc['cold_runs']}/{pc['runs']} runs)")
+            tiers.rows.append([r["model"], str(r["length"]), kind, spread(t["offload"]), spread(t["reload"]),
+                               num(t["offload_gbps"]), num(t["reload_gbps"]), num(t["reload_speedup"], "x"),
+                               yes(t["byte_equal"]), yes(t["decode_equal"]), read])
+    recompute.notes.append("break-even = KV bytes per token / prefill seconds per token: a link faster "
+                           "than this moves a cache sooner than a prefill rebuilds it.")
+    tiers.notes.append(f"decode equal: {cfg['decode_tokens']} tokens and their logits identical "
+                       "(deterministic mode); read: page-cache state before a disk reload, measured by mincore.")
+    links = result["links"]
+    raw = Table(f"Raw links in the same run ({num(links['bytes'] / 2**20)} MiB per copy)",
+                ["link", "ms", "GB/s"])
+    for name, s in links.items():
+        if isinstance(s, dict):
+            cold = "" if "cold" not in s else (" (cold)" if s["cold"] else " (warm: page cache not dropped)")
+            raw.rows.append([name + cold, spread(s), num(s["gbps"])])
+    raw.notes.append(f"disk: {result['env']['disk_dir']} ({result['env']['disk_fs']})")
+    return [recompute, tiers, raw]
+
+
+BUILDERS: dict[str, Callable[[dict], list[Table]]] = {"offload": offload_tables}
+
+
+def tables_for(result: dict) -> list[Table]:
+    return BUILDERS[result["kind"]](result)
+
+
+def print_tables(tables: list[Table], console: Console) -> None:
+    for t in tables:
+        rt = RichTable(title=escape(t.title), title_justify="left", caption_justify="left",
+                       caption=escape("\n".join(t.notes)) or None)
+        numeric = [bool(t.rows) and t.rows[0][i][:1].isdigit() for i in range(len(t.headers))]
+        for h, right in zip(t.headers, numeric):
+            rt.add_column(escape(h), justify="right" if right else "left")
+        for row in t.rows:
+            rt.add_row(*map(escape, row))
+        console.print(rt)
+
+
+def markdown(tables: list[Table], title: str, command: str | None = None) -> str:
+    lines = [f"# {title}", ""]
+    if command:
+        lines += ["Produced by:", "", "```", command, "```", ""]
+    for t in tables:
+        lines += [f"## {t.title}", "", "| " + " | ".join(t.headers) + " |",
+                  "| " + " | ".join("---" for _ in t.headers) + " |"]
+        lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in t.rows]
+        lines += [""] + [f"{n}  " for n in t.notes] + [""]
+    return "\n".join(lines)
+
+
+def json_line(result: dict) -> str:
+    """The whole result as one line (allow_nan=False: a NaN or inf is a bug, not a number)."""
+    return json.dumps(result, separators=(",", ":"), allow_nan=False)
+
+
+def write_outputs(out_dir: str, result: dict, tables: list[Table], command: str | None) -> dict[str, str]:
+    """result.json and report.md under `out_dir` (created); returns their paths."""
+    os.makedirs(out_dir, exist_ok=True)
+    paths = dict(json=os.path.join(out_dir, "result.json"), markdown=os.path.join(out_dir, "report.md"))
+    with open(paths["json"], "w") as f:
+        json.dump(result, f, indent=1, allow_nan=False)
+        f.write("\n")
+    with open(paths["markdown"], "w") as f:
+        f.write(markdown(tables, f"kvtransfer bench: {result['kind']}", command))
+    return paths

@@ -1,0 +1,235 @@
+"""torch.distributed backend: NCCL between GPUs (NVLink, RDMA, TCP), gloo between CPUs.
+
+Why this shape: one ordered point-to-point stream per prefill/decode pair. Each request
+is a frame: a fixed-size header (request id, shapes, layers per message), the layers
+(K and V adjacent, `layers_per_message` layers per message), and a one-element trailer
+that says OK or ABORTED. The receiver sizes its buffers from the header, so concurrent
+requests can never land in each other's buffers, and an abort stays in-band: the sender
+pads the frame and the stream stays in step for the next request.
+
+`isend` waits for the *current* stream at call time and then runs on the group's own
+stream, so calling it from the cache hook orders it after layer i's compute without a
+host sync; the Work objects and tensors are kept alive until the trailer is through.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..streaming import kv_pair_view
+from .base import KVReceiver, KVSender, TransferError, TransferHeader, TransferState, check_layer
+
+TRAILER_OK, TRAILER_ABORTED = 1, 2
+
+
+def init_pair(rank: int, init_method: str, device: torch.device, timeout_s: float = 60.0) -> None:
+    """Join the two-rank group (rank 0 prefill, rank 1 decode): NCCL on CUDA, gloo on CPU."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kw = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=timeout_s), **kw)
+
+
+def _wait_all(works, device: torch.device, deadline: float | None, what: str) -> None:
+    """Host-wait for works: gloo waits with a timeout; CUDA polls an event so nothing waits forever.
+
+    A gloo Work must be waited once only (a second wait waits for another message).
+    """
+    if device.type != "cuda":
+        for w in works:
+            if w.is_completed():
+                continue
+            left = 3600.0 if deadline is None else max(deadline - time.monotonic(), 0.001)
+            try:
+                w.wait(timeout=datetime.timedelta(seconds=left))
+            except RuntimeError as e:
+                raise TransferError("timeout" if "imed out" in str(e) else "peer", f"{what}: {e}") from e
+        return
+    for w in works:
+        w.wait()  # the current stream waits for the group's stream; the host does not block
+    ev = torch.cuda.Event()
+    ev.record()
+    while not ev.query():
+        if deadline is not None and time.monotonic() > deadline:
+            raise TransferError("timeout", f"{what} did not complete in time")
+        time.sleep(20e-6)
+
+
+def _messages(header: TransferHeader, group: int) -> list[range]:
+    return [range(a, min(a + group, header.num_layers)) for a in range(0, header.num_layers, group)]
+
+
+class SenderLink:
+    def __init__(self, device: torch.device, peer: int = 1, layers_per_message: int = 1, group=None):
+        if layers_per_message < 1:
+            raise ValueError("layers_per_message must be >= 1")
+        self.device, self.peer, self.group, self.per_msg = torch.device(device), peer, group, layers_per_message
+        self._current: DistSender | None = None
+
+    def open(self, header: TransferHeader) -> "DistSender":
+        if self._current is not None and not self._current.closed:
+            raise TransferError("protocol", "previous transfer still open on this link (finish or abort it first)")
+        self._current = DistSender(self, header)
+        return self._current
+
+    def close(self) -> None:
+        if self._current is not None and not self._current.closed:
+            self._current.abort("link closed")
+
+
+class DistSender(KVSender):
+    def __init__(self, link: SenderLink, header: TransferHeader):
+        self.link, self.header = link, header
+        self.closed = False
+        self._works: list = []
+        self._keep: list[torch.Tensor] = []  # tensors must outlive their Work
+        self._next = 0
+        self._msgs = _messages(header, link.per_msg)
+        self._pending: list[torch.Tensor] = []  # (2, b, h, s, d) per layer of the open message
+        self._state = TransferState.WAITING
+        wire = header.to_tensor()
+        wire[7] = link.per_msg
+        self._isend(wire.to(link.device))
+
+    def _isend(self, t: torch.Tensor) -> None:
+        self._keep.append(t)
+        self._works.append(dist.isend(t, dst=self.link.peer, group=self.link.group))
+
+    def send_layer(self, layer_idx, key, value):
+        if self.closed:
+            raise TransferError("protocol", f"send_layer after the transfer ended ({self._state.name})")
+        check_layer(self.header, self._next, layer_idx, key, value)
+        kv = kv_pair_view(key, value)
+        if kv is None:
+            kv = torch.stack((key, value))  # (2, b, h, s, d): only when K and V are not adjacent
+        self._next += 1
+        self._state = TransferState.TRANSFERRING
+        self._pending.append(kv)
+        if len(self._pending) == len(self._msgs[0]):
+            self._msgs.pop(0)
+            self._isend(_contiguous_run(self._pending))
+            self._pending = []
+
+    def finish(self, timeout=None):
+        if self._state == TransferState.FAILED:
+            raise TransferError("aborted", "finish after abort")
+        if self._next != self.header.num_layers:
+            raise TransferError("protocol", f"finish after {self._next} of {self.header.num_layers} layers")
+        self._isend(torch.tensor([TRAILER_OK], dtype=torch.int64, device=self.link.device))
+        self.closed = True
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            _wait_all(self._works, self.link.device, deadline, f"request {self.header.request_id} send")
+        except TransferError:
+            self._state = TransferState.FAILED
+            raise
+        self._works, self._keep = [], []
+        self._state = TransferState.SUCCESS
+
+    def abort(self, reason):
+        if self.closed:
+            return
+        shape = self.header.layer_shape()
+        for msg in self._msgs:  # the first may be partly filled by self._pending
+            # pad the frame so the receiver's posted receives complete and the stream stays in step
+            self._isend(torch.zeros((len(msg), 2, *shape), dtype=self.header.dtype, device=self.link.device))
+        self._pending, self._msgs = [], []
+        self._isend(torch.tensor([TRAILER_ABORTED], dtype=torch.int64, device=self.link.device))
+        self.closed = True
+        self._state = TransferState.FAILED
+
+    def status(self):
+        return self._state
+
+
+def _contiguous_run(kvs: list[torch.Tensor]) -> torch.Tensor:
+    """One (n, 2, b, h, s, d) tensor for n consecutive layers: a view when adjacent, else a copy."""
+    first = kvs[0]
+    if all(t.data_ptr() == first.data_ptr() + i * first.nbytes and t.is_contiguous()
+           and t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() for i, t in enumerate(kvs)):
+        return torch.empty(0, dtype=first.dtype, device=first.device).set_(
+            first.untyped_storage(), first.storage_offset(), (len(kvs), *first.shape))
+    return torch.stack(kvs)
+
+
+class ReceiverLink:
+    def __init__(self, device: torch.device, peer: int = 0, max_bytes: int = 64 << 30, group=None):
+        self.device, self.peer, self.group, self.max_bytes = torch.device(device), peer, group, max_bytes
+
+    def accept(self, timeout: float | None = None) -> "DistReceiver":
+        wire = torch.empty(8, dtype=torch.int64, device=self.device)
+        work = dist.irecv(wire, src=self.peer, group=self.group)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        _wait_all([work], self.device, deadline, "transfer header")
+        header = TransferHeader.from_tensor(wire.cpu())
+        per_msg = int(wire[7])
+        if min(header.seq_len, header.num_layers, header.kv_heads, header.head_dim, header.batch, per_msg) < 1:
+            raise TransferError("protocol", f"transfer header has non-positive fields: {header}")
+        total = header.layer_bytes() * header.num_layers
+        if total > self.max_bytes:
+            raise TransferError("protocol", f"transfer of {total} bytes exceeds the receive limit {self.max_bytes}")
+        return DistReceiver(self, header, per_msg)
+
+    def close(self) -> None:
+        pass
+
+
+class DistReceiver(KVReceiver):
+    def __init__(self, link: ReceiverLink, header: TransferHeader, per_msg: int):
+        self.link, self.header = link, header
+        # (layers, 2, batch, kv_heads, seq, head_dim): layer i's K and V are block[i, 0], block[i, 1]
+        self.block = torch.empty((header.num_layers, 2, *header.layer_shape()), dtype=header.dtype,
+                                 device=link.device)
+        self._trailer = torch.zeros(1, dtype=torch.int64, device=link.device)
+        self._msg_of: list[int] = []
+        self._works = []
+        for m, msg in enumerate(_messages(header, per_msg)):
+            self._works.append(dist.irecv(self.block[msg.start:msg.stop], src=link.peer, group=link.group))
+            self._msg_of += [m] * len(msg)
+        self._works.append(dist.irecv(self._trailer, src=link.peer, group=link.group))
+        self._state = TransferState.TRANSFERRING
+        self._reason: str | None = None
+
+    def wait_for_layer(self, layer_idx, timeout=None):
+        if not 0 <= layer_idx < self.header.num_layers:
+            raise TransferError("protocol", f"layer {layer_idx} outside 0..{self.header.num_layers - 1}")
+        self._check_alive()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        work = self._works[self._msg_of[layer_idx]]
+        if self.link.device.type == "cuda":
+            work.wait()  # orders the current stream after the receive; no host sync
+        else:
+            _wait_all([work], self.link.device, deadline, f"layer {layer_idx}")
+        return self.block[layer_idx, 0], self.block[layer_idx, 1]
+
+    def finish(self, timeout=None):
+        self._check_alive()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            _wait_all(self._works, self.link.device, deadline, f"request {self.header.request_id} receive")
+        except TransferError:
+            self._state = TransferState.FAILED
+            raise
+        code = int(self._trailer.item())
+        if code != TRAILER_OK:
+            self._state = TransferState.FAILED
+            raise TransferError("aborted", f"sender aborted request {self.header.request_id} (trailer {code})")
+        self._state = TransferState.SUCCESS
+        return [(self.block[i, 0], self.block[i, 1]) for i in range(self.header.num_layers)]
+
+    def _check_alive(self):
+        if self._reason is not None:
+            raise TransferError("aborted", f"receiver aborted: {self._reason}")
+
+    def abort(self, reason):
+        # the posted receives stay posted (the stream must stay in step); their data is dropped
+        if self._state != TransferState.SUCCESS:
+            self._reason = reason
+            self._state = TransferState.FAILED
+
+    def status(self):
+        return self._state

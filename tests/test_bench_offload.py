@@ -1,0 +1,121 @@
+"""Offload bench and CLI on the tiny preset: every field there, every check True, one JSON line.
+
+Why: the table is only worth publishing if its verification cannot silently pass and its
+derived figures (speed-up, break-even) follow the definitions in DESIGN.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from bench.cli import main
+from bench.offload import OffloadConfig, run_offload, total_steps
+from bench.report import markdown, tables_for
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STATS = {"median_ms", "min_ms", "max_ms", "runs"}
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    cfg = OffloadConfig(lengths=(32, 96), runs=3, warmup=1, decode_tokens=4, link_bytes=1 << 20,
+                        disk_dir=str(tmp_path_factory.mktemp("disk")))
+    steps = []
+    res = run_offload(cfg, steps.append)
+    assert len(steps) == total_steps(cfg)
+    return res
+
+
+def test_result_fields_and_checks(result):
+    assert result["kind"] == "offload" and result["ok"] is True
+    assert [r["length"] for r in result["rows"]] == [32, 96]
+    for row in result["rows"]:
+        assert STATS <= set(row["prefill"]) and row["prefill"]["runs"] == 3
+        assert row["cache_bytes"] == row["bytes_per_token"] * row["length"]
+        assert set(row["tiers"]) == {"gpu", "pinned", "pageable", "disk", "disk-fsync"}
+        assert row["tiers"]["pinned"] == {"available": False, "skip_reason": row["tiers"]["pinned"]["skip_reason"]}
+        for kind, t in row["tiers"].items():
+            if not t["available"]:
+                continue
+            assert STATS <= set(t["offload"]) and STATS <= set(t["reload"])
+            assert t["offload"]["min_ms"] <= t["offload"]["median_ms"] <= t["offload"]["max_ms"]
+            assert t["byte_equal"] is t["tokens_equal"] is t["logits_equal"] is t["decode_equal"] is True
+            assert t["reload_speedup"] == pytest.approx(row["prefill"]["median_ms"] / t["reload"]["median_ms"])
+            assert t["reload_gbps"] == pytest.approx(row["cache_bytes"] / (t["reload"]["median_ms"] / 1e3) / 1e9)
+            if kind.startswith("disk"):
+                assert all(isinstance(t["page_cache"][k], bool) for k in ("fadvise", "drop_caches", "cold"))
+
+
+def test_break_even(result):
+    for row in result["rows"]:
+        prefill_s_per_token = row["prefill"]["median_ms"] / 1e3 / row["length"]
+        assert row["break_even_gbps"] == pytest.approx(row["bytes_per_token"] / prefill_s_per_token / 1e9)
+        assert row["bytes_per_token"] == 2 * 4 * 2 * 16 * 4  # tiny: K+V x layers x kv_heads x head_dim x fp32
+
+
+def test_links_and_json(result):
+    links = result["links"]
+    assert links["bytes"] == 1 << 20
+    for name in ("device_clone", "file_write", "file_write_fsync", "file_read"):
+        assert STATS <= set(links[name]) and links[name]["gbps"] > 0
+    assert isinstance(links["file_read"]["cold"], bool)
+    assert json.loads(json.dumps(result, allow_nan=False)) == result
+
+
+def test_report_tables(result):
+    tables = tables_for(result)
+    assert len(tables) == 3 and len(tables[1].rows) == 2 * 5
+    text = markdown(tables, "offload", "kvtransfer-bench demo")
+    assert "| tiny | 96 | disk-fsync |" in text and "skipped" in text
+
+
+def test_config_rejects_bad_values():
+    with pytest.raises(ValueError):
+        OffloadConfig(runs=0)
+    with pytest.raises(ValueError, match="unknown tiers"):
+        OffloadConfig(tiers=("nvme",))
+    with pytest.raises(ValueError, match="never downloads"):
+        OffloadConfig(models=("Qwen/Qwen2.5-7B",))
+
+
+def run_cli(*args, tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, "-m", "bench.cli", *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc, json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_cli_offload_smoke(tmp_path):
+    out = tmp_path / "out"
+    proc, res = run_cli("offload", "--model", "tiny", "--lengths", "16,40", "--runs", "2", "--warmup", "0",
+                        "--decode-tokens", "3", "--tiers", "gpu,pinned,disk", "--link-mib", "1",
+                        "--disk-dir", str(tmp_path), "--out", str(out), tmp_path=tmp_path)
+    cuda = torch.cuda.is_available()  # the defaults follow the machine
+    assert res["ok"] is True and res["config"]["device"] == ("cuda" if cuda else "cpu")
+    assert res["config"]["dtype"] == ("bfloat16" if cuda else "float32")
+    assert [r["length"] for r in res["rows"]] == [16, 40]
+    assert all(t["decode_equal"] and t["byte_equal"] for r in res["rows"] for t in r["tiers"].values()
+               if t["available"])
+    assert json.loads((out / "result.json").read_text())["rows"] == res["rows"]
+    assert "kvtransfer-bench offload --model tiny" in (out / "report.md").read_text()
+    assert "Offload / reload per tier" in proc.stdout
+
+
+def test_cli_demo(tmp_path):
+    _, res = run_cli("demo", tmp_path=tmp_path)
+    assert res["ok"] is True and res["kind"] == "offload"
+    assert {"rows", "links", "config", "env"} <= set(res)
+    assert all(r["tiers"]["disk"]["byte_equal"] and r["tiers"]["disk"]["decode_equal"] for r in res["rows"])
+
+
+def test_cli_rejects_bad_options(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["offload", "--runs", "0"])
+    assert exc.value.code == 2 and "runs" in capsys.readouterr().err
