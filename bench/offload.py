@@ -132,6 +132,7 @@ def bench_tier(tier: Tier, layers, model, first, ref, cfg: OffloadConfig) -> dic
         timed_caches = caches[cfg.warmup:]
         res["page_cache"] = dict(
             fadvise=all(c["fadvise"] for c in timed_caches),
+            drop_caches_tried=any(c["drop_caches_tried"] for c in timed_caches),  # only when fadvise left pages
             drop_caches=any(c["drop_caches"] for c in timed_caches),
             cold=all(c["cold"] for c in timed_caches),
             cold_runs=sum(c["cold"] for c in timed_caches), runs=len(timed_caches),

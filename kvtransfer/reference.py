@@ -8,6 +8,7 @@ worker, `decode` on the other) so the comparison is of the cache, not of two cod
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -46,31 +47,42 @@ def prefill(model, input_ids: torch.Tensor, on_layer: LayerCallback | None = Non
 
 
 @torch.inference_mode()
+def decode_steps(model, cache, first_token: torch.Tensor, steps: int,
+                 prompt_len: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Feed `first_token` (1, 1) and greedily continue: yields (token (1, 1), logits (vocab,)) per step.
+
+    The cache must cover exactly the prompt. Its length is checked on entry (when
+    `prompt_len` is given) and after every step, so a cache that silently re-ran prefill
+    (or lost tokens) fails loudly. Tokens stay on the device: no host sync per step.
+    """
+    if prompt_len is not None and cache.get_seq_length() != prompt_len:
+        raise RuntimeError(f"cache holds {cache.get_seq_length()} tokens, the prompt has {prompt_len}")
+    base = cache.get_seq_length()
+    kw = cache_kwarg(model)
+    tok = first_token
+    for step in range(1, steps + 1):
+        out = model(input_ids=tok, use_cache=True, **{kw: cache})
+        if cache.get_seq_length() != base + step:
+            raise RuntimeError(f"cache holds {cache.get_seq_length()} tokens after decode step {step}, "
+                               f"expected {base + step}")
+        logits = out.logits[0, -1]  # (vocab,)
+        tok = logits.argmax().view(1, 1)
+        yield tok, logits
+
+
 def decode(model, cache, first_logits: torch.Tensor, max_new_tokens: int,
            prompt_len: int | None = None) -> Generation:
     """Greedy decode from a cache covering exactly the prompt and the prompt's last logits.
 
     Token 0 comes from `first_logits`; each later token costs one forward step of one token.
-    The cache length is checked after each step, so a cache that silently re-ran prefill
-    (or lost tokens) fails loudly; pass `prompt_len` to check the cache on entry too.
     """
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
-    if prompt_len is not None and cache.get_seq_length() != prompt_len:
-        raise RuntimeError(f"cache holds {cache.get_seq_length()} tokens, the prompt has {prompt_len}")
-    prompt_len = cache.get_seq_length()
-    kw = cache_kwarg(model)
-    logits = [first_logits]
-    tok = first_logits.argmax().view(1, 1)  # (1, 1), stays on device: no host sync per step
-    toks = [tok]
-    for step in range(1, max_new_tokens):
-        out = model(input_ids=tok, use_cache=True, **{kw: cache})
-        if cache.get_seq_length() != prompt_len + step:
-            raise RuntimeError(f"cache holds {cache.get_seq_length()} tokens after decode step {step}, "
-                               f"expected {prompt_len + step}")
-        logits.append(out.logits[0, -1])
-        tok = out.logits[0, -1].argmax().view(1, 1)
+    first = first_logits.argmax().view(1, 1)  # (1, 1)
+    toks, logits = [first], [first_logits]
+    for tok, row in decode_steps(model, cache, first, max_new_tokens - 1, prompt_len):
         toks.append(tok)
+        logits.append(row)
     return Generation(torch.cat(toks).view(-1).tolist(), torch.stack(logits))
 
 

@@ -100,3 +100,14 @@ def caches_equal(a: Sequence[tuple[torch.Tensor, torch.Tensor]],
     """Byte-for-byte equality of two caches given as per-layer (K, V)."""
     return len(a) == len(b) and all(
         same_bytes(ka, kb) and same_bytes(va, vb) for (ka, va), (kb, vb) in zip(a, b))
+
+
+def cache_digest(layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> str:
+    """Digest of every byte, shape and dtype of a cache (debug: compare caches across processes)."""
+    import hashlib
+    h = hashlib.sha256()
+    for k, v in layers:
+        for t in (k, v):
+            h.update(f"{tuple(t.shape)}{t.dtype};".encode())
+            h.update(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:32]

@@ -1,0 +1,1 @@
+"""Decode worker and front door: Generate, cache receive + assembly, decoding."""

@@ -1,0 +1,79 @@
+"""`kvtransfer-client`: send one prompt to a decode server, print the tokens and the TTFT."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+
+import grpc
+
+from proto import kvtransfer_pb2 as pb
+from proto import kvtransfer_pb2_grpc as pbg
+
+MODES = {"auto": pb.MODE_AUTO, "layerwise": pb.MODE_LAYERWISE, "bulk": pb.MODE_BULK, "colocated": pb.MODE_COLOCATED}
+
+
+async def generate(addr: str, token_ids: list[int], max_new_tokens: int, mode: str = "auto",
+                   digest: bool = False, timeout: float = 120.0, cache_digest: bool = False) -> dict:
+    """One Generate call; returns tokens, digests, client-side TTFT and the server's timing."""
+    async with grpc.aio.insecure_channel(addr) as channel:
+        stub = pbg.DecodeStub(channel)
+        t0 = time.perf_counter()
+        ttft = None
+        tokens, digests, timing, cache = [], [], None, ""
+        req = pb.GenerateRequest(token_ids=token_ids, max_new_tokens=max_new_tokens, mode=MODES[mode],
+                                 return_logits_digest=digest, return_cache_digest=cache_digest)
+        async for msg in stub.Generate(req, timeout=timeout):
+            if ttft is None:
+                ttft = (time.perf_counter() - t0) * 1e3
+            tokens.append(msg.token_id)
+            digests.append(msg.logits_digest)
+            cache = cache or msg.cache_digest
+            if msg.HasField("timing"):
+                timing = msg.timing
+    return {"tokens": tokens, "logits_digests": digests if digest else [], "client_ttft_ms": ttft,
+            "cache_digest": cache,
+            "timing": {f.name: getattr(timing, f.name) for f in pb.Timing.DESCRIPTOR.fields} if timing else {}}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="Send a prompt to a kvtransfer decode server")
+    p.add_argument("--addr", default="127.0.0.1:50051")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--ids", help="comma-separated token ids")
+    src.add_argument("--text", help="text, tokenized with --tokenizer (a local directory)")
+    p.add_argument("--tokenizer", help="local tokenizer directory (no downloads)")
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--mode", choices=sorted(MODES), default="auto")
+    p.add_argument("--digest", action="store_true", help="ask for per-step logits digests")
+    p.add_argument("--timeout", type=float, default=120.0)
+    a = p.parse_args(argv)
+    tok = None
+    if a.text is not None:
+        if not a.tokenizer:
+            p.error("--text needs --tokenizer DIR (a local tokenizer directory)")
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(a.tokenizer, local_files_only=True)
+        ids = tok(a.text)["input_ids"]
+    else:
+        try:
+            ids = [int(x) for x in a.ids.split(",") if x.strip()]
+        except ValueError:
+            p.error("--ids must be comma-separated integers")
+    try:
+        out = asyncio.run(generate(a.addr, ids, a.max_new_tokens, a.mode, a.digest, a.timeout))
+    except grpc.aio.AioRpcError as e:
+        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+        sys.exit(1)
+    if tok is not None:
+        out["text"] = tok.decode(out["tokens"])
+    print(f"tokens: {out['tokens']}", file=sys.stderr)
+    print(f"TTFT (client) {out['client_ttft_ms']:.2f} ms; server: {out['timing']}", file=sys.stderr)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

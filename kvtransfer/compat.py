@@ -1,0 +1,41 @@
+"""Compatibility fingerprint exchanged at the handshake.
+
+Why: two workers that disagree on weights, dtype or cache layout would exchange caches
+that decode to wrong tokens without any error. The handshake compares everything that
+decides the bytes on the wire and refuses a mismatched peer with a message that says
+which flag to fix.
+"""
+
+from __future__ import annotations
+
+import os
+
+from proto import kvtransfer_pb2 as pb
+
+from .geometry import CacheGeometry
+from .models import ModelSpec, weights_fingerprint
+
+PROTOCOL_VERSION = 1
+LAYOUT = "l2bhsd"  # (layers, K|V, batch, kv_heads, seq, head_dim), K and V of a layer adjacent
+
+
+def local_compat(spec: ModelSpec, model, geometry: CacheGeometry, deterministic: bool) -> pb.Compat:
+    return pb.Compat(
+        model=os.path.basename(os.path.normpath(spec.name)), dtype=str(geometry.dtype).removeprefix("torch."),
+        weights_fingerprint=weights_fingerprint(model), geometry_digest=geometry.digest(),
+        num_layers=geometry.num_layers, kv_heads=geometry.kv_heads, head_dim=geometry.head_dim,
+        layout=LAYOUT, protocol_version=PROTOCOL_VERSION, deterministic=deterministic)
+
+
+def mismatch(mine: pb.Compat, theirs: pb.Compat) -> str | None:
+    """None when the peers can exchange caches, else what differs and how to fix it."""
+    problems = []
+    for field in ("protocol_version", "layout", "dtype", "num_layers", "kv_heads", "head_dim",
+                  "geometry_digest", "model", "weights_fingerprint"):
+        a, b = getattr(mine, field), getattr(theirs, field)
+        if a != b:
+            problems.append(f"{field}: here {a!r}, peer {b!r}")
+    if not problems:
+        return None
+    return ("peer is incompatible (" + "; ".join(problems) + "). Start both workers with the same "
+            "--model, --dtype and --seed (or the same local model directory) and the same kvtransfer version.")

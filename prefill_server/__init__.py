@@ -1,0 +1,1 @@
+"""Prefill worker: runs the prompt, streams each layer's K/V to the decode worker."""

@@ -1,0 +1,56 @@
+"""`kvtransfer-prefill`: load the model, join the decode peer's process group, serve Prefill."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from kvtransfer.compat import local_compat
+from kvtransfer.configargs import from_args
+from kvtransfer.serving import configure_logging, load, new_event_loop, pick_device
+from kvtransfer.transport.dist import SenderLink, init_pair
+
+from .config import PrefillConfig
+from .server import PrefillService, create_server
+from .worker import PrefillWorker
+
+log = logging.getLogger("kvtransfer.prefill")
+
+
+async def serve(config: PrefillConfig) -> None:
+    device = pick_device(config.device)
+    loaded = load(config.spec, device, config.deterministic)
+    transport = config.transport if config.transport != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+    log.info("model loaded on %s; joining process group at %s as rank 0 (%s)", device, config.dist_init, transport)
+    await asyncio.to_thread(init_pair, 0, config.dist_init, device, config.dist_timeout_s)
+    link = SenderLink(device, peer=1, layers_per_message=config.layers_per_message)
+    worker = PrefillWorker(loaded, link, config.send_timeout_s)
+    await asyncio.to_thread(worker.warmup, config.warmup_tokens)
+    service = PrefillService(config, worker, local_compat(config.spec, loaded.model, loaded.geometry,
+                                                          config.deterministic), transport)
+    server, port = await create_server(config, service)
+    await server.start()
+    await service.health.set("", _serving())
+    log.info("prefill server ready on port %d", port)
+    await server.wait_for_termination()
+
+
+def _serving():
+    from grpc_health.v1 import health_pb2
+    return health_pb2.HealthCheckResponse.SERVING
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = from_args(PrefillConfig, argv, "kvtransfer prefill worker")
+    configure_logging(config.log_level)
+    log.info("config %s", config.one_line())
+    loop = new_event_loop()
+    asyncio.set_event_loop(loop)
+    try:
+        loop.run_until_complete(serve(config))
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""The prefill worker's device work: prompt -> cache, streamed layer by layer, -> first token.
+
+Why a class apart from the gRPC servicer: this is the only code that touches the model
+and the data plane, it runs on one thread that owns the device, and tests and the bench
+can drive it without a server.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvtransfer.determinism import sync
+from kvtransfer.reference import logits_digest, prefill, random_prompt
+from kvtransfer.serving import LoadedModel
+from kvtransfer.streaming import cache_layers
+from kvtransfer.transport import TransferHeader
+
+log = logging.getLogger("kvtransfer.prefill")
+
+WARMUP_REQUEST_ID = 0  # the decode side's receive loop drops this frame
+
+
+@dataclass
+class PrefillResult:
+    first_token: int
+    first_logits_digest: str
+    prefill_ms: float
+    send_done_ms: float
+    mode: str
+
+
+class PrefillWorker:
+    def __init__(self, loaded: LoadedModel, link, send_timeout_s: float = 60.0):
+        self.m = loaded
+        self.link = link
+        self.send_timeout_s = send_timeout_s
+
+    def header(self, request_id: int, seq_len: int) -> TransferHeader:
+        g = self.m.geometry
+        return TransferHeader(request_id=request_id, seq_len=seq_len, num_layers=g.num_layers,
+                              kv_heads=g.kv_heads, head_dim=g.head_dim, dtype=g.dtype)
+
+    def run(self, request_id: int, token_ids: list[int], mode: str, want_digest: bool) -> PrefillResult:
+        """Prefill and ship the cache. `mode` is "layerwise" or "bulk". Raises TransferError/ValueError."""
+        ids = torch.tensor([token_ids], dtype=torch.long).to(self.m.device, non_blocking=True)  # (1, seq)
+        sender = self.link.open(self.header(request_id, len(token_ids)))
+        try:
+            sync(self.m.device)
+            t0 = time.perf_counter()
+            if mode == "layerwise":
+                cache, logits = prefill(self.m.model, ids, on_layer=sender.send_layer)
+            else:
+                cache, logits = prefill(self.m.model, ids)
+            first = logits.argmax()
+            if mode == "bulk":
+                for i, (k, v) in enumerate(cache_layers(cache)):
+                    sender.send_layer(i, k, v)
+            first_token = int(first)  # host waits for the compute stream: prefill is done
+            t_prefill = time.perf_counter()
+            sender.finish(timeout=self.send_timeout_s)
+            t_sent = time.perf_counter()
+        except BaseException as e:
+            sender.abort(f"prefill failed: {e}")
+            raise
+        digest = logits_digest(logits) if want_digest else ""
+        return PrefillResult(first_token, digest, (t_prefill - t0) * 1e3, (t_sent - t0) * 1e3, mode)
+
+    def warmup(self, tokens: int) -> None:
+        """One transfer of the real pattern so the first request pays no communicator set-up."""
+        if tokens <= 0:
+            return
+        ids = random_prompt(self.m.model.config.vocab_size, tokens).view(-1).tolist()
+        for mode in ("layerwise", "bulk"):
+            self.run(WARMUP_REQUEST_ID, ids, mode, want_digest=False)
+        log.info("warm-up transfers done (%d tokens, layerwise and bulk)", tokens)

@@ -1,0 +1,131 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MODE_AUTO: _ClassVar[Mode]
+    MODE_LAYERWISE: _ClassVar[Mode]
+    MODE_BULK: _ClassVar[Mode]
+    MODE_COLOCATED: _ClassVar[Mode]
+MODE_AUTO: Mode
+MODE_LAYERWISE: Mode
+MODE_BULK: Mode
+MODE_COLOCATED: Mode
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("token_ids", "max_new_tokens", "mode", "return_logits_digest", "return_cache_digest")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    RETURN_LOGITS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    RETURN_CACHE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_new_tokens: int
+    mode: Mode
+    return_logits_digest: bool
+    return_cache_digest: bool
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ..., return_logits_digest: _Optional[bool] = ..., return_cache_digest: _Optional[bool] = ...) -> None: ...
+
+class Timing(_message.Message):
+    __slots__ = ("prefill_ms", "cache_ready_ms", "first_token_ms", "second_token_ms", "transfer_bytes", "mode", "total_ms")
+    PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_READY_MS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_MS_FIELD_NUMBER: _ClassVar[int]
+    SECOND_TOKEN_MS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
+    prefill_ms: float
+    cache_ready_ms: float
+    first_token_ms: float
+    second_token_ms: float
+    transfer_bytes: float
+    mode: str
+    total_ms: float
+    def __init__(self, prefill_ms: _Optional[float] = ..., cache_ready_ms: _Optional[float] = ..., first_token_ms: _Optional[float] = ..., second_token_ms: _Optional[float] = ..., transfer_bytes: _Optional[float] = ..., mode: _Optional[str] = ..., total_ms: _Optional[float] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("token_id", "index", "logits_digest", "timing", "cache_digest")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    LOGITS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
+    CACHE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    index: int
+    logits_digest: str
+    timing: Timing
+    cache_digest: str
+    def __init__(self, token_id: _Optional[int] = ..., index: _Optional[int] = ..., logits_digest: _Optional[str] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., cache_digest: _Optional[str] = ...) -> None: ...
+
+class Compat(_message.Message):
+    __slots__ = ("model", "dtype", "weights_fingerprint", "geometry_digest", "num_layers", "kv_heads", "head_dim", "layout", "protocol_version", "deterministic")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    GEOMETRY_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DETERMINISTIC_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    dtype: str
+    weights_fingerprint: str
+    geometry_digest: str
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    layout: str
+    protocol_version: int
+    deterministic: bool
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., weights_fingerprint: _Optional[str] = ..., geometry_digest: _Optional[str] = ..., num_layers: _Optional[int] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., layout: _Optional[str] = ..., protocol_version: _Optional[int] = ..., deterministic: _Optional[bool] = ...) -> None: ...
+
+class HandshakeRequest(_message.Message):
+    __slots__ = ("compat", "transport")
+    COMPAT_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    compat: Compat
+    transport: str
+    def __init__(self, compat: _Optional[_Union[Compat, _Mapping]] = ..., transport: _Optional[str] = ...) -> None: ...
+
+class HandshakeResponse(_message.Message):
+    __slots__ = ("compat", "transport")
+    COMPAT_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    compat: Compat
+    transport: str
+    def __init__(self, compat: _Optional[_Union[Compat, _Mapping]] = ..., transport: _Optional[str] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("request_id", "token_ids", "mode", "return_logits_digest")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    RETURN_LOGITS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    mode: Mode
+    return_logits_digest: bool
+    def __init__(self, request_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., mode: _Optional[_Union[Mode, str]] = ..., return_logits_digest: _Optional[bool] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("first_token", "first_logits_digest", "prefill_ms", "send_done_ms", "mode")
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LOGITS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    SEND_DONE_MS_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    first_token: int
+    first_logits_digest: str
+    prefill_ms: float
+    send_done_ms: float
+    mode: str
+    def __init__(self, first_token: _Optional[int] = ..., first_logits_digest: _Optional[str] = ..., prefill_ms: _Optional[float] = ..., send_done_ms: _Optional[float] = ..., mode: _Optional[str] = ...) -> None: ...
