@@ -24,6 +24,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from bench.offload import OffloadConfig, run_offload, total_steps
+from bench.ttft import TtftConfig, run_ttft
+from bench.ttft import total_steps as ttft_steps
 from bench.report import json_line, print_tables, tables_for, write_outputs
 from kvtransfer.tiers import TIER_KINDS
 
@@ -59,7 +61,7 @@ def finish(args: argparse.Namespace, result: dict) -> int:
     if getattr(args, "out", None):
         result["outputs"] = write_outputs(args.out, result, tables, args.command_line)
     if not result["ok"]:
-        console.print("VERIFICATION FAILED: a reloaded cache differs from the original (see the tables)")
+        console.print("VERIFICATION FAILED: a moved or reloaded cache differs from the original (see the tables)")
     sys.stdout.write(json_line(result) + "\n")
     sys.stdout.flush()
     return 0 if result["ok"] else 1
@@ -84,10 +86,51 @@ def cmd_offload(args: argparse.Namespace) -> int:
     return run_offload_cmd(args, cfg)
 
 
+def run_ttft_cmd(args: argparse.Namespace, cfg: TtftConfig) -> int:
+    return finish(args, with_progress(ttft_steps(cfg), lambda step: run_ttft(cfg, step)))
+
+
+def cmd_ttft(args: argparse.Namespace) -> int:
+    cuda = torch.cuda.is_available()
+    try:
+        cfg = TtftConfig(model=args.model, dtype=args.dtype or ("bfloat16" if cuda else "float32"),
+                         lengths=tuple(args.lengths), modes=tuple(args.modes), runs=args.runs, warmup=args.warmup,
+                         decode_tokens=args.decode_tokens,
+                         prefill_device=args.prefill_device or ("cuda:0" if cuda else "cpu"),
+                         decode_device=args.decode_device or ("cuda:1" if cuda else "cpu"),
+                         layers_per_message=args.layers_per_message, verify=args.verify, log_dir=args.log_dir)
+    except ValueError as e:
+        args.parser.error(str(e))
+    return run_ttft_cmd(args, cfg)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
-    cfg = OffloadConfig(models=("tiny",), lengths=(64, 256), dtype="float32", device="cpu",
-                        runs=5, warmup=1, decode_tokens=8, link_bytes=16 << 20)
-    return run_offload_cmd(args, cfg)
+    """The disaggregated pair on CPU (gloo) beside colocated, tiny preset: the product in one minute."""
+    cfg = TtftConfig(model="tiny", dtype="float32", lengths=(64, 1024), runs=5, warmup=2, decode_tokens=8,
+                     prefill_device="cpu", decode_device="cpu")
+    return run_ttft_cmd(args, cfg)
+
+
+def register_ttft(sub) -> None:
+    p = sub.add_parser("ttft", help="TTFT overhead: colocated vs disaggregated (layer-wise and bulk), verified",
+                       description="Starts a colocated decode server and a prefill/decode pair as real processes; "
+                                   "per prompt length reports TTFT, overhead, prefill slowdown and 2nd-token time; "
+                                   "checks cache, tokens and logits equal in a separate deterministic pass.")
+    p.add_argument("--model", default="tiny", help="preset or local dir (default tiny)")
+    p.add_argument("--lengths", type=ints, default=[64, 512], help="comma list of prompt lengths")
+    p.add_argument("--modes", type=csv, default=["layerwise", "bulk"], help="layerwise,bulk")
+    p.add_argument("--dtype", help="default bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--prefill-device", help="default cuda:0 (cpu without CUDA)")
+    p.add_argument("--decode-device", help="default cuda:1 (cpu without CUDA)")
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--decode-tokens", type=int, default=4, help=">= 2 (the second token is a decode step)")
+    p.add_argument("--layers-per-message", type=int, default=1)
+    p.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
+                   help="deterministic pass checking cache, tokens and logits (default on)")
+    p.add_argument("--log-dir", help="server logs here (default a temp dir)")
+    p.add_argument("--out", help="write result.json and report.md in this directory")
+    p.set_defaults(run=cmd_ttft, parser=p)
 
 
 def register_offload(sub) -> None:
@@ -111,12 +154,12 @@ def register_offload(sub) -> None:
 
 
 def register_demo(sub) -> None:
-    p = sub.add_parser("demo", help="the offload table for the tiny preset on CPU (seconds)")
+    p = sub.add_parser("demo", help="the disaggregated pair on CPU (gloo) beside colocated, tiny preset")
     p.add_argument("--out", help="write result.json and report.md in this directory")
     p.set_defaults(run=cmd_demo, parser=p)
 
 
-REGISTRY: list[Callable] = [register_offload, register_demo]
+REGISTRY: list[Callable] = [register_offload, register_ttft, register_demo]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -80,7 +80,32 @@ def offload_tables(result: dict) -> list[Table]:
     return [recompute, tiers, raw]
 
 
-BUILDERS: dict[str, Callable[[dict], list[Table]]] = {"offload": offload_tables}
+def ttft_tables(result: dict) -> list[Table]:
+    cfg = result["config"]
+    t = Table(f"TTFT: colocated vs disaggregated -- {cfg['model']} {cfg['dtype']}, prefill on {cfg['prefill_device']}, "
+              f"decode on {cfg['decode_device']}, median [min-max] of {cfg['runs']} after {cfg['warmup']} warm-up",
+              ["tokens", "mode", "cache MiB", "TTFT colo ms", "TTFT disagg ms", "overhead ms", "overhead %",
+               "prefill colo ms", "prefill disagg ms", "prefill slowdown %", "2nd token disagg ms", "verified"])
+    for r in result["rows"]:
+        verified = ("cache+tokens+logits equal" if r.get("cache_equal") and r.get("tokens_equal")
+                    and r.get("logits_equal") else "NOT EQUAL" if "cache_equal" in r else "not checked")
+        t.rows.append([str(r["length"]), r["mode"], num(r["cache_bytes"] / 2**20), spread(r["ttft_colo"]),
+                       spread(r["ttft_disagg"]), num(r["overhead_ms"]), num(r["overhead_pct"]),
+                       spread(r["prefill_colo"]), spread(r["prefill_disagg"]), num(r["prefill_slowdown_pct"]),
+                       spread(r["second_token_disagg"]), verified])
+    t.notes = ["TTFT colo: request in -> first token on one device. TTFT disagg: request in -> the decode worker "
+               "holds the whole cache and the first token. verified: a separate deterministic run, cache digest, "
+               "tokens and every step's logits digest equal to colocated."]
+    tables = [t]
+    if result.get("links"):
+        lt = Table("Raw link in the same run", ["link", "pattern", "ms", "GB/s"])
+        for name, v in result["links"].items():
+            lt.rows.append([name, v.get("pattern", ""), spread(v), num(v.get("gbps"))])
+        tables.append(lt)
+    return tables
+
+
+BUILDERS: dict[str, Callable[[dict], list[Table]]] = {"offload": offload_tables, "ttft": ttft_tables}
 
 
 def tables_for(result: dict) -> list[Table]:

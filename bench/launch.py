@@ -1,0 +1,118 @@
+"""Start kvtransfer servers as real processes: a prefill/decode pair, or a colocated decode server.
+
+Why processes: the bench measures what a user runs (two servers, a process group, gRPC
+between them), not an in-process shortcut; the tests start servers the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Running:
+    addr: str
+    procs: list = field(default_factory=list)
+    logs: list = field(default_factory=list)
+
+    def log_text(self, tail: int = 4000) -> str:
+        out = []
+        for path in self.logs:
+            with open(path) as f:
+                out.append(f"--- {os.path.basename(path)}\n{f.read()[-tail:]}")
+        return "\n".join(out)
+
+
+def spawn(module: str, args: list[str], log_path: str, env: dict | None = None) -> subprocess.Popen:
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONUNBUFFERED"] = "1"
+    with open(log_path, "w") as f:
+        return subprocess.Popen([sys.executable, "-m", module, *args], stdout=f, stderr=subprocess.STDOUT,
+                                env=env, cwd=ROOT)
+
+
+def wait_serving(addr: str, procs, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(addr) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while time.monotonic() < deadline:
+            if any(p.poll() is not None for p in procs):
+                raise RuntimeError("a server process exited during start-up")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == \
+                        health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                time.sleep(0.2)
+    raise TimeoutError(f"{addr} not serving after {timeout} s")
+
+
+def stop(procs) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+@contextmanager
+def _running(run: Running, wait: bool):
+    try:
+        if wait:
+            try:
+                wait_serving(run.addr, run.procs)
+            except (RuntimeError, TimeoutError) as e:
+                raise RuntimeError(f"{e}\n{run.log_text()}") from None
+        yield run
+    finally:
+        stop(run.procs)
+
+
+@contextmanager
+def server_pair(log_dir: str | None = None, model="tiny", dtype="float32", prefill_device="auto",
+                decode_device="auto", prefill_args=(), decode_args=(), common_args=(), wait=True):
+    """Prefill (rank 0) and decode (rank 1) joined by a process group on a free loopback port."""
+    log_dir = log_dir or tempfile.mkdtemp(prefix="kvt-logs-")
+    dist = f"tcp://127.0.0.1:{free_port()}"
+    p_addr, d_addr = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    common = ["--model", model, "--dtype", dtype, "--dist-init", dist, *common_args]
+    run = Running(d_addr, logs=[os.path.join(log_dir, "prefill.log"), os.path.join(log_dir, "decode.log")])
+    run.procs.append(spawn("prefill_server", [*common, "--device", prefill_device, "--listen", p_addr,
+                                              *prefill_args], run.logs[0]))
+    run.procs.append(spawn("decode_server", [*common, "--device", decode_device, "--listen", d_addr,
+                                             "--prefill-addr", p_addr, *decode_args], run.logs[1]))
+    with _running(run, wait) as r:
+        yield r
+
+
+@contextmanager
+def colocated_server(log_dir: str | None = None, model="tiny", dtype="float32", device="auto", args=()):
+    log_dir = log_dir or tempfile.mkdtemp(prefix="kvt-logs-")
+    addr = f"127.0.0.1:{free_port()}"
+    run = Running(addr, logs=[os.path.join(log_dir, "colocated.log")])
+    run.procs.append(spawn("decode_server", ["--colocated", "--model", model, "--dtype", dtype, "--device", device,
+                                             "--listen", addr, *args], run.logs[0]))
+    with _running(run, True) as r:
+        yield r

@@ -1,0 +1,134 @@
+"""TTFT overhead of disaggregation: colocated vs prefill/decode pair, layer-wise and bulk.
+
+Why two phases: on GPU, logits are only run-to-run identical in deterministic mode, which
+is slower. So equality (cache digest, tokens, every step's logits) is checked in a
+deterministic pass, and times come from a separate default-mode pass (DESIGN.md: never
+mix the two in one figure). All times are the servers' own (request in -> event), so
+the colocated and disaggregated figures are measured the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+from decode_server.client import generate
+from kvtransfer.geometry import CacheGeometry
+from kvtransfer.models import ModelSpec, load_config
+from kvtransfer.reference import random_prompt
+
+from .launch import colocated_server, server_pair
+
+Step = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class TtftConfig:
+    model: str = "tiny"
+    dtype: str = "float32"
+    lengths: tuple[int, ...] = (64, 512)
+    modes: tuple[str, ...] = ("layerwise", "bulk")
+    runs: int = 5
+    warmup: int = 2
+    decode_tokens: int = 4            # >= 2: the second token is the first decode step
+    prefill_device: str = "auto"
+    decode_device: str = "auto"
+    layers_per_message: int = 1
+    verify: bool = True
+    log_dir: str | None = None
+
+    def __post_init__(self):
+        ModelSpec(self.model, self.dtype)
+        if self.runs < 1 or self.warmup < 0 or self.decode_tokens < 2:
+            raise ValueError("runs >= 1, warmup >= 0 and decode_tokens >= 2")
+        if not set(self.modes) <= {"layerwise", "bulk"}:
+            raise ValueError(f"modes must be layerwise and/or bulk, got {self.modes}")
+        ctx = load_config(self.model).max_position_embeddings
+        if max(self.lengths) + self.decode_tokens > ctx:
+            raise ValueError(f"lengths must leave room for {self.decode_tokens} tokens in the context of {ctx}")
+
+
+def median_of(samples: list[dict], key: str) -> float:
+    return statistics.median(s[key] for s in samples)
+
+
+def stats(samples: list[dict], key: str) -> dict:
+    xs = [s[key] for s in samples]
+    return {"median_ms": statistics.median(xs), "min_ms": min(xs), "max_ms": max(xs), "n": len(xs)}
+
+
+async def _calls(addr: str, ids: list[int], n: int, mode: str, count: int, digest: bool) -> list[dict]:
+    return [await generate(addr, ids, n, mode, digest=digest, cache_digest=digest, timeout=600) for _ in range(count)]
+
+
+def _timed(addr: str, ids, cfg: TtftConfig, mode: str) -> list[dict]:
+    out = asyncio.run(_calls(addr, ids, cfg.decode_tokens, mode, cfg.warmup + cfg.runs, False))[cfg.warmup:]
+    return [dict(o["timing"], tokens=o["tokens"]) for o in out]
+
+
+def verify_pass(cfg: TtftConfig, prompts: dict[int, list[int]], step: Step) -> dict:
+    """Deterministic servers: every length and mode byte-equal cache, identical tokens and logits."""
+    det = ["--deterministic"]
+    ref = {}
+    with colocated_server(cfg.log_dir, cfg.model, cfg.dtype, cfg.decode_device, det) as colo:
+        for n, ids in prompts.items():
+            ref[n] = asyncio.run(_calls(colo.addr, ids, cfg.decode_tokens, "colocated", 1, True))[0]
+            step(f"verify colocated {n}")
+    checks = {}
+    with server_pair(cfg.log_dir, cfg.model, cfg.dtype, cfg.prefill_device, cfg.decode_device,
+                     prefill_args=["--layers-per-message", str(cfg.layers_per_message)], common_args=det) as pair:
+        for n, ids in prompts.items():
+            for mode in cfg.modes:
+                got = asyncio.run(_calls(pair.addr, ids, cfg.decode_tokens, mode, 1, True))[0]
+                checks[f"{n}/{mode}"] = {
+                    "cache_equal": got["cache_digest"] == ref[n]["cache_digest"],
+                    "tokens_equal": got["tokens"] == ref[n]["tokens"],
+                    "logits_equal": got["logits_digests"] == ref[n]["logits_digests"]}
+                step(f"verify {mode} {n}")
+    return checks
+
+
+def run_ttft(cfg: TtftConfig, step: Step = lambda _: None) -> dict:
+    config = load_config(cfg.model)
+    geom = CacheGeometry.from_config(config, ModelSpec(cfg.model, cfg.dtype).torch_dtype)
+    prompts = {n: random_prompt(config.vocab_size, n, seed=n).view(-1).tolist() for n in cfg.lengths}
+    checks = verify_pass(cfg, prompts, step) if cfg.verify else {}
+    colo = {}
+    with colocated_server(cfg.log_dir, cfg.model, cfg.dtype, cfg.decode_device) as srv:
+        for n, ids in prompts.items():
+            colo[n] = _timed(srv.addr, ids, cfg, "colocated")
+            step(f"colocated {n}")
+    disagg = {}
+    with server_pair(cfg.log_dir, cfg.model, cfg.dtype, cfg.prefill_device, cfg.decode_device,
+                     prefill_args=["--layers-per-message", str(cfg.layers_per_message)]) as pair:
+        for n, ids in prompts.items():
+            for mode in cfg.modes:
+                disagg[(n, mode)] = _timed(pair.addr, ids, cfg, mode)
+                step(f"{mode} {n}")
+    rows = []
+    for n in cfg.lengths:
+        c = colo[n]
+        ttft_colo = median_of(c, "first_token_ms")
+        for mode in cfg.modes:
+            d = disagg[(n, mode)]
+            ttft = median_of(d, "cache_ready_ms")
+            rows.append({
+                "length": n, "mode": mode, "cache_bytes": geom.cache_bytes(n),
+                "ttft_colo": stats(c, "first_token_ms"), "ttft_disagg": stats(d, "cache_ready_ms"),
+                "overhead_ms": ttft - ttft_colo, "overhead_pct": 100 * (ttft - ttft_colo) / ttft_colo,
+                "prefill_colo": stats(c, "prefill_ms"), "prefill_disagg": stats(d, "prefill_ms"),
+                "prefill_slowdown_pct": 100 * (median_of(d, "prefill_ms") / median_of(c, "prefill_ms") - 1),
+                "second_token_colo": stats(c, "second_token_ms"), "second_token_disagg": stats(d, "second_token_ms"),
+                "tokens_equal_timed": all(x["tokens"] == c[0]["tokens"] for x in d),
+                **checks.get(f"{n}/{mode}", {}),
+            })
+    ok = all(all(v.values()) for v in checks.values()) if cfg.verify else True
+    return {"kind": "ttft", "ok": ok, "config": asdict(cfg), "bytes_per_token": geom.bytes_per_token,
+            "verified": cfg.verify, "rows": rows}
+
+
+def total_steps(cfg: TtftConfig) -> int:
+    n, m = len(cfg.lengths), len(cfg.modes)
+    return (n + n * m) * (2 if cfg.verify else 1)
