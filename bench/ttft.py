@@ -20,6 +20,7 @@ from kvtransfer.models import ModelSpec, load_config
 from kvtransfer.reference import random_prompt
 
 from .launch import colocated_server, server_pair
+from .p2p import cache_patterns, measure_p2p
 
 Step = Callable[[str], None]
 
@@ -125,10 +126,13 @@ def run_ttft(cfg: TtftConfig, step: Step = lambda _: None) -> dict:
                 **checks.get(f"{n}/{mode}", {}),
             })
     ok = all(all(v.values()) for v in checks.values()) if cfg.verify else True
+    links = measure_p2p((cfg.prefill_device, cfg.decode_device),
+                        cache_patterns(geom.cache_bytes(max(cfg.lengths)), geom.num_layers), cfg.runs, cfg.warmup)
+    step("raw p2p link")
     return {"kind": "ttft", "ok": ok, "config": asdict(cfg), "bytes_per_token": geom.bytes_per_token,
-            "verified": cfg.verify, "rows": rows}
+            "verified": cfg.verify, "rows": rows, "links": links}
 
 
 def total_steps(cfg: TtftConfig) -> int:
     n, m = len(cfg.lengths), len(cfg.modes)
-    return (n + n * m) * (2 if cfg.verify else 1)
+    return (n + n * m) * (2 if cfg.verify else 1) + 1
