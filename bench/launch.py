@@ -41,12 +41,14 @@ class Running:
         return "\n".join(out)
 
 
-def spawn(module: str, args: list[str], log_path: str, env: dict | None = None) -> subprocess.Popen:
+def spawn(module: str, args: list[str], log_path: str, env: dict | None = None, prefix: tuple = ()
+          ) -> subprocess.Popen:
+    """`python -m module args` (after `prefix`, e.g. `ip netns exec NS`), output to `log_path`."""
     env = dict(os.environ if env is None else env)
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env["PYTHONUNBUFFERED"] = "1"
     with open(log_path, "w") as f:
-        return subprocess.Popen([sys.executable, "-m", module, *args], stdout=f, stderr=subprocess.STDOUT,
+        return subprocess.Popen([*prefix, sys.executable, "-m", module, *args], stdout=f, stderr=subprocess.STDOUT,
                                 env=env, cwd=ROOT)
 
 

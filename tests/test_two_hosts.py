@@ -1,0 +1,52 @@
+"""Prefill on one host, decode on another: two network namespaces joined by a veth pair."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+import netns
+from bench.launch import ROOT, free_port, spawn, stop
+from kvtransfer.models import ModelSpec, load_model
+from kvtransfer.reference import colocated_generate, random_prompt
+
+REASON = netns.unavailable_reason()
+pytestmark = [pytest.mark.netns, pytest.mark.skipif(REASON is not None, reason=f"no network namespaces: {REASON}")]
+
+
+def client(host: netns.Host, addr: str, ids: list[int], n: int) -> dict:
+    p = host.run(sys.executable, "-m", "decode_server.client", "--addr", addr, "--ids", ",".join(map(str, ids)),
+                 "--max-new-tokens", str(n), "--digest", cwd=ROOT, timeout=120,
+                 env={"PYTHONPATH": ROOT, "PATH": "/usr/bin:/bin"})
+    assert p.returncode == 0, p.stderr[-2000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_gloo_over_tcp_between_namespaces(tmp_path):
+    model = load_model(ModelSpec("tiny", "float32"))
+    ids = random_prompt(model.config.vocab_size, 57, seed=3).view(-1).tolist()
+    want, _ = colocated_generate(model, torch.tensor([ids]), 6)
+    with netns.two_hosts() as (a, b):
+        dist = f"tcp://{a.addr}:{free_port()}"
+        common = ["--model", "tiny", "--dtype", "float32", "--dist-init", dist]
+        logs = [str(tmp_path / "prefill.log"), str(tmp_path / "decode.log")]
+        procs = [
+            spawn("prefill_server", [*common, "--listen", f"{a.addr}:50061"], logs[0],
+                  env=dict(os.environ, GLOO_SOCKET_IFNAME=a.ifname), prefix=a.prefix),
+            spawn("decode_server", [*common, "--listen", f"{b.addr}:50051", "--prefill-addr", f"{a.addr}:50061"],
+                  logs[1], env=dict(os.environ, GLOO_SOCKET_IFNAME=b.ifname), prefix=b.prefix),
+        ]
+        try:
+            netns.wait_for_line(logs[1], "decode server ready", procs)
+            for mode_ids in (ids, ids[:5]):
+                got = client(b, f"{b.addr}:50051", mode_ids, 6)
+                ref, _ = colocated_generate(model, torch.tensor([mode_ids]), 6)
+                assert got["tokens"] == ref.tokens
+                assert got["logits_digests"] == ref.logits_digests()
+            assert want.tokens == client(b, f"{b.addr}:50051", ids, 6)["tokens"]
+        finally:
+            stop(procs)
