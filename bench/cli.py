@@ -3,13 +3,16 @@
 Why this shape: every subcommand is registered by one small function (`register_*` in
 `REGISTRY`) that adds its parser and sets `run=`; running a subcommand returns a plain
 result dict, and `finish` does the rest the same way for all of them: rich tables,
-result.json + report.md under --out, and the whole result as ONE JSON object on the
-last stdout line. The exit status is non-zero when any verification failed.
+result.json + charts (PNG) + report.md under --out, and the whole result as ONE JSON
+object on the last stdout line. The exit status is non-zero when a check failed: the
+result's `ok` is False and its `failures` (if any) say why.
 
-To add a subcommand (ttft, link, serve): write `register_x(sub)` that calls
-`sub.add_parser("x")`, adds options and `set_defaults(run=cmd_x)`, where
-`cmd_x(args) -> int` builds the result and returns `finish(args, result, steps-or-None)`;
-append `register_x` to REGISTRY and a table builder to `bench.report.BUILDERS`.
+Subcommands: offload, ttft, demo, link (raw link speeds), serve (load on a running server).
+To add one: write `register_x(sub)` that calls `sub.add_parser("x")`, adds options and
+`set_defaults(run=cmd_x, parser=p)`, where `cmd_x(args) -> int` builds the config (a
+frozen dataclass whose ValueError becomes a usage error), runs it under `with_progress`
+and returns `finish(args, result)`; append `register_x` to REGISTRY, a table builder to
+`bench.report.BUILDERS` and, optionally, a chart to `bench.plots.PLOTTERS`.
 """
 
 from __future__ import annotations
@@ -18,11 +21,13 @@ import argparse
 import shlex
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from bench import link, serve
 from bench.offload import OffloadConfig, run_offload, total_steps
 from bench.ttft import TtftConfig, run_ttft
 from bench.ttft import total_steps as ttft_steps
@@ -61,7 +66,8 @@ def finish(args: argparse.Namespace, result: dict) -> int:
     if getattr(args, "out", None):
         result["outputs"] = write_outputs(args.out, result, tables, args.command_line)
     if not result["ok"]:
-        console.print("VERIFICATION FAILED: a moved or reloaded cache differs from the original (see the tables)")
+        why = "; ".join(result.get("failures", [])) or "a moved or reloaded cache differs from the original"
+        console.print(f"CHECK FAILED: {why} (see the tables)", markup=False)
     sys.stdout.write(json_line(result) + "\n")
     sys.stdout.flush()
     return 0 if result["ok"] else 1
@@ -159,7 +165,73 @@ def register_demo(sub) -> None:
     p.set_defaults(run=cmd_demo, parser=p)
 
 
-REGISTRY: list[Callable] = [register_offload, register_ttft, register_demo]
+def cmd_link(args: argparse.Namespace) -> int:
+    try:
+        cfg = link.LinkConfig(bytes=args.bytes, model=args.model, length=args.length, dtype=args.dtype,
+                              layers=args.layers, runs=args.runs, warmup=args.warmup, channels=args.channels,
+                              chunk_bytes=args.chunk, disk_dir=args.disk_dir, probes=tuple(args.probes))
+    except ValueError as e:
+        args.parser.error(str(e))
+    return finish(args, with_progress(link.total_steps(cfg), lambda step: link.run_link(cfg, step)))
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        cfg = serve.ServeConfig(addr=args.addr, num_prompts=args.num_prompts, concurrency=args.concurrency,
+                                request_rate=args.request_rate, input_len=args.input_len,
+                                input_len_range=args.input_len_range, output_len=args.output_len,
+                                vocab_size=args.vocab_size, model=args.model, mode=args.mode, warmup=args.warmup,
+                                seed=args.seed, timeout_s=args.timeout, max_duration_s=args.max_duration)
+        token = args.auth_token or (Path(args.auth_token_file).read_text().strip() if args.auth_token_file else "")
+    except (ValueError, OSError) as e:
+        args.parser.error(str(e))
+    meta = (("authorization", f"Bearer {token}"),) if token else None
+    return finish(args, with_progress(serve.total_steps(cfg), lambda step: serve.run_serve(cfg, step, meta)))
+
+
+def register_link(sub) -> None:
+    p = sub.add_parser("link", help="raw link speeds in one run: p2p, peer copy, H2D/D2H, socket, gRPC, disk",
+                       description=link.__doc__.split("\n\n")[1].replace("\n", " "))
+    p.add_argument("--bytes", type=link.size,
+                   help="whole-cache size, e.g. 1.75GiB (default: --model's cache at --length)")
+    p.add_argument("--model", default="qwen2.5-7b", help="preset or local dir: cache size and layer count")
+    p.add_argument("--length", type=int, default=4096, help="tokens of the cache (default 4096)")
+    p.add_argument("--dtype", default="bfloat16", help="cache dtype for the size (default bfloat16)")
+    p.add_argument("--layers", type=int, help="messages of the per-layer p2p pattern (default: the model's)")
+    p.add_argument("--runs", type=int, default=5, help="timed runs per figure, >= 5 (median reported)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--channels", type=int, default=1, help="loopback connections (socket, gRPC, gRPC transport)")
+    p.add_argument("--chunk", type=link.size, default=4 << 20, help="gRPC message size (default 4MiB)")
+    p.add_argument("--probes", type=csv, default=list(link.PROBES), help=f"subset of {','.join(link.PROBES)}")
+    p.add_argument("--disk-dir", help="directory for the disk file (default: a fresh temp dir)")
+    p.add_argument("--out", help="write result.json, report.md and links.png in this directory")
+    p.set_defaults(run=cmd_link, parser=p)
+
+
+def register_serve(sub) -> None:
+    p = sub.add_parser("serve", help="load against a running decode server (vllm bench serve metrics)",
+                       description=serve.__doc__.split("\n\n")[1].replace("\n", " "))
+    p.add_argument("--addr", default="127.0.0.1:50051", help="the decode server (loopback only)")
+    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--concurrency", type=int, help="most requests in flight (default: no limit)")
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals/s (default inf)")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--input-len-range", type=float, default=0.0, help="r: lengths uniform in len*[1-r, 1+r]")
+    p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--vocab-size", type=int, help="token ids uniform in [0, vocab) (or give --model)")
+    p.add_argument("--model", help="preset or local dir whose vocabulary the server uses")
+    p.add_argument("--mode", default="auto", help="auto, layerwise, bulk or colocated")
+    p.add_argument("--warmup", type=int, default=1, help="requests before the clock starts")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=120.0, help="per request, s")
+    p.add_argument("--max-duration", type=float, default=600.0, help="whole run, s; later requests are not sent")
+    p.add_argument("--auth-token", help="bearer token, when the server requires one")
+    p.add_argument("--auth-token-file")
+    p.add_argument("--out", help="write result.json and report.md in this directory")
+    p.set_defaults(run=cmd_serve, parser=p)
+
+
+REGISTRY: list[Callable] = [register_offload, register_ttft, register_demo, register_link, register_serve]
 
 
 def build_parser() -> argparse.ArgumentParser:

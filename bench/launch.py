@@ -16,7 +16,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -53,6 +52,7 @@ def spawn(module: str, args: list[str], log_path: str, env: dict | None = None, 
 
 
 def wait_serving(addr: str, procs, timeout: float = 300.0) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc  # only to start servers (bench link needs none)
     deadline = time.monotonic() + timeout
     with grpc.insecure_channel(addr) as ch:
         stub = health_pb2_grpc.HealthStub(ch)

@@ -170,24 +170,25 @@ def bench_length(name: str, model, geom: CacheGeometry, length: int, cfg: Offloa
     return row
 
 
-def measure_links(cfg: OffloadConfig, nbytes: int, directory: str) -> dict:
-    """Raw copies of `nbytes` in the same run: device clone, pinned/pageable D2H and H2D, file write/read."""
-    device = torch.device(cfg.device)
+def measure_links(device: str, nbytes: int, directory: str, runs: int, warmup: int,
+                  peer_device: str | None = None) -> dict:
+    """Raw copies of `nbytes` in the same run: device clone, pinned/pageable D2H and H2D (on CPU the
+    pageable pair is a host memcpy, as the pageable tier is there), peer copy, file write/read."""
+    device = torch.device(device)
     src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     host = torch.empty(nbytes, dtype=torch.uint8)
+    host.copy_(src)  # the file ops write these bytes
     ops: dict[str, Callable[[], object]] = {"device_clone": lambda: dst.copy_(src)}
     if device.type == "cuda":
         pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         ops |= {"d2h_pinned": lambda: pinned.copy_(src, non_blocking=True),
-                "h2d_pinned": lambda: dst.copy_(pinned, non_blocking=True),
-                "d2h_pageable": lambda: host.copy_(src), "h2d_pageable": lambda: dst.copy_(host)}
-        if cfg.peer_device is not None:
-            peer = torch.empty(nbytes, dtype=torch.uint8, device=cfg.peer_device)
-            ops["device_to_peer"] = lambda: peer.copy_(src, non_blocking=True)
-    else:
-        host.copy_(src)
-    devices = [device] + ([torch.device(cfg.peer_device)] if cfg.peer_device else [])
+                "h2d_pinned": lambda: dst.copy_(pinned, non_blocking=True)}
+    ops |= {"d2h_pageable": lambda: host.copy_(src), "h2d_pageable": lambda: dst.copy_(host)}
+    if peer_device is not None:
+        peer = torch.empty(nbytes, dtype=torch.uint8, device=peer_device)
+        ops["device_to_peer"] = lambda: peer.copy_(src, non_blocking=True)
+    devices = [device] + ([torch.device(peer_device)] if peer_device else [])
     path = os.path.join(directory, f"kvlink-{os.getpid()}.bin")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     mv, caches = memoryview(host.numpy()), []
@@ -198,9 +199,9 @@ def measure_links(cfg: OffloadConfig, nbytes: int, directory: str) -> dict:
     try:
         for name, fn in ops.items():
             before = (lambda: caches.append(drop_page_cache(fd, nbytes))) if name == "file_read" else None
-            secs = [timed(fn, devices, before)[0] for _ in range(cfg.warmup + cfg.runs)][cfg.warmup:]
+            secs = [timed(fn, devices, before)[0] for _ in range(warmup + runs)][warmup:]
             out[name] = stats(secs) | dict(gbps=gbps(nbytes, statistics.median(secs) * 1e3))
-        out["file_read"]["cold"] = all(c["cold"] for c in caches[cfg.warmup:])
+        out["file_read"]["cold"] = all(c["cold"] for c in caches[warmup:])
     finally:
         os.close(fd)
         os.unlink(path)
@@ -240,7 +241,8 @@ def run_offload(cfg: OffloadConfig, step: Step = lambda _: None) -> dict:
             del model
             if torch.device(cfg.device).type == "cuda":
                 torch.cuda.empty_cache()
-        links = measure_links(cfg, cfg.link_bytes or max(largest, 64 << 20), directory)
+        links = measure_links(cfg.device, cfg.link_bytes or max(largest, 64 << 20), directory, cfg.runs,
+                              cfg.warmup, cfg.peer_device)
         step("raw links")
         fs = filesystem(directory)
     checks = [t[k] for r in rows for t in r["tiers"].values() if t["available"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -105,7 +106,48 @@ def ttft_tables(result: dict) -> list[Table]:
     return tables
 
 
-BUILDERS: dict[str, Callable[[dict], list[Table]]] = {"offload": offload_tables, "ttft": ttft_tables}
+def link_tables(result: dict) -> list[Table]:
+    cfg, env = result["config"], result["env"]
+    t = Table(f"Raw links -- {num(result['bytes'] / 2**20)} MiB per transfer ({result['layers']} layers of "
+              f"{num(result['layer_bytes'] / 2**20)} MiB), {env['device_name']}, median [min-max] of {cfg['runs']} "
+              f"after {cfg['warmup']} warm-up", ["link", "ms", "GB/s", "detail"])
+    for name, v in result["links"].items():
+        if not v["available"]:
+            t.rows.append([name, "FAILED" if "error" in v else "skipped", "", v.get("error") or v["skip_reason"]])
+            continue
+        detail = [v.get("backend"), v.get("between"), v.get("pattern"), v.get("note"), v.get("source"),
+                  f"{v['channels']} connection(s)" if "channels" in v else None]
+        t.rows.append([name, spread(v), num(v["gbps"]), ", ".join(str(d) for d in detail if d)])
+    t.notes.append("GB/s = bytes / median time, 1e9 bytes per GB; every timer read after a device sync.")
+    return [t]
+
+
+def serve_tables(result: dict) -> list[Table]:
+    cfg = result["config"]
+    rate = result["request_rate"]
+    head = Table(f"Serving benchmark -- {cfg['addr']}, {cfg['num_prompts']} prompts, input {cfg['input_len']} "
+                 f"(range {cfg['input_len_range']}), output {cfg['output_len']}, mode {cfg['mode']}",
+                 ["metric", "value"])
+    head.rows = [["max concurrency", str(result["max_concurrency"] or "unlimited")],
+                 ["request rate (req/s)", f"{rate} (Poisson)" if rate != "inf" else "inf (all at once)"],
+                 ["completed", str(result["completed"])],
+                 ["failed", f"{result['failed']} {result['failed_by_code'] or ''}".strip()],
+                 ["not sent (time budget)", str(result["not_sent"])], ["duration (s)", num(result["duration"])],
+                 ["total input tokens", str(result["total_input_tokens"])],
+                 ["total generated tokens", str(result["total_output_tokens"])],
+                 ["request throughput (req/s)", num(result["request_throughput"])],
+                 ["output token throughput (tok/s)", num(result["output_throughput"])],
+                 ["total token throughput (tok/s)", num(result["total_token_throughput"])]]
+    lat = Table("Latency (ms)", ["metric", "mean", "median", "std", "p90", "p99"])
+    for m, label in (("ttft", "TTFT"), ("tpot", "TPOT (excl. 1st token)"), ("itl", "ITL"), ("e2el", "E2EL")):
+        lat.rows.append([label] + [num(result[f"{k}_{m}_ms"]) for k in ("mean", "median", "std", "p90", "p99")])
+    lat.notes.append("Names and definitions as `vllm bench serve`: tpot = (e2el - ttft) / (tokens - 1) per request; "
+                     "itl = every gap between two tokens; times from the client, request sent -> token received.")
+    return [head, lat]
+
+
+BUILDERS: dict[str, Callable[[dict], list[Table]]] = {"offload": offload_tables, "ttft": ttft_tables,
+                                                      "link": link_tables, "serve": serve_tables}
 
 
 def tables_for(result: dict) -> list[Table]:
@@ -124,7 +166,9 @@ def print_tables(tables: list[Table], console: Console) -> None:
         console.print(rt)
 
 
-def markdown(tables: list[Table], title: str, command: str | None = None) -> str:
+def markdown(tables: list[Table], title: str, command: str | None = None,
+             images: list[tuple[str, str]] = ()) -> str:
+    """Tables as Markdown; `images` (title, relative path) are embedded after them."""
     lines = [f"# {title}", ""]
     if command:
         lines += ["Produced by:", "", "```", command, "```", ""]
@@ -133,6 +177,8 @@ def markdown(tables: list[Table], title: str, command: str | None = None) -> str
                   "| " + " | ".join("---" for _ in t.headers) + " |"]
         lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in t.rows]
         lines += [""] + [f"{n}  " for n in t.notes] + [""]
+    for alt, path in images:
+        lines += [f"## {alt}", "", f"![{alt}]({path})", ""]
     return "\n".join(lines)
 
 
@@ -141,13 +187,20 @@ def json_line(result: dict) -> str:
     return json.dumps(result, separators=(",", ":"), allow_nan=False)
 
 
-def write_outputs(out_dir: str, result: dict, tables: list[Table], command: str | None) -> dict[str, str]:
-    """result.json and report.md under `out_dir` (created); returns their paths."""
+def write_outputs(out_dir: str, result: dict, tables: list[Table], command: str | None) -> dict:
+    """result.json, the kind's PNG charts (bench.plots) and report.md embedding them, under `out_dir`."""
     os.makedirs(out_dir, exist_ok=True)
     paths = dict(json=os.path.join(out_dir, "result.json"), markdown=os.path.join(out_dir, "report.md"))
     with open(paths["json"], "w") as f:
         json.dump(result, f, indent=1, allow_nan=False)
         f.write("\n")
+    from bench.plots import plots_for  # matplotlib only when files are written
+    try:
+        images = plots_for(result, out_dir)
+    except Exception as e:  # the measurement is kept; the report says the chart is missing and why
+        images, paths["plot_error"] = [], f"{type(e).__name__}: {e}"
+        print(f"warning: no charts: {paths['plot_error']}", file=sys.stderr)
+    paths["plots"] = [os.path.join(out_dir, p) for _, p in images]
     with open(paths["markdown"], "w") as f:
-        f.write(markdown(tables, f"kvtransfer bench: {result['kind']}", command))
+        f.write(markdown(tables, f"kvtransfer bench: {result['kind']}", command, images))
     return paths

@@ -1,0 +1,195 @@
+"""Load against a running decode server, reported under the names `vllm bench serve` uses.
+
+Why: `ttft` times one request at a time; a served model meets many at once. This sends
+`num_prompts` prompts of random token ids (uniform in the server's vocabulary, lengths
+uniform in input_len x [1 - r, 1 + r]) to the decode server's Generate, at most
+`concurrency` in flight and/or arriving as a Poisson process of `request_rate` per second,
+and reports ttft, tpot (time per output token after the first), itl (every gap between two
+tokens) and e2el (request latency) as mean/median/std/p90/p99 in ms, with completed,
+failed (counted by gRPC status code), duration and request/output/total token throughput:
+the keys of vLLM's result JSON (mean_ttft_ms, p99_itl_ms, request_throughput,
+output_throughput, ...), so a kvtransfer run reads beside a vLLM run.
+Bounded by design: loopback addresses only, at most MAX_PROMPTS prompts, one wall-clock
+budget after which nothing new is sent and requests in flight end at their deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import math
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import grpc
+import numpy as np
+
+from decode_server.client import MODES
+from kvtransfer.models import load_config
+from proto import kvtransfer_pb2 as pb
+from proto import kvtransfer_pb2_grpc as pbg
+
+Step = Callable[[str], None]
+MAX_PROMPTS = 100_000
+METRICS = ("ttft", "tpot", "itl", "e2el")
+PERCENTILES = (90, 99)
+
+
+def is_loopback(addr: str) -> bool:
+    host = addr.rsplit(":", 1)[0].strip("[]") if ":" in addr else addr
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    addr: str = "127.0.0.1:50051"
+    num_prompts: int = 100
+    concurrency: int | None = None     # most requests in flight (None: no limit, as vLLM's --max-concurrency)
+    request_rate: float = math.inf     # Poisson arrivals per second (inf: all at once)
+    input_len: int = 128
+    input_len_range: float = 0.0       # r: lengths uniform in [len*(1-r), len*(1+r)] (vLLM's --random-range-ratio)
+    output_len: int = 16
+    vocab_size: int | None = None      # token ids uniform in [0, vocab); None: the --model preset's vocabulary
+    model: str | None = None
+    mode: str = "auto"
+    warmup: int = 1                    # sequential requests before the clock starts (not counted)
+    seed: int = 0
+    timeout_s: float = 120.0           # per request
+    max_duration_s: float = 600.0      # the whole run
+
+    def __post_init__(self):
+        if not is_loopback(self.addr):
+            raise ValueError(f"--addr {self.addr!r}: serve only targets loopback servers (127.0.0.1, ::1, localhost)")
+        if not 1 <= self.num_prompts <= MAX_PROMPTS:
+            raise ValueError(f"num prompts must be 1..{MAX_PROMPTS}")
+        if self.concurrency is not None and self.concurrency < 1 or not self.request_rate > 0:
+            raise ValueError("concurrency must be >= 1 and request rate > 0")
+        if self.input_len < 1 or self.output_len < 1 or not 0 <= self.input_len_range < 1:
+            raise ValueError("input and output lengths must be >= 1 and the range ratio in [0, 1)")
+        if self.vocab_size is None and self.model is None:
+            raise ValueError("give --vocab-size or --model (a preset or local dir) so token ids stay in the vocabulary")
+        if (self.vocab_size or 1) < 1 or self.mode not in MODES or self.warmup < 0:
+            raise ValueError(f"vocab size >= 1, warmup >= 0, mode one of {', '.join(MODES)}")
+        if self.timeout_s <= 0 or self.max_duration_s <= 0:
+            raise ValueError("timeouts must be > 0")
+        if self.vocab_size is None:  # recorded in the result: the vocabulary the ids were drawn from
+            object.__setattr__(self, "vocab_size", load_config(self.model).vocab_size)
+
+
+def make_prompts(cfg: ServeConfig) -> list[list[int]]:
+    rng = np.random.default_rng(cfg.seed)
+    lo = max(1, math.floor(cfg.input_len * (1 - cfg.input_len_range)))
+    hi = max(lo, math.ceil(cfg.input_len * (1 + cfg.input_len_range)))
+    lens = rng.integers(lo, hi + 1, cfg.num_prompts)
+    return [rng.integers(0, cfg.vocab_size, int(n)).tolist() for n in lens]
+
+
+async def one_request(stub, ids: list[int], cfg: ServeConfig, timeout: float, metadata) -> dict:
+    """Token arrival times of one Generate stream, or its failure as a status code name."""
+    req = pb.GenerateRequest(token_ids=ids, max_new_tokens=cfg.output_len, mode=MODES[cfg.mode])
+    out = dict(input_len=len(ids), times=[], code=None, error="", mode="")
+    t0 = out["start"] = time.perf_counter()
+    try:
+        async for msg in stub.Generate(req, timeout=timeout, metadata=metadata):
+            out["times"].append(time.perf_counter() - t0)
+            if msg.HasField("timing"):
+                out["mode"] = msg.timing.mode
+    except grpc.aio.AioRpcError as e:
+        out["code"], out["error"] = e.code().name, e.details() or ""
+    if out["code"] is None and len(out["times"]) != cfg.output_len:
+        out["code"] = "INCOMPLETE"
+        out["error"] = f"stream ended after {len(out['times'])} of {cfg.output_len} tokens"
+    return out
+
+
+def summary(xs: list[float], name: str) -> dict:
+    """vLLM's keys: mean/median/std/pNN of one metric, in ms (None when nothing completed)."""
+    a = np.asarray(xs, dtype=float) * 1e3
+    out = {f"{k}_{name}_ms": (float(f(a)) if a.size else None)
+           for k, f in (("mean", np.mean), ("median", np.median), ("std", np.std))}
+    return out | {f"p{p}_{name}_ms": (float(np.percentile(a, p)) if a.size else None) for p in PERCENTILES}
+
+
+async def _run(cfg: ServeConfig, prompts: list[list[int]], step: Step, metadata) -> tuple[list[dict], float, list]:
+    async with grpc.aio.insecure_channel(cfg.addr) as channel:
+        stub = pbg.DecodeStub(channel)
+        for i in range(cfg.warmup):
+            w = await one_request(stub, prompts[0], cfg, cfg.timeout_s, metadata)
+            step(f"warm-up {i + 1}")
+            if w["code"]:
+                return [], 0.0, [f"warm-up request failed: {w['code']}: {w['error']}"]
+        rng = np.random.default_rng(cfg.seed + 1)
+        gaps = rng.exponential(1 / cfg.request_rate, len(prompts)) if math.isfinite(cfg.request_rate) else None
+        limit = asyncio.Semaphore(cfg.concurrency or len(prompts))
+        start = time.perf_counter()
+        deadline = start + cfg.max_duration_s
+
+        async def limited(ids: list[int]) -> dict | None:
+            async with limit:
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    return None  # the run's budget is spent: not sent
+                res = await one_request(stub, ids, cfg, min(cfg.timeout_s, left), metadata)
+                step(f"requests ({res['code'] or 'ok'})")
+                return res
+
+        tasks = []
+        for i, ids in enumerate(prompts):
+            if gaps is not None and i:
+                await asyncio.sleep(gaps[i])
+            if time.perf_counter() >= deadline:
+                break  # the rest are not sent
+            tasks.append(asyncio.create_task(limited(ids)))
+        results = await asyncio.gather(*tasks)
+        return results, time.perf_counter() - start, []
+
+
+def run_serve(cfg: ServeConfig, step: Step = lambda _: None, metadata=None) -> dict:
+    """`metadata`: call metadata such as the bearer token (kept out of the result)."""
+    prompts = make_prompts(cfg)
+    try:
+        import uvloop
+        runner = asyncio.Runner(loop_factory=uvloop.new_event_loop)
+    except ImportError:
+        runner = asyncio.Runner()
+    with runner:
+        results, duration, failures = runner.run(_run(cfg, prompts, step, metadata))
+    sent = [r for r in results if r is not None]
+    done = [r for r in sent if r["code"] is None]
+    codes = Counter(r["code"] for r in sent if r["code"])
+    t_in = sum(r["input_len"] for r in done)
+    t_out = sum(len(r["times"]) for r in done)
+    ttft = [r["times"][0] for r in done]
+    e2el = [r["times"][-1] for r in done]
+    tpot = [(r["times"][-1] - r["times"][0]) / (len(r["times"]) - 1) for r in done if len(r["times"]) > 1]
+    itl = [b - a for r in done for a, b in zip(r["times"], r["times"][1:])]
+    not_sent = len(prompts) - len(sent) if results else 0
+    if codes:
+        failures.append(f"{sum(codes.values())} requests failed: {dict(codes)}")
+    if not_sent:
+        failures.append(f"{not_sent} requests not sent: the {cfg.max_duration_s:g} s budget ran out")
+    rate = cfg.request_rate if math.isfinite(cfg.request_rate) else "inf"
+    config = asdict(cfg) | {"request_rate": rate}
+    result = {"kind": "serve", "ok": not failures, "failures": failures, "config": config,
+              "num_prompts": cfg.num_prompts, "request_rate": rate, "max_concurrency": cfg.concurrency,
+              "duration": duration, "completed": len(done), "failed": sum(codes.values()),
+              "failed_by_code": dict(codes), "not_sent": not_sent,
+              "total_input_tokens": t_in, "total_output_tokens": t_out,
+              "request_throughput": len(done) / duration if duration else None,
+              "output_throughput": t_out / duration if duration else None,
+              "total_token_throughput": (t_in + t_out) / duration if duration else None,
+              "modes_ran": dict(Counter(r["mode"] for r in done)),
+              "errors": sorted({f"{r['code']}: {r['error']}" for r in sent if r["code"]})[:10],
+              "input_lens": [r["input_len"] for r in done], "output_lens": [len(r["times"]) for r in done]}
+    for name, xs in zip(METRICS, (ttft, tpot, itl, e2el)):
+        result |= summary(xs, name)
+    return result
+
+
+def total_steps(cfg: ServeConfig) -> int:
+    return cfg.warmup + cfg.num_prompts

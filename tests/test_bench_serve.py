@@ -1,0 +1,66 @@
+"""`kvtransfer-bench serve` against a real colocated decode server (tiny preset, CPU): every
+request completes, nothing fails, and the result carries vLLM's metric names."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.cli import main
+from bench.launch import colocated_server
+from bench.serve import METRICS, PERCENTILES, ServeConfig, make_prompts
+
+VLLM_KEYS = ["duration", "completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput",
+             "output_throughput", "total_token_throughput"] + [
+    f"{stat}_{m}_ms" for m in METRICS for stat in ("mean", "median", "std", *(f"p{p}" for p in PERCENTILES))]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with colocated_server(str(tmp_path_factory.mktemp("logs")), "tiny", "float32", "cpu") as srv:
+        yield srv
+
+
+def run_cli(argv, capsys) -> tuple[int, dict]:
+    rc = main(argv)
+    return rc, json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_serve_concurrency(server, capsys, tmp_path):
+    rc, r = run_cli(["serve", "--addr", server.addr, "--model", "tiny", "--concurrency", "4", "--num-prompts", "8",
+                     "--input-len", "24", "--input-len-range", "0.5", "--output-len", "6", "--out", str(tmp_path)],
+                    capsys)
+    assert rc == 0 and r["kind"] == "serve" and r["ok"], r["failures"]
+    assert set(VLLM_KEYS) <= set(r)
+    assert r["completed"] == 8 and r["failed"] == 0 and r["failed_by_code"] == {} and r["not_sent"] == 0
+    assert r["total_output_tokens"] == 8 * 6 and r["output_lens"] == [6] * 8
+    assert r["total_input_tokens"] == sum(r["input_lens"]) and all(12 <= n <= 36 for n in r["input_lens"])
+    assert r["max_concurrency"] == 4 and r["request_rate"] == "inf"
+    for m in METRICS:
+        assert 0 < r[f"median_{m}_ms"] <= r[f"p99_{m}_ms"], m
+    assert r["median_ttft_ms"] <= r["median_e2el_ms"]
+    assert r["request_throughput"] == pytest.approx(8 / r["duration"])
+    assert (tmp_path / "result.json").exists() and "TTFT" in (tmp_path / "report.md").read_text()
+
+
+def test_serve_poisson_and_failures_by_code(server, capsys):
+    rc, r = run_cli(["serve", "--addr", server.addr, "--vocab-size", "512", "--request-rate", "50",
+                     "--num-prompts", "4", "--input-len", "8", "--output-len", "3", "--warmup", "0"], capsys)
+    assert rc == 0 and r["completed"] == 4 and r["request_rate"] == 50.0
+    # ids outside the server's vocabulary: every request is refused with INVALID_ARGUMENT, counted by code
+    rc, r = run_cli(["serve", "--addr", server.addr, "--vocab-size", "100000", "--num-prompts", "3",
+                     "--input-len", "64", "--output-len", "2", "--warmup", "0"], capsys)
+    assert rc == 1 and not r["ok"] and r["completed"] == 0
+    assert r["failed"] == 3 and r["failed_by_code"] == {"INVALID_ARGUMENT": 3} and r["median_ttft_ms"] is None
+
+
+def test_serve_config_bounds():
+    with pytest.raises(ValueError, match="loopback"):
+        ServeConfig(addr="10.0.0.1:50051", vocab_size=512)
+    with pytest.raises(ValueError, match="vocab"):
+        ServeConfig(addr="127.0.0.1:1")
+    cfg = ServeConfig(addr="localhost:1", model="tiny", num_prompts=50, input_len=100, input_len_range=0.2, seed=3)
+    prompts = make_prompts(cfg)
+    assert cfg.vocab_size == 512 and prompts == make_prompts(cfg)
+    assert all(80 <= len(p) <= 120 and 0 <= min(p) and max(p) < 512 for p in prompts)
