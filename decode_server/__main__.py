@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 
 import grpc
 
 from kvtransfer.compat import local_compat, mismatch
 from kvtransfer.configargs import from_args
-from kvtransfer.serving import GRPC_OPTIONS, configure_logging, gpu_executor, load, new_event_loop, pick_device
+from kvtransfer.security import ClientSecurity, resolve_token
+from kvtransfer.serving import configure_logging, gpu_executor, grpc_options, load, new_event_loop, pick_device
 from proto import kvtransfer_pb2 as pb
 from proto import kvtransfer_pb2_grpc as pbg
 
@@ -26,16 +28,18 @@ class HandshakeRefused(SystemExit):
     pass
 
 
-async def handshake(stub: pbg.PrefillStub, compat: pb.Compat, transport: str, timeout_s: float) -> None:
+async def handshake(stub: pbg.PrefillStub, compat: pb.Compat, transport: str, timeout_s: float,
+                    max_receive_bytes: int = 0, metadata=None) -> None:
     """Wait for the prefill peer, then refuse it unless it holds the same model and layout."""
     deadline = time.monotonic() + timeout_s
+    request = pb.HandshakeRequest(compat=compat, transport=transport, max_receive_bytes=max_receive_bytes)
     while True:
         try:
-            resp = await stub.Handshake(pb.HandshakeRequest(compat=compat, transport=transport),
-                                        timeout=max(min(10.0, deadline - time.monotonic()), 0.1), wait_for_ready=True)
+            resp = await stub.Handshake(request, timeout=max(min(10.0, deadline - time.monotonic()), 0.1),
+                                        wait_for_ready=True, metadata=metadata)
             break
         except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+            if e.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAUTHENTICATED):
                 raise HandshakeRefused(f"prefill peer refused the handshake: {e.details()}") from None
             if time.monotonic() > deadline:
                 raise HandshakeRefused(f"prefill peer did not answer the handshake within {timeout_s} s: "
@@ -48,6 +52,10 @@ async def handshake(stub: pbg.PrefillStub, compat: pb.Compat, transport: str, ti
 
 
 async def serve(config: DecodeConfig) -> None:
+    token = resolve_token(config.auth_token, config.auth_token_file)
+    peer = ClientSecurity(config.prefill_tls_ca, config.prefill_tls_cert, config.prefill_tls_key,
+                          resolve_token(config.prefill_auth_token, config.prefill_auth_token_file,
+                                        "--prefill-auth-token-file"))
     device = pick_device(config.device)
     loaded = load(config.spec, device, config.deterministic)
     engine = DecodeEngine(loaded)
@@ -61,16 +69,25 @@ async def serve(config: DecodeConfig) -> None:
         link = ReceiverLink(device, peer=0, max_bytes=config.max_receive_bytes)
         receiver = ReceiveLoop(link, loaded.geometry, device, finish_timeout_s=config.request_timeout_s)
         receiver.start()
-        channel = grpc.aio.insecure_channel(config.prefill_addr, options=GRPC_OPTIONS)
-        stub = pbg.PrefillStub(channel)
+        stub = pbg.PrefillStub(peer.channel(config.prefill_addr, options=grpc_options(config.max_message_bytes)))
         compat = local_compat(config.spec, loaded.model, loaded.geometry, config.deterministic)
-        await handshake(stub, compat, transport, config.handshake_timeout_s)
-    service = DecodeService(config, engine, gpu, receiver, stub)
-    server, port = await create_server(config, service)
+        await handshake(stub, compat, transport, config.handshake_timeout_s, config.max_receive_bytes,
+                        peer.metadata())
+    service = DecodeService(config, engine, gpu, receiver, stub, peer.metadata())
+    server, port = await create_server(config, service, token=token)
     await server.start()
     from grpc_health.v1 import health_pb2
     await service.health.set("", health_pb2.HealthCheckResponse.SERVING)
-    log.info("decode server ready on port %d (%s)", port, "colocated" if config.colocated else "disaggregated")
+    if receiver is not None:  # a dead data plane cannot serve disaggregated requests: say so to probes
+        loop = asyncio.get_running_loop()
+        receiver.on_stop = lambda: asyncio.run_coroutine_threadsafe(
+            service.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING), loop)
+        if receiver.error is not None:  # it stopped before the callback was in place
+            await service.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    log.info("decode server ready on port %d (%s; front door %s%s)", port,
+             "colocated" if config.colocated else "disaggregated",
+             "mTLS" if config.tls_ca else "TLS" if config.tls_cert else "plaintext",
+             ", token required" if token else "")
     await server.wait_for_termination()
 
 
@@ -84,6 +101,9 @@ def main(argv: list[str] | None = None) -> None:
         loop.run_until_complete(serve(config))
     except KeyboardInterrupt:
         pass
+    except ValueError as e:  # a setting that only shows at start-up (device, certificate, token file, port)
+        log.error("cannot start: %s", e)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

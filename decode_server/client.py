@@ -1,4 +1,8 @@
-"""`kvtransfer-client`: send one prompt to a decode server, print the tokens and the TTFT."""
+"""`kvtransfer-client`: send one prompt to a decode server, print the tokens and the TTFT.
+
+Why it speaks TLS and tokens too: the front door is configured with the same flags
+(docs/security.md), and a client that cannot reach a secured server cannot test it.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import time
 
 import grpc
 
+from kvtransfer.security import ClientSecurity, check_tls_flags, check_token_flags, resolve_token
 from proto import kvtransfer_pb2 as pb
 from proto import kvtransfer_pb2_grpc as pbg
 
@@ -17,16 +22,18 @@ MODES = {"auto": pb.MODE_AUTO, "layerwise": pb.MODE_LAYERWISE, "bulk": pb.MODE_B
 
 
 async def generate(addr: str, token_ids: list[int], max_new_tokens: int, mode: str = "auto",
-                   digest: bool = False, timeout: float = 120.0, cache_digest: bool = False) -> dict:
+                   digest: bool = False, timeout: float = 120.0, cache_digest: bool = False,
+                   security: ClientSecurity | None = None) -> dict:
     """One Generate call; returns tokens, digests, client-side TTFT and the server's timing."""
-    async with grpc.aio.insecure_channel(addr) as channel:
+    security = security or ClientSecurity()
+    async with security.channel(addr) as channel:
         stub = pbg.DecodeStub(channel)
         t0 = time.perf_counter()
         ttft = None
         tokens, digests, timing, cache = [], [], None, ""
         req = pb.GenerateRequest(token_ids=token_ids, max_new_tokens=max_new_tokens, mode=MODES[mode],
                                  return_logits_digest=digest, return_cache_digest=cache_digest)
-        async for msg in stub.Generate(req, timeout=timeout):
+        async for msg in stub.Generate(req, timeout=timeout, metadata=security.metadata()):
             if ttft is None:
                 ttft = (time.perf_counter() - t0) * 1e3
             tokens.append(msg.token_id)
@@ -50,7 +57,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--mode", choices=sorted(MODES), default="auto")
     p.add_argument("--digest", action="store_true", help="ask for per-step logits digests")
     p.add_argument("--timeout", type=float, default=120.0)
+    p.add_argument("--tls-ca", default="", help="use TLS; verify the server with this CA (PEM)")
+    p.add_argument("--tls-cert", default="", help="client certificate (PEM) for a server that requires mTLS")
+    p.add_argument("--tls-key", default="", help="private key (PEM) of --tls-cert")
+    p.add_argument("--auth-token", default="", help="shared token (prefer --auth-token-file: argv is visible)")
+    p.add_argument("--auth-token-file", default="", help="file holding the shared token")
     a = p.parse_args(argv)
+    try:
+        check_tls_flags("tls", a.tls_cert, a.tls_key, a.tls_ca, server=False)
+        check_token_flags("auth", a.auth_token, a.auth_token_file)
+        security = ClientSecurity(a.tls_ca, a.tls_cert, a.tls_key, resolve_token(a.auth_token, a.auth_token_file))
+    except ValueError as e:
+        p.error(str(e))
     tok = None
     if a.text is not None:
         if not a.tokenizer:
@@ -64,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
         except ValueError:
             p.error("--ids must be comma-separated integers")
     try:
-        out = asyncio.run(generate(a.addr, ids, a.max_new_tokens, a.mode, a.digest, a.timeout))
+        out = asyncio.run(generate(a.addr, ids, a.max_new_tokens, a.mode, a.digest, a.timeout, security=security))
     except grpc.aio.AioRpcError as e:
         print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
         sys.exit(1)

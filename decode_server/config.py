@@ -1,10 +1,18 @@
-"""Decode server configuration: one frozen dataclass, validated once, CLI flags map 1:1."""
+"""Decode server configuration: one frozen dataclass, validated once, CLI flags map 1:1.
+
+Why two sets of TLS/token flags: the front door (users, the bench) and the channel to the
+prefill worker (a peer inside the deployment) are different trust relationships; each is
+configured on its own, and each is plaintext unless told otherwise.
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
+from kvtransfer.configargs import one_line
 from kvtransfer.models import ModelSpec
+from kvtransfer.security import check_tls_flags, check_token_flags
+from kvtransfer.serving import CONTROL_MESSAGE_LIMIT, check_message_limit
 
 
 @dataclass(frozen=True)
@@ -21,10 +29,21 @@ class DecodeConfig:
     max_prompt_tokens: int = 32768
     max_new_tokens: int = 4096            # per request
     max_inflight: int = 64                # beyond it: RESOURCE_EXHAUSTED at once
-    max_receive_bytes: int = 64 << 30     # one transfer's receive buffer limit
+    max_receive_bytes: int = 64 << 30     # one transfer's receive buffer limit; larger prompts: RESOURCE_EXHAUSTED
+    max_message_bytes: int = CONTROL_MESSAGE_LIMIT  # gRPC send/receive limit, both directions and to the peer
     request_timeout_s: float = 120.0      # each request ends before this (unless the client's deadline is sooner)
     handshake_timeout_s: float = 120.0
     dist_timeout_s: float = 120.0
+    tls_cert: str = ""                    # front door: PEM certificate chain, serve TLS
+    tls_key: str = ""                     # front door: PEM private key of --tls-cert
+    tls_ca: str = ""                      # front door: require client certificates signed by this CA (mTLS)
+    auth_token: str = ""                  # front door: shared secret required as `authorization: Bearer ...`
+    auth_token_file: str = ""             # front door: file holding that secret (first line)
+    prefill_tls_ca: str = ""              # to the prefill worker: use TLS, verify its certificate with this CA
+    prefill_tls_cert: str = ""            # to the prefill worker: client certificate (when it requires mTLS)
+    prefill_tls_key: str = ""             # to the prefill worker: private key of --prefill-tls-cert
+    prefill_auth_token: str = ""          # to the prefill worker: the token its --auth-token expects
+    prefill_auth_token_file: str = ""     # to the prefill worker: file holding that token
     deterministic: bool = False
     log_level: str = "INFO"
 
@@ -32,17 +51,23 @@ class DecodeConfig:
         ModelSpec(self.model, self.dtype, self.seed)
         if self.transport not in ("auto", "nccl", "gloo"):
             raise ValueError(f"--transport {self.transport!r}: choose auto, nccl or gloo")
-        for name in ("max_prompt_tokens", "max_new_tokens", "max_inflight", "max_receive_bytes"):
+        for name in ("max_prompt_tokens", "max_new_tokens", "max_inflight", "max_receive_bytes",
+                     "max_message_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         if self.request_timeout_s <= 0 or self.handshake_timeout_s <= 0:
             raise ValueError("timeouts must be > 0")
         if ":" not in self.listen:
             raise ValueError(f"--listen {self.listen!r}: expected HOST:PORT")
+        check_message_limit(self.max_message_bytes, self.max_prompt_tokens)
+        check_tls_flags("tls", self.tls_cert, self.tls_key, self.tls_ca, server=True)
+        check_tls_flags("prefill-tls", self.prefill_tls_cert, self.prefill_tls_key, self.prefill_tls_ca, server=False)
+        check_token_flags("auth", self.auth_token, self.auth_token_file)
+        check_token_flags("prefill-auth", self.prefill_auth_token, self.prefill_auth_token_file)
 
     @property
     def spec(self) -> ModelSpec:
         return ModelSpec(self.model, self.dtype, self.seed)
 
     def one_line(self) -> str:
-        return " ".join(f"{k}={v}" for k, v in asdict(self).items())
+        return one_line(self)

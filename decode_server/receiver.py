@@ -42,12 +42,14 @@ class ReceiveLoop:
         self.warmups = 0
         self.dropped = 0
         self.error: BaseException | None = None
+        self.on_stop = None  # called (from this thread) once the loop has stopped for good
 
     def start(self) -> None:
         self._thread.start()
 
     def expect(self, request_id: int, seq_len: int) -> Expected:
         e = Expected(seq_len, Future())
+        e.future.set_running_or_notify_cancel()  # a waiter that gives up cannot cancel it under this thread
         with self._lock:
             self._expected[request_id] = e
         return e
@@ -74,6 +76,8 @@ class ReceiveLoop:
                 waiting, self._expected = self._expected, {}
             for exp in waiting.values():
                 exp.future.set_exception(TransferError("peer", f"data plane failed: {e}"))
+            if self.on_stop is not None:
+                self.on_stop()
 
     def _one(self) -> None:
         r = self.link.accept(timeout=None)

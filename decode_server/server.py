@@ -16,6 +16,8 @@ import time
 
 import grpc
 
+from kvtransfer.security import server_credentials
+from kvtransfer.serving import InflightLimit, build_server
 from kvtransfer.streaming import cache_digest, cache_layers
 from kvtransfer.transport import TransferError
 from proto import kvtransfer_pb2 as pb
@@ -35,43 +37,47 @@ TRANSFER_STATUS = {"aborted": grpc.StatusCode.UNAVAILABLE, "timeout": grpc.Statu
 
 class DecodeService(pbg.DecodeServicer):
     def __init__(self, config: DecodeConfig, engine: DecodeEngine, gpu, receiver: ReceiveLoop | None = None,
-                 prefill_stub: pbg.PrefillStub | None = None):
+                 prefill_stub: pbg.PrefillStub | None = None, prefill_metadata=None):
         self.config, self.engine, self.gpu = config, engine, gpu
         self.receiver, self.prefill_stub = receiver, prefill_stub
         self.vocab = engine.m.model.config.vocab_size
         self.ids = itertools.count(1)  # 0 is the warm-up frame
-        self.inflight = 0
+        self.admit = InflightLimit(config.max_inflight)
+        self.prefill_metadata = prefill_metadata  # the prefill worker's token, when it asks for one
 
     async def _validate(self, request, context) -> None:
-        n, c = len(request.token_ids), self.config
+        n, c, new = len(request.token_ids), self.config, request.max_new_tokens
+        context_len = self.engine.m.model.config.max_position_embeddings
+        problem = code = None
         if n == 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty prompt: send at least one token id")
-        if n > c.max_prompt_tokens:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"prompt has {n} tokens; this server accepts at most {c.max_prompt_tokens}")
-        if n + request.max_new_tokens > self.engine.m.model.config.max_position_embeddings:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"prompt ({n}) + max_new_tokens ({request.max_new_tokens}) exceeds the model's "
-                                f"context of {self.engine.m.model.config.max_position_embeddings} tokens")
-        if not 1 <= request.max_new_tokens <= c.max_new_tokens:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"max_new_tokens is {request.max_new_tokens}; use 1..{c.max_new_tokens}")
-        bad = next((t for t in request.token_ids if not 0 <= t < self.vocab), None)
-        if bad is not None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"token id {bad} outside the vocabulary [0, {self.vocab})")
-        if request.mode not in KNOWN_MODES:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"unknown mode {request.mode}; use AUTO, LAYERWISE, BULK or COLOCATED")
-        if request.mode != pb.MODE_COLOCATED and self.receiver is None and not c.colocated:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no prefill peer configured")
+            problem = "empty prompt: send at least one token id"
+        elif n > c.max_prompt_tokens:
+            problem = f"prompt has {n} tokens; this server accepts at most {c.max_prompt_tokens} (--max-prompt-tokens)"
+        elif n >= context_len:
+            problem = (f"prompt has {n} tokens; the model's context is {context_len} tokens, "
+                       "and at least one must be left to generate")
+        elif not 1 <= new <= c.max_new_tokens:
+            problem = f"max_new_tokens is {new}; use 1..{c.max_new_tokens} (--max-new-tokens)"
+        elif n + new > context_len:
+            problem = (f"prompt ({n}) + max_new_tokens ({new}) exceeds the model's context of {context_len} tokens; "
+                       f"ask for at most {context_len - n} new tokens")
+        elif (bad := next((t for t in request.token_ids if not 0 <= t < self.vocab), None)) is not None:
+            problem = f"token id {bad} outside the vocabulary [0, {self.vocab})"
+        elif request.mode not in KNOWN_MODES:
+            problem = f"unknown mode {request.mode}; use AUTO, LAYERWISE, BULK or COLOCATED"
+        elif request.mode != pb.MODE_COLOCATED and not c.colocated:
+            if self.receiver is None:
+                problem, code = "no prefill peer configured", grpc.StatusCode.FAILED_PRECONDITION
+            elif (size := self.engine.m.geometry.cache_bytes(n)) > c.max_receive_bytes:
+                problem, code = (f"a {n}-token cache is {size} bytes, over this server's --max-receive-bytes "
+                                 f"{c.max_receive_bytes}; send a shorter prompt"), grpc.StatusCode.RESOURCE_EXHAUSTED
+        if problem is not None:
+            await context.abort(code or grpc.StatusCode.INVALID_ARGUMENT, problem)
 
     async def Generate(self, request, context):
         await self._validate(request, context)
-        if self.inflight >= self.config.max_inflight:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"{self.inflight} requests in flight (limit {self.config.max_inflight}); retry later")
-        self.inflight += 1
+        if not self.admit.try_enter():
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self.admit.refusal())
         try:
             remaining = context.time_remaining()
             budget = self.config.request_timeout_s if remaining is None else min(remaining, self.config.request_timeout_s)
@@ -79,7 +85,7 @@ class DecodeService(pbg.DecodeServicer):
             async for msg in self._generate(request, context, deadline):
                 yield msg
         finally:
-            self.inflight -= 1
+            self.admit.leave()
 
     async def _generate(self, request, context, deadline: float):
         t_in = time.perf_counter()
@@ -94,21 +100,25 @@ class DecodeService(pbg.DecodeServicer):
         else:
             rid = next(self.ids)
             exp = self.receiver.expect(rid, n)
+            arrived = False
             try:
                 resp = await self.prefill_stub.Prefill(
                     pb.PrefillRequest(request_id=rid, token_ids=request.token_ids, mode=request.mode,
-                                      return_logits_digest=want), timeout=max(deadline - time.perf_counter(), 0.001))
+                                      return_logits_digest=want), timeout=max(deadline - time.perf_counter(), 0.001),
+                    metadata=self.prefill_metadata)
                 t_first = time.perf_counter()
                 layers = await asyncio.wait_for(asyncio.wrap_future(exp.future),
                                                 max(deadline - time.perf_counter(), 0.001))
+                arrived = True
             except grpc.aio.AioRpcError as e:
-                self.receiver.forget(rid)
                 await context.abort(e.code(), f"prefill worker: {e.details()}")
             except TransferError as e:
                 await context.abort(TRANSFER_STATUS.get(e.cause, grpc.StatusCode.INTERNAL), f"cache transfer: {e}")
             except asyncio.TimeoutError:
-                self.receiver.forget(rid)
                 await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the cache did not arrive before the deadline")
+            finally:
+                if not arrived:  # failed, timed out or cancelled: a late frame is drained and dropped
+                    self.receiver.forget(rid)
             t_ready = max(exp.t_ready, t_first)
             first, digest = resp.first_token, resp.first_logits_digest
             timing.prefill_ms, timing.mode = resp.prefill_ms, resp.mode
@@ -153,15 +163,10 @@ class DecodeService(pbg.DecodeServicer):
                 job.add_done_callback(lambda f: f.exception())  # Cancelled is expected; don't warn
 
 
-async def create_server(config: DecodeConfig, service: DecodeService, address: str | None = None
-                        ) -> tuple[grpc.aio.Server, int]:
-    from kvtransfer.serving import GRPC_OPTIONS, add_standard_services
-    server = grpc.aio.server(options=GRPC_OPTIONS)
-    pbg.add_DecodeServicer_to_server(service, server)
-    service.health = add_standard_services(server, [pb.DESCRIPTOR.services_by_name["Decode"].full_name])
-    port = server.add_insecure_port(address or config.listen)
-    if port == 0:
-        raise ValueError(f"cannot bind {address or config.listen}")
+async def create_server(config: DecodeConfig, service: DecodeService, address: str | None = None,
+                        token: str = "") -> tuple[grpc.aio.Server, int]:
+    """Build (not start) the server; returns it and the bound port (tests bind port 0)."""
+    server, port, service.health = build_server(
+        pb.DESCRIPTOR.services_by_name["Decode"], service, address or config.listen, config.max_message_bytes,
+        token, server_credentials(config.tls_cert, config.tls_key, config.tls_ca))
     return server, port
-
-

@@ -1,7 +1,9 @@
 """Pieces both servers share: model + device set-up, the process-group pair, grpc.aio plumbing.
 
 Why one place: the two workers must build the model, the geometry and the data-plane
-link the same way, or their caches would not match byte for byte.
+link the same way, or their caches would not match byte for byte; and they must refuse
+bad input the same way: limits checked before any work, malformed bytes answered with
+INVALID_ARGUMENT (not gRPC's UNKNOWN), too many requests refused at once, never queued.
 """
 
 from __future__ import annotations
@@ -13,16 +15,31 @@ from dataclasses import dataclass
 
 import grpc
 import torch
+from google.protobuf.message import DecodeError
+from google.protobuf.message_factory import GetMessageClass
 
 from .determinism import enable_deterministic
 from .geometry import CacheGeometry
 from .models import ModelSpec, load_model
+from .security import bind, server_interceptors
 
 log = logging.getLogger("kvtransfer")
 
-GRPC_MESSAGE_LIMIT = 64 << 20  # control messages are small; keeps garbage bounded
-GRPC_OPTIONS = [("grpc.max_send_message_length", GRPC_MESSAGE_LIMIT),
-                ("grpc.max_receive_message_length", GRPC_MESSAGE_LIMIT)]
+CONTROL_MESSAGE_LIMIT = 4 << 20  # default --max-message-bytes: a 32k-token prompt is < 330 KB
+BYTES_PER_TOKEN_ID = 10  # worst case of one packed int64 on the wire
+
+
+def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes)]
+
+
+def check_message_limit(max_message_bytes: int, max_prompt_tokens: int) -> None:
+    """A prompt the server accepts must also fit in one message; refuse a config where it would not."""
+    need = max_prompt_tokens * BYTES_PER_TOKEN_ID + 1024
+    if max_message_bytes < need:
+        raise ValueError(f"--max-message-bytes {max_message_bytes} is too small for --max-prompt-tokens "
+                         f"{max_prompt_tokens}: use at least {need}")
 
 
 def pick_device(name: str) -> torch.device:
@@ -66,6 +83,86 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
         return uvloop.new_event_loop()
     except ImportError:  # pragma: no cover - uvloop is a declared dependency
         return asyncio.new_event_loop()
+
+
+class InflightLimit:
+    """At most `limit` requests at a time; the next one is refused at once (no queue to grow)."""
+
+    def __init__(self, limit: int):
+        self.limit, self.count = limit, 0
+
+    def try_enter(self) -> bool:
+        if self.count >= self.limit:
+            return False
+        self.count += 1
+        return True
+
+    def leave(self) -> None:
+        self.count -= 1
+
+    def refusal(self) -> str:
+        return f"{self.count} requests in flight (limit {self.limit}, --max-inflight); retry later"
+
+
+def add_typed_service(server: grpc.aio.Server, service, servicer) -> None:
+    """Register `servicer` for the proto service descriptor `service`, parsing requests itself.
+
+    gRPC's own deserializer turns corrupt bytes into UNKNOWN; parsing here answers
+    INVALID_ARGUMENT naming the expected message instead.
+    """
+    handlers = {}
+    for m in service.methods:
+        fn, cls = getattr(servicer, m.name), GetMessageClass(m.input_type)
+        if m.server_streaming:
+            handlers[m.name] = grpc.unary_stream_rpc_method_handler(
+                _streaming(fn, cls), response_serializer=_serialize)
+        else:
+            handlers[m.name] = grpc.unary_unary_rpc_method_handler(_unary(fn, cls), response_serializer=_serialize)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+
+
+def _serialize(msg) -> bytes:
+    return msg.SerializeToString()
+
+
+async def _parse(cls, raw: bytes, context):
+    try:
+        return cls.FromString(raw)
+    except DecodeError as e:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"request is not a valid {cls.DESCRIPTOR.full_name} ({e}); "
+                            "build it from proto/kvtransfer.proto")
+
+
+def _unary(fn, cls):
+    async def handle(raw, context):
+        return await fn(await _parse(cls, raw, context), context)
+    return handle
+
+
+def _streaming(fn, cls):
+    async def handle(raw, context):
+        async for msg in fn(await _parse(cls, raw, context), context):
+            yield msg
+    return handle
+
+
+def build_server(descriptor, servicer, address: str, max_message_bytes: int, token: str,
+                 creds: grpc.ServerCredentials | None):
+    """Build (not start) a server for one proto service plus health and reflection.
+
+    Returns (server, bound port, health servicer). Raises ValueError when it cannot bind.
+    """
+    server = grpc.aio.server(options=grpc_options(max_message_bytes), interceptors=server_interceptors(token))
+    add_typed_service(server, descriptor, servicer)
+    health = add_standard_services(server, [descriptor.full_name])
+    try:
+        port = bind(server, address, creds, token)
+    except RuntimeError as e:  # grpc raises on a port in use or a bad address
+        raise ValueError(f"cannot bind {address}: {e}") from None
+    if port == 0:
+        raise ValueError(f"cannot bind {address}")
+    return server, port, health
 
 
 def add_standard_services(server: grpc.aio.Server, service_names: list[str]):

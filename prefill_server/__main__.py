@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 
 from kvtransfer.compat import local_compat
 from kvtransfer.configargs import from_args
+from kvtransfer.security import resolve_token
 from kvtransfer.serving import configure_logging, load, new_event_loop, pick_device
 from kvtransfer.transport.dist import SenderLink, init_pair
 
@@ -18,6 +20,7 @@ log = logging.getLogger("kvtransfer.prefill")
 
 
 async def serve(config: PrefillConfig) -> None:
+    token = resolve_token(config.auth_token, config.auth_token_file)
     device = pick_device(config.device)
     loaded = load(config.spec, device, config.deterministic)
     transport = config.transport if config.transport != "auto" else ("nccl" if device.type == "cuda" else "gloo")
@@ -28,10 +31,11 @@ async def serve(config: PrefillConfig) -> None:
     await asyncio.to_thread(worker.warmup, config.warmup_tokens)
     service = PrefillService(config, worker, local_compat(config.spec, loaded.model, loaded.geometry,
                                                           config.deterministic), transport)
-    server, port = await create_server(config, service)
+    server, port = await create_server(config, service, token=token)
     await server.start()
     await service.health.set("", _serving())
-    log.info("prefill server ready on port %d", port)
+    log.info("prefill server ready on port %d (%s%s)", port, "mTLS" if config.tls_ca else
+             "TLS" if config.tls_cert else "plaintext", ", token required" if token else "")
     await server.wait_for_termination()
 
 
@@ -50,6 +54,9 @@ def main(argv: list[str] | None = None) -> None:
         loop.run_until_complete(serve(config))
     except KeyboardInterrupt:
         pass
+    except ValueError as e:  # a setting that only shows at start-up (device, certificate, token file, port)
+        log.error("cannot start: %s", e)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

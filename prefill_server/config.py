@@ -1,10 +1,17 @@
-"""Prefill server configuration: one frozen dataclass, validated once, CLI flags map 1:1."""
+"""Prefill server configuration: one frozen dataclass, validated once, CLI flags map 1:1.
+
+Why every limit is here: a limit that is not a flag cannot be fitted to a deployment,
+and one that is not validated at start fails later, in the middle of a request.
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
+from kvtransfer.configargs import one_line
 from kvtransfer.models import ModelSpec
+from kvtransfer.security import check_tls_flags, check_token_flags
+from kvtransfer.serving import CONTROL_MESSAGE_LIMIT, check_message_limit
 
 
 @dataclass(frozen=True)
@@ -19,9 +26,16 @@ class PrefillConfig:
     layers_per_message: int = 1           # group layers into one send
     layerwise_min_tokens: int = 0         # MODE_AUTO: prompts at least this long stream layer-wise, shorter ones bulk
     max_prompt_tokens: int = 32768
+    max_inflight: int = 64                # Prefill calls admitted at once (run one by one); beyond: RESOURCE_EXHAUSTED
+    max_message_bytes: int = CONTROL_MESSAGE_LIMIT  # gRPC send/receive limit; larger: RESOURCE_EXHAUSTED
     send_timeout_s: float = 60.0
     dist_timeout_s: float = 120.0
-    warmup_tokens: int = 128              # size of the warm-up transfer at start (0: none)
+    warmup_tokens: int = 128              # warm-up transfer at start (0: none); must fit the peer's --max-receive-bytes
+    tls_cert: str = ""                    # PEM certificate chain: serve TLS
+    tls_key: str = ""                     # PEM private key of --tls-cert
+    tls_ca: str = ""                      # PEM CA bundle: require client certificates signed by it (mTLS)
+    auth_token: str = ""                  # shared secret required as `authorization: Bearer ...` (prefer the file)
+    auth_token_file: str = ""             # file holding the shared secret (first line)
     deterministic: bool = False
     log_level: str = "INFO"
 
@@ -31,16 +45,20 @@ class PrefillConfig:
             raise ValueError(f"--transport {self.transport!r}: choose auto, nccl or gloo")
         if self.layers_per_message < 1:
             raise ValueError("--layers-per-message must be >= 1")
-        if self.max_prompt_tokens < 1:
-            raise ValueError("--max-prompt-tokens must be >= 1")
+        for name in ("max_prompt_tokens", "max_inflight", "max_message_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         if self.layerwise_min_tokens < 0 or self.warmup_tokens < 0:
             raise ValueError("--layerwise-min-tokens and --warmup-tokens must be >= 0")
         if ":" not in self.listen:
             raise ValueError(f"--listen {self.listen!r}: expected HOST:PORT")
+        check_message_limit(self.max_message_bytes, self.max_prompt_tokens)
+        check_tls_flags("tls", self.tls_cert, self.tls_key, self.tls_ca, server=True)
+        check_token_flags("auth", self.auth_token, self.auth_token_file)
 
     @property
     def spec(self) -> ModelSpec:
         return ModelSpec(self.model, self.dtype, self.seed)
 
     def one_line(self) -> str:
-        return " ".join(f"{k}={v}" for k, v in asdict(self).items())
+        return one_line(self)

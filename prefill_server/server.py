@@ -2,7 +2,8 @@
 
 Why async in front of one device thread: gRPC I/O and validation never wait on the GPU,
 while prefills run one at a time in arrival order, which is also the order of the frames
-on the data plane.
+on the data plane. Everything that can be refused is refused before the device or the
+data plane sees it: a frame, once started, must be sent whole to keep the stream in step.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import logging
 import grpc
 
 from kvtransfer.compat import mismatch
-from kvtransfer.serving import GRPC_OPTIONS, add_standard_services, gpu_executor
+from kvtransfer.security import server_credentials
+from kvtransfer.serving import InflightLimit, build_server, gpu_executor
 from kvtransfer.transport import TransferError
 from proto import kvtransfer_pb2 as pb
 from proto import kvtransfer_pb2_grpc as pbg
@@ -24,6 +26,7 @@ from .worker import WARMUP_REQUEST_ID, PrefillWorker
 log = logging.getLogger("kvtransfer.prefill")
 
 MODES = {pb.MODE_LAYERWISE: "layerwise", pb.MODE_BULK: "bulk"}
+MAX_REQUEST_ID = (1 << 63) - 1  # the data-plane header carries it as int64
 
 
 class PrefillService(pbg.PrefillServicer):
@@ -31,6 +34,8 @@ class PrefillService(pbg.PrefillServicer):
         self.config, self.worker, self.compat, self.transport = config, worker, compat, transport
         self.gpu = gpu_executor(worker.m.device, "prefill-gpu")
         self.vocab = worker.m.model.config.vocab_size
+        self.admit = InflightLimit(config.max_inflight)
+        self.peer_max_receive_bytes = 0  # announced by the decode peer at the handshake (0: unknown)
 
     async def Handshake(self, request, context):
         problem = mismatch(self.compat, request.compat)
@@ -40,6 +45,7 @@ class PrefillService(pbg.PrefillServicer):
         if problem:
             log.warning("handshake refused: %s", problem)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
+        self.peer_max_receive_bytes = request.max_receive_bytes
         return pb.HandshakeResponse(compat=self.compat, transport=self.transport)
 
     def resolve_mode(self, mode: int, n: int) -> str:
@@ -47,22 +53,43 @@ class PrefillService(pbg.PrefillServicer):
             return "layerwise" if n >= self.config.layerwise_min_tokens else "bulk"
         return MODES[mode]
 
-    async def Prefill(self, request, context):
-        n = len(request.token_ids)
-        if request.request_id == WARMUP_REQUEST_ID:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id 0 is reserved for the warm-up")
+    async def _validate(self, request, context) -> None:
+        n, rid = len(request.token_ids), request.request_id
+        if rid == WARMUP_REQUEST_ID:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "request_id 0 is reserved for the warm-up; use 1..2**63-1")
+        if rid > MAX_REQUEST_ID:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id {rid} is over 2**63-1")
         if n == 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty prompt: send at least one token id")
         if n > self.config.max_prompt_tokens:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"prompt has {n} tokens, this server's limit is {self.config.max_prompt_tokens}")
-        bad = [t for t in request.token_ids if not 0 <= t < self.vocab]
-        if bad:
+                                f"prompt has {n} tokens, this server's limit is {self.config.max_prompt_tokens} "
+                                "(--max-prompt-tokens)")
+        bad = next((t for t in request.token_ids if not 0 <= t < self.vocab), None)
+        if bad is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"token id {bad[0]} outside the vocabulary [0, {self.vocab})")
+                                f"token id {bad} outside the vocabulary [0, {self.vocab})")
         if request.mode not in MODES and request.mode != pb.MODE_AUTO:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"mode {request.mode} cannot be prefilled remotely; use AUTO, LAYERWISE or BULK")
+        size, limit = self.worker.m.geometry.cache_bytes(n), self.peer_max_receive_bytes
+        if limit and size > limit:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"a {n}-token cache is {size} bytes; the decode peer accepts at most {limit} "
+                                "(its --max-receive-bytes)")
+
+    async def Prefill(self, request, context):
+        await self._validate(request, context)
+        if not self.admit.try_enter():
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self.admit.refusal())
+        try:
+            return await self._prefill(request, context)
+        finally:
+            self.admit.leave()
+
+    async def _prefill(self, request, context):
+        n = len(request.token_ids)
         mode = self.resolve_mode(request.mode, n)
         loop = asyncio.get_running_loop()
         try:
@@ -77,14 +104,10 @@ class PrefillService(pbg.PrefillServicer):
                                   prefill_ms=r.prefill_ms, send_done_ms=r.send_done_ms, mode=r.mode)
 
 
-async def create_server(config: PrefillConfig, service: PrefillService, address: str | None = None
-                        ) -> tuple[grpc.aio.Server, int]:
+async def create_server(config: PrefillConfig, service: PrefillService, address: str | None = None,
+                        token: str = "") -> tuple[grpc.aio.Server, int]:
     """Build (not start) the server; returns it and the bound port (tests bind port 0)."""
-    server = grpc.aio.server(options=GRPC_OPTIONS)
-    pbg.add_PrefillServicer_to_server(service, server)
-    health = add_standard_services(server, [pb.DESCRIPTOR.services_by_name["Prefill"].full_name])
-    port = server.add_insecure_port(address or config.listen)
-    if port == 0:
-        raise ValueError(f"cannot bind {address or config.listen}")
-    service.health = health
+    server, port, service.health = build_server(
+        pb.DESCRIPTOR.services_by_name["Prefill"], service, address or config.listen, config.max_message_bytes,
+        token, server_credentials(config.tls_cert, config.tls_key, config.tls_ca))
     return server, port

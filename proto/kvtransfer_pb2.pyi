@@ -89,12 +89,14 @@ class Compat(_message.Message):
     def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., weights_fingerprint: _Optional[str] = ..., geometry_digest: _Optional[str] = ..., num_layers: _Optional[int] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., layout: _Optional[str] = ..., protocol_version: _Optional[int] = ..., deterministic: _Optional[bool] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
-    __slots__ = ("compat", "transport")
+    __slots__ = ("compat", "transport", "max_receive_bytes")
     COMPAT_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    MAX_RECEIVE_BYTES_FIELD_NUMBER: _ClassVar[int]
     compat: Compat
     transport: str
-    def __init__(self, compat: _Optional[_Union[Compat, _Mapping]] = ..., transport: _Optional[str] = ...) -> None: ...
+    max_receive_bytes: int
+    def __init__(self, compat: _Optional[_Union[Compat, _Mapping]] = ..., transport: _Optional[str] = ..., max_receive_bytes: _Optional[int] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
     __slots__ = ("compat", "transport")

@@ -25,6 +25,7 @@ def free_port() -> int:
 @dataclass
 class Running:
     addr: str
+    prefill_addr: str = ""
     procs: list = field(default_factory=list)
     logs: list = field(default_factory=list)
 
@@ -43,9 +44,10 @@ def _spawn(module: str, args: list[str], log_path: str) -> subprocess.Popen:
                             cwd=ROOT)
 
 
-def wait_serving(addr: str, procs, timeout: float = 90.0) -> None:
+def wait_serving(addr: str, procs, timeout: float = 90.0, credentials: grpc.ChannelCredentials | None = None) -> None:
+    """Poll the health service (TLS when `credentials` are given) until SERVING."""
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(addr) as ch:
+    with (grpc.secure_channel(addr, credentials) if credentials else grpc.insecure_channel(addr)) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while time.monotonic() < deadline:
             if any(p.poll() is not None for p in procs):
@@ -70,18 +72,19 @@ def stop(procs) -> None:
 
 
 @contextmanager
-def server_pair(tmp_path, model="tiny", dtype="float32", prefill_args=(), decode_args=(), wait=True):
+def server_pair(tmp_path, model="tiny", dtype="float32", prefill_args=(), decode_args=(), wait=True,
+                credentials: grpc.ChannelCredentials | None = None):
     dist = f"tcp://127.0.0.1:{free_port()}"
     p_addr, d_addr = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     common = ["--model", model, "--dtype", dtype, "--dist-init", dist, "--log-level", "INFO"]
-    run = Running(d_addr, logs=[str(tmp_path / "prefill.log"), str(tmp_path / "decode.log")])
+    run = Running(d_addr, p_addr, logs=[str(tmp_path / "prefill.log"), str(tmp_path / "decode.log")])
     run.procs.append(_spawn("prefill_server", [*common, "--listen", p_addr, *prefill_args], run.logs[0]))
     run.procs.append(_spawn("decode_server", [*common, "--listen", d_addr, "--prefill-addr", p_addr,
                                               *decode_args], run.logs[1]))
     try:
         if wait:
             try:
-                wait_serving(d_addr, run.procs)
+                wait_serving(d_addr, run.procs, credentials=credentials)
             except (RuntimeError, TimeoutError) as e:
                 raise RuntimeError(f"{e}\n{run.log_text()}") from None
         yield run
@@ -90,13 +93,14 @@ def server_pair(tmp_path, model="tiny", dtype="float32", prefill_args=(), decode
 
 
 @contextmanager
-def colocated_server(tmp_path, model="tiny", dtype="float32", args=()):
+def colocated_server(tmp_path, model="tiny", dtype="float32", args=(),
+                     wait_credentials: grpc.ChannelCredentials | None = None):
     addr = f"127.0.0.1:{free_port()}"
     run = Running(addr, logs=[str(tmp_path / "colocated.log")])
     run.procs.append(_spawn("decode_server", ["--colocated", "--model", model, "--dtype", dtype,
                                               "--listen", addr, *args], run.logs[0]))
     try:
-        wait_serving(addr, run.procs)
+        wait_serving(addr, run.procs, credentials=wait_credentials)
         yield run
     finally:
         stop(run.procs)
