@@ -29,6 +29,7 @@ def free_port() -> int:
 @dataclass
 class Running:
     addr: str
+    prefill_addr: str = ""
     procs: list = field(default_factory=list)
     logs: list = field(default_factory=list)
 
@@ -51,10 +52,11 @@ def spawn(module: str, args: list[str], log_path: str, env: dict | None = None, 
                                 env=env, cwd=ROOT)
 
 
-def wait_serving(addr: str, procs, timeout: float = 300.0) -> None:
-    from grpc_health.v1 import health_pb2, health_pb2_grpc  # only to start servers (bench link needs none)
+def wait_serving(addr: str, procs, timeout: float = 300.0, credentials: grpc.ChannelCredentials | None = None) -> None:
+    """Poll the health service (TLS when `credentials` are given) until SERVING."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc  # only where servers run
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(addr) as ch:
+    with (grpc.secure_channel(addr, credentials) if credentials else grpc.insecure_channel(addr)) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while time.monotonic() < deadline:
             if any(p.poll() is not None for p in procs):
@@ -80,11 +82,11 @@ def stop(procs) -> None:
 
 
 @contextmanager
-def _running(run: Running, wait: bool):
+def _running(run: Running, wait: bool, credentials=None):
     try:
         if wait:
             try:
-                wait_serving(run.addr, run.procs)
+                wait_serving(run.addr, run.procs, credentials=credentials)
             except (RuntimeError, TimeoutError) as e:
                 raise RuntimeError(f"{e}\n{run.log_text()}") from None
         yield run
@@ -94,27 +96,29 @@ def _running(run: Running, wait: bool):
 
 @contextmanager
 def server_pair(log_dir: str | None = None, model="tiny", dtype="float32", prefill_device="auto",
-                decode_device="auto", prefill_args=(), decode_args=(), common_args=(), wait=True):
+                decode_device="auto", prefill_args=(), decode_args=(), common_args=(), wait=True,
+                credentials: grpc.ChannelCredentials | None = None):
     """Prefill (rank 0) and decode (rank 1) joined by a process group on a free loopback port."""
     log_dir = log_dir or tempfile.mkdtemp(prefix="kvt-logs-")
     dist = f"tcp://127.0.0.1:{free_port()}"
     p_addr, d_addr = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     common = ["--model", model, "--dtype", dtype, "--dist-init", dist, *common_args]
-    run = Running(d_addr, logs=[os.path.join(log_dir, "prefill.log"), os.path.join(log_dir, "decode.log")])
+    run = Running(d_addr, p_addr, logs=[os.path.join(log_dir, "prefill.log"), os.path.join(log_dir, "decode.log")])
     run.procs.append(spawn("prefill_server", [*common, "--device", prefill_device, "--listen", p_addr,
                                               *prefill_args], run.logs[0]))
     run.procs.append(spawn("decode_server", [*common, "--device", decode_device, "--listen", d_addr,
                                              "--prefill-addr", p_addr, *decode_args], run.logs[1]))
-    with _running(run, wait) as r:
+    with _running(run, wait, credentials) as r:
         yield r
 
 
 @contextmanager
-def colocated_server(log_dir: str | None = None, model="tiny", dtype="float32", device="auto", args=()):
+def colocated_server(log_dir: str | None = None, model="tiny", dtype="float32", device="auto", args=(),
+                     credentials: grpc.ChannelCredentials | None = None):
     log_dir = log_dir or tempfile.mkdtemp(prefix="kvt-logs-")
     addr = f"127.0.0.1:{free_port()}"
     run = Running(addr, logs=[os.path.join(log_dir, "colocated.log")])
     run.procs.append(spawn("decode_server", ["--colocated", "--model", model, "--dtype", dtype, "--device", device,
                                              "--listen", addr, *args], run.logs[0]))
-    with _running(run, True) as r:
+    with _running(run, True, credentials) as r:
         yield r
