@@ -25,7 +25,7 @@ gpu-test:
 	PYTHONPATH=. python3 -m pytest -m "gpu" -q
 
 proto: $(STAMP)
-	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. proto/kvtransfer.proto
+	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. proto/kvtransfer.proto proto/kvdata.proto
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -161,6 +161,13 @@ def run_in_process(backend: str, rank: int, address: str, scenario: str, options
             init_pair(rank, address, dev, timeout_s=30)
             link = (SenderLink(dev, peer=1, layers_per_message=options.get("layers_per_message", 1))
                     if rank == 0 else ReceiverLink(dev, peer=0))
+        elif backend == "grpc":  # the receiver listens on `address`; the sender connects to it
+            from kvtransfer.transport.grpc_backend import Checksum, ReceiverLink, SenderLink
+            hostport = address.removeprefix("tcp://")
+            link = (SenderLink(hostport, channels=options.get("channels", 2),
+                               chunk_bytes=options.get("chunk_bytes", 4 << 20),
+                               checksum=Checksum[options.get("checksum", "XXH3_64")])
+                    if rank == 0 else ReceiverLink(hostport, device=dev))
         else:
             raise ValueError(backend)
         (send if rank == 0 else recv)(link, dev)

@@ -8,6 +8,7 @@ import socket
 import threading
 
 import pytest
+import torch
 
 import contract
 from kvtransfer.transport import fake
@@ -71,3 +72,20 @@ def test_gloo(scenario):
 @pytest.mark.parametrize("per_msg", [3, 4])
 def test_gloo_grouped_layers(per_msg):
     run_two_processes("gloo", "many", {"layers_per_message": per_msg})
+
+
+@pytest.mark.parametrize("scenario", sorted(contract.SCENARIOS))
+def test_grpc(scenario):
+    run_two_processes("grpc", scenario)
+
+
+def test_grpc_many_channels_small_chunks():
+    run_two_processes("grpc", "many", {"channels": 3, "chunk_bytes": 1024})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("scenario", sorted(contract.SCENARIOS))
+def test_grpc_cuda(scenario):
+    """Both sides on the GPU: staged D2H on the sender, pinned landing + H2D on the receiver."""
+    run_two_processes("grpc", scenario, {"device": "cuda"})

@@ -1,0 +1,133 @@
+"""Loopback throughput probe for the bench's `link` command: the gRPC backend beside a raw TCP socket.
+
+Why both at once: the gRPC target is relative (>= 80% of a raw TCP socket measured in the
+same run), so the two are measured back to back on the same machine. The sender runs in
+this process and the receivers in a spawned child (two interpreters, two GILs, as with a
+prefill and a decode worker). gRPC time is open -> `finish()` returned, which includes the
+receiver's acknowledgement; TCP time is first byte -> the receiver's byte count back.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+import statistics
+import struct
+import threading
+import time
+
+import torch
+
+from .base import TransferError, TransferHeader
+from .grpc_frames import Checksum
+from .grpc_staging import byte_view
+
+HEAD_DIM = 128  # float32, one kv head: a layer of `seq` tokens is 2 * seq * 512 bytes
+
+
+def measure_loopback(bytes_total: int = 1 << 30, channels: int = 4, chunk_bytes: int = 4 << 20, layers: int = 8,
+                     repeats: int = 3, checksum: Checksum = Checksum.NONE, device: str = "cpu") -> dict:
+    """Move ~bytes_total over gRPC (the real backend) and over one raw TCP socket, `repeats` times each
+    after one warm-up. Returns {"grpc": {...}, "socket": {...}, ...}, each with median_ms, min_ms,
+    max_ms, runs, gbps and bytes_ok (the receiver acknowledged every byte).
+
+    device "cuda" sources the cache from the GPU, so the gRPC figure includes the staged D2H copy.
+    """
+    from .grpc_backend import SenderLink  # the probe is imported by the bench; gRPC only when run
+
+    seq = max(bytes_total // layers // (2 * HEAD_DIM * 4), 1)
+    block = torch.zeros((layers, 2, 1, 1, seq, HEAD_DIM), dtype=torch.float32, device=device)  # (L, 2, b, h, s, d)
+    nbytes = block.nbytes
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    child = ctx.Process(target=_receiver_main, args=(there, nbytes), daemon=True)
+    child.start()
+    try:
+        if not here.poll(120):
+            raise TransferError("timeout", "probe receiver did not start within 120 s")
+        grpc_addr, tcp_port = here.recv()
+        link = SenderLink(grpc_addr, channels=channels, chunk_bytes=chunk_bytes, checksum=checksum)
+        try:
+            grpc_s = _timed(lambda rid: _send_grpc(link, block, rid), repeats)
+        finally:
+            link.close()
+        with socket.create_connection(("127.0.0.1", tcp_port), timeout=120) as sock:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            host = byte_view(block.cpu())
+            tcp_s = _timed(lambda _rid: _send_tcp(sock, host), repeats)
+    finally:
+        child.terminate()
+        child.join(timeout=10)
+    return {"bytes": nbytes, "channels": channels, "chunk_bytes": chunk_bytes, "checksum": Checksum(checksum).name,
+            "device": device, "grpc": _stats(grpc_s, nbytes), "socket": _stats(tcp_s, nbytes),
+            "grpc_vs_socket": statistics.median(tcp_s) / statistics.median(grpc_s)}
+
+
+def _timed(fn, repeats: int) -> list[float]:
+    """Seconds per run; a failed run raises (TransferError), so a finished run moved every byte."""
+    fn(1)  # warm-up: connections, pinned staging, page faults
+    times = []
+    for r in range(repeats):
+        t0 = time.perf_counter()
+        fn(2 + r)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _stats(seconds: list[float], nbytes: int) -> dict:
+    med = statistics.median(seconds)
+    return {"median_ms": med * 1e3, "min_ms": min(seconds) * 1e3, "max_ms": max(seconds) * 1e3,
+            "runs": len(seconds), "gbps": nbytes / med / 1e9, "bytes_ok": True}
+
+
+def _send_grpc(link, block: torch.Tensor, request_id: int) -> None:
+    L, _, b, h, s, d = block.shape
+    hdr = TransferHeader(request_id=request_id, seq_len=s, num_layers=L, kv_heads=h, head_dim=d,
+                         dtype=block.dtype, batch=b)
+    sender = link.open(hdr)
+    for i in range(L):
+        sender.send_layer(i, block[i, 0], block[i, 1])
+    sender.finish(timeout=300)
+
+
+def _send_tcp(sock: socket.socket, data: memoryview) -> None:
+    sock.sendall(struct.pack("<Q", len(data)))
+    sock.sendall(data)
+    got = sock.recv(8, socket.MSG_WAITALL)
+    if len(got) != 8 or struct.unpack("<Q", got)[0] != len(data):
+        raise TransferError("peer", f"probe TCP receiver acknowledged {got!r}, not {len(data)} bytes")
+
+
+# --- child process: both receivers ---
+
+def _receiver_main(conn, nbytes: int) -> None:
+    from .grpc_listener import ReceiverLink
+
+    link = ReceiverLink("127.0.0.1:0", max_bytes=nbytes + (1 << 20))
+    srv = socket.create_server(("127.0.0.1", 0))
+    threading.Thread(target=_tcp_sink, args=(srv, nbytes), daemon=True).start()
+    conn.send((link.address, srv.getsockname()[1]))
+    while True:
+        r = link.accept(timeout=600)
+        try:
+            r.finish(timeout=300)
+        except TransferError:
+            pass  # the sender sees the same failure through its status code
+
+
+def _tcp_sink(srv: socket.socket, nbytes: int) -> None:
+    buf = memoryview(bytearray(nbytes))
+    conn, _ = srv.accept()
+    with conn:
+        while True:
+            head = conn.recv(8, socket.MSG_WAITALL)
+            if len(head) < 8:
+                return
+            (n,) = struct.unpack("<Q", head)
+            got = 0
+            while got < n:
+                k = conn.recv_into(buf[got:n])
+                if k == 0:
+                    return
+                got += k
+            conn.sendall(struct.pack("<Q", got))
