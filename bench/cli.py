@@ -104,7 +104,7 @@ def cmd_ttft(args: argparse.Namespace) -> int:
                          decode_tokens=args.decode_tokens,
                          prefill_device=args.prefill_device or ("cuda:0" if cuda else "cpu"),
                          decode_device=args.decode_device or ("cuda:1" if cuda else "cpu"),
-                         layers_per_message=args.layers_per_message, verify=args.verify, log_dir=args.log_dir)
+                         layers_per_message=args.layers_per_message, transport=args.transport, verify=args.verify, log_dir=args.log_dir)
     except ValueError as e:
         args.parser.error(str(e))
     return run_ttft_cmd(args, cfg)
@@ -132,6 +132,7 @@ def register_ttft(sub) -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--decode-tokens", type=int, default=4, help=">= 2 (the second token is a decode step)")
     p.add_argument("--layers-per-message", type=int, default=1)
+    p.add_argument("--transport", default="auto", help="auto (nccl on GPUs, gloo on CPU), grpc, cuda_ipc")
     p.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
                    help="deterministic pass checking cache, tokens and logits (default on)")
     p.add_argument("--log-dir", help="server logs here (default a temp dir)")

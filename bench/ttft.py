@@ -37,6 +37,7 @@ class TtftConfig:
     prefill_device: str = "auto"
     decode_device: str = "auto"
     layers_per_message: int = 1
+    transport: str = "auto"           # the pair's data plane: auto (nccl/gloo), grpc, cuda_ipc
     verify: bool = True
     log_dir: str | None = None
 
@@ -79,7 +80,8 @@ def verify_pass(cfg: TtftConfig, prompts: dict[int, list[int]], step: Step) -> d
             step(f"verify colocated {n}")
     checks = {}
     with server_pair(cfg.log_dir, cfg.model, cfg.dtype, cfg.prefill_device, cfg.decode_device,
-                     prefill_args=["--layers-per-message", str(cfg.layers_per_message)], common_args=det) as pair:
+                     prefill_args=["--layers-per-message", str(cfg.layers_per_message)],
+                     common_args=[*det, "--transport", cfg.transport]) as pair:
         for n, ids in prompts.items():
             for mode in cfg.modes:
                 got = asyncio.run(_calls(pair.addr, ids, cfg.decode_tokens, mode, 1, True))[0]
@@ -103,7 +105,8 @@ def run_ttft(cfg: TtftConfig, step: Step = lambda _: None) -> dict:
             step(f"colocated {n}")
     disagg = {}
     with server_pair(cfg.log_dir, cfg.model, cfg.dtype, cfg.prefill_device, cfg.decode_device,
-                     prefill_args=["--layers-per-message", str(cfg.layers_per_message)]) as pair:
+                     prefill_args=["--layers-per-message", str(cfg.layers_per_message)],
+                     common_args=["--transport", cfg.transport]) as pair:
         for n, ids in prompts.items():
             for mode in cfg.modes:
                 disagg[(n, mode)] = _timed(pair.addr, ids, cfg, mode)
@@ -126,11 +129,25 @@ def run_ttft(cfg: TtftConfig, step: Step = lambda _: None) -> dict:
                 **checks.get(f"{n}/{mode}", {}),
             })
     ok = all(all(v.values()) for v in checks.values()) if cfg.verify else True
-    links = measure_p2p((cfg.prefill_device, cfg.decode_device),
-                        cache_patterns(geom.cache_bytes(max(cfg.lengths)), geom.num_layers), cfg.runs, cfg.warmup)
-    step("raw p2p link")
+    links = raw_links(cfg, geom)
+    step("raw link")
     return {"kind": "ttft", "ok": ok, "config": asdict(cfg), "bytes_per_token": geom.bytes_per_token,
             "verified": cfg.verify, "rows": rows, "links": links}
+
+
+def raw_links(cfg: TtftConfig, geom: CacheGeometry) -> dict:
+    """The limit of the data plane the pair used, measured in the same run, at the largest cache size."""
+    nbytes = geom.cache_bytes(max(cfg.lengths))
+    if cfg.transport == "grpc":
+        from kvtransfer.transport.grpc_probe import measure_loopback
+        dev = "cuda" if cfg.prefill_device.startswith("cuda") else "cpu"
+        r = measure_loopback(nbytes, channels=4, repeats=max(cfg.runs, 3), device=dev)
+        return {f"grpc transport ({dev} source)": dict(r["grpc"], pattern=f"{nbytes / 2**20:.0f} MiB, 4 channels"),
+                "tcp socket": dict(r["socket"], pattern=f"{nbytes / 2**20:.0f} MiB, 1 connection")}
+    if cfg.transport == "cuda_ipc" or cfg.prefill_device == cfg.decode_device != "cpu":
+        return {}  # one device: no p2p between two ranks (the link bench measures copies)
+    return measure_p2p((cfg.prefill_device, cfg.decode_device), cache_patterns(nbytes, geom.num_layers),
+                       cfg.runs, cfg.warmup)
 
 
 def total_steps(cfg: TtftConfig) -> int:

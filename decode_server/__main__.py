@@ -16,6 +16,8 @@ from kvtransfer.serving import configure_logging, gpu_executor, grpc_options, lo
 from proto import kvtransfer_pb2 as pb
 from proto import kvtransfer_pb2_grpc as pbg
 
+from kvtransfer.transport.links import ADDRESSED, PROCESS_GROUP, receiver_link, resolve
+
 from .config import DecodeConfig
 from .engine import DecodeEngine
 from .receiver import ReceiveLoop
@@ -29,10 +31,11 @@ class HandshakeRefused(SystemExit):
 
 
 async def handshake(stub: pbg.PrefillStub, compat: pb.Compat, transport: str, timeout_s: float,
-                    max_receive_bytes: int = 0, metadata=None) -> None:
+                    max_receive_bytes: int = 0, metadata=None, data_address: str = "") -> None:
     """Wait for the prefill peer, then refuse it unless it holds the same model and layout."""
     deadline = time.monotonic() + timeout_s
-    request = pb.HandshakeRequest(compat=compat, transport=transport, max_receive_bytes=max_receive_bytes)
+    request = pb.HandshakeRequest(compat=compat, transport=transport, max_receive_bytes=max_receive_bytes,
+                                  data_address=data_address)
     while True:
         try:
             resp = await stub.Handshake(request, timeout=max(min(10.0, deadline - time.monotonic()), 0.1),
@@ -62,17 +65,24 @@ async def serve(config: DecodeConfig) -> None:
     gpu = gpu_executor(device, "decode-gpu")
     receiver = stub = None
     if not config.colocated:
-        from kvtransfer.transport.dist import ReceiverLink, init_pair
-        transport = config.transport if config.transport != "auto" else ("nccl" if device.type == "cuda" else "gloo")
-        log.info("model loaded on %s; joining process group at %s as rank 1 (%s)", device, config.dist_init, transport)
-        await asyncio.to_thread(init_pair, 1, config.dist_init, device, config.dist_timeout_s)
-        link = ReceiverLink(device, peer=0, max_bytes=config.max_receive_bytes)
+        transport = resolve(config.transport, device)
+        if transport in PROCESS_GROUP:
+            from kvtransfer.transport.dist import init_pair
+            log.info("model loaded on %s; joining process group at %s as rank 1 (%s)", device, config.dist_init,
+                     transport)
+            await asyncio.to_thread(init_pair, 1, config.dist_init, device, config.dist_timeout_s)
+        g = loaded.geometry
+        link = receiver_link(transport, device, config.max_receive_bytes, config.data_listen,
+                             g.cache_bytes(config.max_prompt_tokens), config.ipc_slots, g.num_layers)
+        data_address = getattr(link, "address", "") if transport in ADDRESSED else ""
+        if data_address:
+            log.info("data plane (%s) listening at %s", transport, data_address)
         receiver = ReceiveLoop(link, loaded.geometry, device, finish_timeout_s=config.request_timeout_s)
         receiver.start()
         stub = pbg.PrefillStub(peer.channel(config.prefill_addr, options=grpc_options(config.max_message_bytes)))
         compat = local_compat(config.spec, loaded.model, loaded.geometry, config.deterministic)
         await handshake(stub, compat, transport, config.handshake_timeout_s, config.max_receive_bytes,
-                        peer.metadata())
+                        peer.metadata(), data_address)
     service = DecodeService(config, engine, gpu, receiver, stub, peer.metadata())
     server, port = await create_server(config, service, token=token)
     await server.start()

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from kvtransfer.configargs import one_line
 from kvtransfer.models import ModelSpec
+from kvtransfer.transport.links import TRANSPORTS
 from kvtransfer.security import check_tls_flags, check_token_flags
 from kvtransfer.serving import CONTROL_MESSAGE_LIMIT, check_message_limit
 
@@ -24,7 +25,9 @@ class DecodeConfig:
     dtype: str = "float32"
     seed: int = 0
     device: str = "auto"
-    transport: str = "auto"               # auto (nccl on cuda, gloo on cpu), nccl, gloo
+    transport: str = "auto"               # auto (nccl on cuda, gloo on cpu), nccl, gloo, grpc, cuda_ipc
+    data_listen: str = "127.0.0.1:0"      # grpc / cuda_ipc: where the data plane listens (announced at the handshake)
+    ipc_slots: int = 2                    # cuda_ipc: receive slots of --max-prompt-tokens each
     dist_init: str = "env://"
     max_prompt_tokens: int = 32768
     max_new_tokens: int = 4096            # per request
@@ -49,8 +52,10 @@ class DecodeConfig:
 
     def __post_init__(self):
         ModelSpec(self.model, self.dtype, self.seed)
-        if self.transport not in ("auto", "nccl", "gloo"):
-            raise ValueError(f"--transport {self.transport!r}: choose auto, nccl or gloo")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"--transport {self.transport!r}: choose one of {', '.join(TRANSPORTS)}")
+        if self.ipc_slots < 1:
+            raise ValueError("--ipc-slots must be >= 1")
         for name in ("max_prompt_tokens", "max_new_tokens", "max_inflight", "max_receive_bytes",
                      "max_message_bytes"):
             if getattr(self, name) < 1:

@@ -66,9 +66,15 @@ class ReceiveLoop:
     def _run(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        survives = getattr(self.link, "survives_errors", False)
         try:
             while True:
-                self._one()
+                try:
+                    self._one()
+                except TransferError as e:
+                    if not survives:
+                        raise
+                    log.warning("a transfer failed; the data plane is still up: %s", e)
         except BaseException as e:  # the link is broken: fail everyone waiting, loudly
             self.error = e
             log.error("receive loop stopped: %s", e)
@@ -99,10 +105,10 @@ class ReceiveLoop:
         try:
             layers = r.finish(timeout=self.finish_timeout_s)
         except TransferError as e:
-            if e.cause not in ("aborted",):
-                raise  # timeout / peer: the stream is out of step, stop the loop
             if exp is not None:
                 exp.future.set_exception(e)
+            if e.cause not in ("aborted", "data_loss"):
+                raise  # timeout / peer: an ordered stream is out of step (the loop decides whether to stop)
             return
         if h.request_id == WARMUP_REQUEST_ID:
             return

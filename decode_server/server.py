@@ -17,7 +17,7 @@ import time
 import grpc
 
 from kvtransfer.security import server_credentials
-from kvtransfer.serving import InflightLimit, build_server
+from kvtransfer.serving import InflightLimit, build_server, transfer_status
 from kvtransfer.streaming import cache_digest, cache_layers
 from kvtransfer.transport import TransferError
 from proto import kvtransfer_pb2 as pb
@@ -30,9 +30,6 @@ from .receiver import ReceiveLoop
 log = logging.getLogger("kvtransfer.decode")
 
 KNOWN_MODES = {pb.MODE_AUTO, pb.MODE_LAYERWISE, pb.MODE_BULK, pb.MODE_COLOCATED}
-TRANSFER_STATUS = {"aborted": grpc.StatusCode.UNAVAILABLE, "timeout": grpc.StatusCode.DEADLINE_EXCEEDED,
-                   "peer": grpc.StatusCode.UNAVAILABLE, "protocol": grpc.StatusCode.INTERNAL,
-                   "data_loss": grpc.StatusCode.DATA_LOSS}
 
 
 class DecodeService(pbg.DecodeServicer):
@@ -113,7 +110,7 @@ class DecodeService(pbg.DecodeServicer):
             except grpc.aio.AioRpcError as e:
                 await context.abort(e.code(), f"prefill worker: {e.details()}")
             except TransferError as e:
-                await context.abort(TRANSFER_STATUS.get(e.cause, grpc.StatusCode.INTERNAL), f"cache transfer: {e}")
+                await context.abort(transfer_status(e), f"cache transfer: {e}")
             except asyncio.TimeoutError:
                 await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the cache did not arrive before the deadline")
             finally:

@@ -10,7 +10,8 @@ from kvtransfer.compat import local_compat
 from kvtransfer.configargs import from_args
 from kvtransfer.security import resolve_token
 from kvtransfer.serving import configure_logging, load, new_event_loop, pick_device
-from kvtransfer.transport.dist import SenderLink, init_pair
+from kvtransfer.transport.dist import init_pair
+from kvtransfer.transport.links import ADDRESSED, PROCESS_GROUP, resolve, sender_link
 
 from .config import PrefillConfig
 from .server import PrefillService, create_server
@@ -23,14 +24,22 @@ async def serve(config: PrefillConfig) -> None:
     token = resolve_token(config.auth_token, config.auth_token_file)
     device = pick_device(config.device)
     loaded = load(config.spec, device, config.deterministic)
-    transport = config.transport if config.transport != "auto" else ("nccl" if device.type == "cuda" else "gloo")
-    log.info("model loaded on %s; joining process group at %s as rank 0 (%s)", device, config.dist_init, transport)
-    await asyncio.to_thread(init_pair, 0, config.dist_init, device, config.dist_timeout_s)
-    link = SenderLink(device, peer=1, layers_per_message=config.layers_per_message)
-    worker = PrefillWorker(loaded, link, config.send_timeout_s)
-    await asyncio.to_thread(worker.warmup, config.warmup_tokens)
+    transport = resolve(config.transport, device)
+
+    def connect(address: str = ""):
+        return sender_link(transport, device, address, config.layers_per_message, config.grpc_channels,
+                           config.checksum, config.send_timeout_s)
+
+    worker = PrefillWorker(loaded, None, config.send_timeout_s)
+    if transport in PROCESS_GROUP:
+        log.info("model loaded on %s; joining process group at %s as rank 0 (%s)", device, config.dist_init,
+                 transport)
+        await asyncio.to_thread(init_pair, 0, config.dist_init, device, config.dist_timeout_s)
+        worker.link = connect()
+        await asyncio.to_thread(worker.warmup, config.warmup_tokens)
     service = PrefillService(config, worker, local_compat(config.spec, loaded.model, loaded.geometry,
-                                                          config.deterministic), transport)
+                                                          config.deterministic), transport,
+                             connect if transport in ADDRESSED else None)
     server, port = await create_server(config, service, token=token)
     await server.start()
     await service.health.set("", _serving())

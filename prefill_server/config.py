@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from kvtransfer.configargs import one_line
 from kvtransfer.models import ModelSpec
+from kvtransfer.transport.links import TRANSPORTS
 from kvtransfer.security import check_tls_flags, check_token_flags
 from kvtransfer.serving import CONTROL_MESSAGE_LIMIT, check_message_limit
 
@@ -21,7 +22,9 @@ class PrefillConfig:
     dtype: str = "float32"
     seed: int = 0
     device: str = "auto"                  # auto, cpu, cuda, cuda:N
-    transport: str = "auto"               # auto (nccl on cuda, gloo on cpu), nccl, gloo
+    transport: str = "auto"               # auto (nccl on cuda, gloo on cpu), nccl, gloo, grpc, cuda_ipc
+    grpc_channels: int = 4                # grpc: parallel connections per transfer
+    checksum: str = "xxh3"                # grpc: per-layer checksum verified on receive (xxh3 or none)
     dist_init: str = "env://"             # torch.distributed rendezvous, e.g. tcp://10.0.0.1:29500
     layers_per_message: int = 1           # group layers into one send
     layerwise_min_tokens: int = 0         # MODE_AUTO: prompts at least this long stream layer-wise, shorter ones bulk
@@ -41,8 +44,12 @@ class PrefillConfig:
 
     def __post_init__(self):
         ModelSpec(self.model, self.dtype, self.seed)  # validates model and dtype
-        if self.transport not in ("auto", "nccl", "gloo"):
-            raise ValueError(f"--transport {self.transport!r}: choose auto, nccl or gloo")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"--transport {self.transport!r}: choose one of {', '.join(TRANSPORTS)}")
+        if self.checksum not in ("xxh3", "none"):
+            raise ValueError(f"--checksum {self.checksum!r}: choose xxh3 or none")
+        if not 1 <= self.grpc_channels <= 64:
+            raise ValueError("--grpc-channels must be 1..64")
         if self.layers_per_message < 1:
             raise ValueError("--layers-per-message must be >= 1")
         for name in ("max_prompt_tokens", "max_inflight", "max_message_bytes"):

@@ -15,7 +15,7 @@ import grpc
 
 from kvtransfer.compat import mismatch
 from kvtransfer.security import server_credentials
-from kvtransfer.serving import InflightLimit, build_server, gpu_executor
+from kvtransfer.serving import InflightLimit, build_server, gpu_executor, transfer_status
 from kvtransfer.transport import TransferError
 from proto import kvtransfer_pb2 as pb
 from proto import kvtransfer_pb2_grpc as pbg
@@ -30,8 +30,10 @@ MAX_REQUEST_ID = (1 << 63) - 1  # the data-plane header carries it as int64
 
 
 class PrefillService(pbg.PrefillServicer):
-    def __init__(self, config: PrefillConfig, worker: PrefillWorker, compat: pb.Compat, transport: str):
+    def __init__(self, config: PrefillConfig, worker: PrefillWorker, compat: pb.Compat, transport: str,
+                 connect=None):
         self.config, self.worker, self.compat, self.transport = config, worker, compat, transport
+        self.connect = connect  # address transports: builds the link to the announced data address
         self.gpu = gpu_executor(worker.m.device, "prefill-gpu")
         self.vocab = worker.m.model.config.vocab_size
         self.admit = InflightLimit(config.max_inflight)
@@ -46,7 +48,25 @@ class PrefillService(pbg.PrefillServicer):
             log.warning("handshake refused: %s", problem)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
         self.peer_max_receive_bytes = request.max_receive_bytes
+        if self.connect is not None:
+            if not request.data_address:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"transport {self.transport} needs the decode side's data address in the handshake")
+            try:
+                await asyncio.get_running_loop().run_in_executor(self.gpu, self._reconnect, request.data_address)
+            except (TransferError, ValueError, OSError) as e:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot reach the data plane at "
+                                    f"{request.data_address}: {e}")
         return pb.HandshakeResponse(compat=self.compat, transport=self.transport)
+
+    def _reconnect(self, address: str) -> None:
+        """(Re)connect the data plane to a decode peer that (re)started, then warm it up."""
+        old, self.worker.link = self.worker.link, None
+        if old is not None:
+            old.close()
+        self.worker.link = self.connect(address)
+        log.info("data plane (%s) connected to %s", self.transport, address)
+        self.worker.warmup(self.config.warmup_tokens)
 
     def resolve_mode(self, mode: int, n: int) -> str:
         if mode == pb.MODE_AUTO:
@@ -97,7 +117,7 @@ class PrefillService(pbg.PrefillServicer):
                                            list(request.token_ids), mode, request.return_logits_digest)
         except TransferError as e:
             log.error("request %d: transfer failed: %s", request.request_id, e)
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"cache transfer failed: {e}")
+            await context.abort(transfer_status(e), f"cache transfer failed: {e}")
         log.info("request %d: %d tokens %s prefill %.2f ms sent %.2f ms", request.request_id, n, r.mode,
                  r.prefill_ms, r.send_done_ms)
         return pb.PrefillResponse(first_token=r.first_token, first_logits_digest=r.first_logits_digest,

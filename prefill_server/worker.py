@@ -17,7 +17,7 @@ from kvtransfer.determinism import sync
 from kvtransfer.reference import logits_digest, prefill, random_prompt
 from kvtransfer.serving import LoadedModel
 from kvtransfer.streaming import cache_layers
-from kvtransfer.transport import TransferHeader
+from kvtransfer.transport import TransferError, TransferHeader
 
 log = logging.getLogger("kvtransfer.prefill")
 
@@ -46,6 +46,8 @@ class PrefillWorker:
 
     def run(self, request_id: int, token_ids: list[int], mode: str, want_digest: bool) -> PrefillResult:
         """Prefill and ship the cache. `mode` is "layerwise" or "bulk". Raises TransferError/ValueError."""
+        if self.link is None:
+            raise TransferError("peer", "no decode peer has connected its data plane yet")
         ids = torch.tensor([token_ids], dtype=torch.long).to(self.m.device, non_blocking=True)  # (1, seq)
         sender = self.link.open(self.header(request_id, len(token_ids)))
         try:

@@ -89,14 +89,16 @@ class Compat(_message.Message):
     def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., weights_fingerprint: _Optional[str] = ..., geometry_digest: _Optional[str] = ..., num_layers: _Optional[int] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., layout: _Optional[str] = ..., protocol_version: _Optional[int] = ..., deterministic: _Optional[bool] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
-    __slots__ = ("compat", "transport", "max_receive_bytes")
+    __slots__ = ("compat", "transport", "max_receive_bytes", "data_address")
     COMPAT_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     MAX_RECEIVE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     compat: Compat
     transport: str
     max_receive_bytes: int
-    def __init__(self, compat: _Optional[_Union[Compat, _Mapping]] = ..., transport: _Optional[str] = ..., max_receive_bytes: _Optional[int] = ...) -> None: ...
+    data_address: str
+    def __init__(self, compat: _Optional[_Union[Compat, _Mapping]] = ..., transport: _Optional[str] = ..., max_receive_bytes: _Optional[int] = ..., data_address: _Optional[str] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
     __slots__ = ("compat", "transport")
