@@ -100,6 +100,7 @@ def server_pair(log_dir: str | None = None, model="tiny", dtype="float32", prefi
                 credentials: grpc.ChannelCredentials | None = None):
     """Prefill (rank 0) and decode (rank 1) joined by a process group on a free loopback port."""
     log_dir = log_dir or tempfile.mkdtemp(prefix="kvt-logs-")
+    os.makedirs(log_dir, exist_ok=True)
     dist = f"tcp://127.0.0.1:{free_port()}"
     p_addr, d_addr = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     common = ["--model", model, "--dtype", dtype, "--dist-init", dist, *common_args]
@@ -116,6 +117,7 @@ def server_pair(log_dir: str | None = None, model="tiny", dtype="float32", prefi
 def colocated_server(log_dir: str | None = None, model="tiny", dtype="float32", device="auto", args=(),
                      credentials: grpc.ChannelCredentials | None = None):
     log_dir = log_dir or tempfile.mkdtemp(prefix="kvt-logs-")
+    os.makedirs(log_dir, exist_ok=True)
     addr = f"127.0.0.1:{free_port()}"
     run = Running(addr, logs=[os.path.join(log_dir, "colocated.log")])
     run.procs.append(spawn("decode_server", ["--colocated", "--model", model, "--dtype", dtype, "--device", device,
