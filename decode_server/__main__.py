@@ -11,7 +11,7 @@ import grpc
 
 from kvtransfer.compat import local_compat, mismatch
 from kvtransfer.configargs import from_args
-from kvtransfer.security import ClientSecurity, resolve_token
+from kvtransfer.security import ClientSecurity, resolve_token, server_credentials
 from kvtransfer.serving import configure_logging, gpu_executor, grpc_options, load, new_event_loop, pick_device
 from proto import kvtransfer_pb2 as pb
 from proto import kvtransfer_pb2_grpc as pbg
@@ -73,7 +73,8 @@ async def serve(config: DecodeConfig) -> None:
             await asyncio.to_thread(init_pair, 1, config.dist_init, device, config.dist_timeout_s)
         g = loaded.geometry
         link = receiver_link(transport, device, config.max_receive_bytes, config.data_listen,
-                             g.cache_bytes(config.max_prompt_tokens), config.ipc_slots, g.num_layers)
+                             g.cache_bytes(config.max_prompt_tokens), config.ipc_slots, g.num_layers,
+                             server_credentials(config.data_tls_cert, config.data_tls_key, config.data_tls_ca))
         data_address = getattr(link, "address", "") if transport in ADDRESSED else ""
         if data_address:
             log.info("data plane (%s) listening at %s", transport, data_address)

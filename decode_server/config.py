@@ -27,6 +27,9 @@ class DecodeConfig:
     device: str = "auto"
     transport: str = "auto"               # auto (nccl on cuda, gloo on cpu), nccl, gloo, grpc, cuda_ipc
     data_listen: str = "127.0.0.1:0"      # grpc / cuda_ipc: where the data plane listens (announced at the handshake)
+    data_tls_cert: str = ""               # grpc data plane: serve TLS with this certificate chain
+    data_tls_key: str = ""                # grpc data plane: private key of --data-tls-cert
+    data_tls_ca: str = ""                 # grpc data plane: require prefill client certificates signed by this CA
     ipc_slots: int = 2                    # cuda_ipc: receive slots of --max-prompt-tokens each
     dist_init: str = "env://"
     max_prompt_tokens: int = 32768
@@ -66,6 +69,7 @@ class DecodeConfig:
             raise ValueError(f"--listen {self.listen!r}: expected HOST:PORT")
         check_message_limit(self.max_message_bytes, self.max_prompt_tokens)
         check_tls_flags("tls", self.tls_cert, self.tls_key, self.tls_ca, server=True)
+        check_tls_flags("data-tls", self.data_tls_cert, self.data_tls_key, self.data_tls_ca, server=True)
         check_tls_flags("prefill-tls", self.prefill_tls_cert, self.prefill_tls_key, self.prefill_tls_ca, server=False)
         check_token_flags("auth", self.auth_token, self.auth_token_file)
         check_token_flags("prefill-auth", self.prefill_auth_token, self.prefill_auth_token_file)

@@ -4,13 +4,15 @@
 # CA key sits next to them. Both certificates name localhost and 127.0.0.1 and may serve
 # and authenticate (serverAuth + clientAuth), so either worker can use either.
 #
-#   deploy/make_test_ca.sh [OUT_DIR] [DAYS]     (default: ./certs, 30 days)
+#   deploy/make_test_ca.sh [OUT_DIR] [DAYS] [EXTRA_SANS]   (default: ./certs, 30 days;
+#       EXTRA_SANS e.g. IP:10.0.0.2,DNS:decode.internal for hosts other than this one)
 #
 # Writes OUT_DIR/{ca.pem,ca.key,server.pem,server.key,client.pem,client.key}.
 set -euo pipefail
 
 out=${1:-certs}
 days=${2:-30}
+extra=${3:-}
 command -v openssl >/dev/null || { echo "make_test_ca.sh: openssl not found" >&2; exit 1; }
 mkdir -p "$out"
 cd "$out"
@@ -21,11 +23,11 @@ key ca.key
 openssl req -x509 -new -key ca.key -out ca.pem -days "$days" -subj "/CN=kvtransfer test CA" \
     -addext "basicConstraints=critical,CA:TRUE" -addext "keyUsage=critical,keyCertSign,cRLSign"
 
-cat > leaf.ext <<'EXT'
+cat > leaf.ext <<EXT
 basicConstraints=CA:FALSE
 keyUsage=critical,digitalSignature,keyEncipherment
 extendedKeyUsage=serverAuth,clientAuth
-subjectAltName=DNS:localhost,IP:127.0.0.1
+subjectAltName=DNS:localhost,IP:127.0.0.1${extra:+,$extra}
 EXT
 for name in server client; do
     key "$name.key"

@@ -132,6 +132,16 @@ def server_interceptors(token: str) -> list[grpc.aio.ServerInterceptor]:
     return [TokenInterceptor(token)] if token else []
 
 
+def channel_credentials(ca: str, cert: str = "", key: str = "", prefix: str = "tls") -> grpc.ChannelCredentials | None:
+    """None means plaintext; `ca` verifies the server, cert+key present a client certificate (mTLS)."""
+    if not ca:
+        return None
+    return grpc.ssl_channel_credentials(
+        root_certificates=_read(ca, f"--{prefix}-ca"),
+        private_key=_read(key, f"--{prefix}-key") if key else None,
+        certificate_chain=_read(cert, f"--{prefix}-cert") if cert else None)
+
+
 @dataclass(frozen=True)
 class ClientSecurity:
     """How a client reaches a server: TLS when `tls_ca` is set, a client certificate for mTLS, a token."""
@@ -142,12 +152,9 @@ class ClientSecurity:
     auth_token: str = ""
 
     def channel(self, address: str, options=None) -> grpc.aio.Channel:
-        if not self.tls_ca:
+        creds = channel_credentials(self.tls_ca, self.tls_cert, self.tls_key)
+        if creds is None:
             return grpc.aio.insecure_channel(address, options=options)
-        creds = grpc.ssl_channel_credentials(
-            root_certificates=_read(self.tls_ca, "--tls-ca"),
-            private_key=_read(self.tls_key, "--tls-key") if self.tls_key else None,
-            certificate_chain=_read(self.tls_cert, "--tls-cert") if self.tls_cert else None)
         return grpc.aio.secure_channel(address, creds, options=options)
 
     def metadata(self) -> tuple[tuple[str, str], ...] | None:

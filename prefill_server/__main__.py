@@ -8,7 +8,7 @@ import sys
 
 from kvtransfer.compat import local_compat
 from kvtransfer.configargs import from_args
-from kvtransfer.security import resolve_token
+from kvtransfer.security import channel_credentials, resolve_token
 from kvtransfer.serving import configure_logging, load, new_event_loop, pick_device
 from kvtransfer.transport.dist import init_pair
 from kvtransfer.transport.links import ADDRESSED, PROCESS_GROUP, resolve, sender_link
@@ -26,9 +26,11 @@ async def serve(config: PrefillConfig) -> None:
     loaded = load(config.spec, device, config.deterministic)
     transport = resolve(config.transport, device)
 
+    data_credentials = channel_credentials(config.data_tls_ca, config.data_tls_cert, config.data_tls_key, "data-tls")
+
     def connect(address: str = ""):
         return sender_link(transport, device, address, config.layers_per_message, config.grpc_channels,
-                           config.checksum, config.send_timeout_s)
+                           config.checksum, config.send_timeout_s, data_credentials)
 
     worker = PrefillWorker(loaded, None, config.send_timeout_s)
     if transport in PROCESS_GROUP:

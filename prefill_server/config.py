@@ -24,6 +24,9 @@ class PrefillConfig:
     device: str = "auto"                  # auto, cpu, cuda, cuda:N
     transport: str = "auto"               # auto (nccl on cuda, gloo on cpu), nccl, gloo, grpc, cuda_ipc
     grpc_channels: int = 4                # grpc: parallel connections per transfer
+    data_tls_ca: str = ""                 # grpc data plane: use TLS, verify the decode side's certificate with this CA
+    data_tls_cert: str = ""               # grpc data plane: client certificate (when the decode side requires mTLS)
+    data_tls_key: str = ""                # grpc data plane: private key of --data-tls-cert
     checksum: str = "xxh3"                # grpc: per-layer checksum verified on receive (xxh3 or none)
     dist_init: str = "env://"             # torch.distributed rendezvous, e.g. tcp://10.0.0.1:29500
     layers_per_message: int = 1           # group layers into one send
@@ -61,6 +64,7 @@ class PrefillConfig:
             raise ValueError(f"--listen {self.listen!r}: expected HOST:PORT")
         check_message_limit(self.max_message_bytes, self.max_prompt_tokens)
         check_tls_flags("tls", self.tls_cert, self.tls_key, self.tls_ca, server=True)
+        check_tls_flags("data-tls", self.data_tls_cert, self.data_tls_key, self.data_tls_ca, server=False)
         check_token_flags("auth", self.auth_token, self.auth_token_file)
 
     @property

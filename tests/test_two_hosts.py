@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import subprocess
 import sys
 
 import pytest
@@ -50,3 +52,37 @@ def test_gloo_over_tcp_between_namespaces(tmp_path):
             assert want.tokens == client(b, f"{b.addr}:50051", ids, 6)["tokens"]
         finally:
             stop(procs)
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is needed to make test certificates")
+def test_grpc_with_tls_between_namespaces(tmp_path):
+    """gRPC data plane and control plane, both TLS (mutual on the data plane), across the veth pair."""
+    model = load_model(ModelSpec("tiny", "float32"))
+    ids = random_prompt(model.config.vocab_size, 77, seed=4).view(-1).tolist()
+    want, _ = colocated_generate(model, torch.tensor([ids]), 6)
+    with netns.two_hosts("g") as (a, b):
+        certs = tmp_path / "certs"
+        subprocess.run(["bash", os.path.join(ROOT, "deploy", "make_test_ca.sh"), str(certs), "1",
+                        f"IP:{a.addr},IP:{b.addr}"], check=True, capture_output=True)
+        ca, crt, key = str(certs / "ca.pem"), str(certs / "server.pem"), str(certs / "server.key")
+        ccrt, ckey = str(certs / "client.pem"), str(certs / "client.key")
+        common = ["--model", "tiny", "--dtype", "float32", "--transport", "grpc"]
+        logs = [str(tmp_path / "prefill.log"), str(tmp_path / "decode.log")]
+        procs = [
+            spawn("prefill_server", [*common, "--listen", f"{a.addr}:50061", "--tls-cert", crt, "--tls-key", key,
+                                     "--data-tls-ca", ca, "--data-tls-cert", ccrt, "--data-tls-key", ckey],
+                  logs[0], prefix=a.prefix),
+            spawn("decode_server", [*common, "--listen", f"{b.addr}:50051", "--prefill-addr", f"{a.addr}:50061",
+                                    "--prefill-tls-ca", ca, "--data-listen", f"{b.addr}:0",
+                                    "--data-tls-cert", crt, "--data-tls-key", key, "--data-tls-ca", ca],
+                  logs[1], prefix=b.prefix),
+        ]
+        try:
+            netns.wait_for_line(logs[1], "decode server ready", procs)
+            got = client(b, f"{b.addr}:50051", ids, 6)
+            assert got["tokens"] == want.tokens
+            assert got["logits_digests"] == want.logits_digests()
+        finally:
+            stop(procs)
+        with open(logs[1]) as f:
+            assert "data plane (grpc) listening" in f.read()

@@ -29,14 +29,14 @@ def resolve(transport: str, device: torch.device) -> str:
 
 
 def receiver_link(transport: str, device: torch.device, max_bytes: int, data_listen: str, slot_bytes: int,
-                  slots: int, num_layers: int):
+                  slots: int, num_layers: int, credentials=None):
     """The decode side's link (process-group transports must be joined before)."""
     if transport in PROCESS_GROUP:
         from .dist import ReceiverLink
         return ReceiverLink(device, peer=0, max_bytes=max_bytes)
     if transport == "grpc":
         from .grpc_listener import ReceiverLink
-        link = ReceiverLink(address=data_listen, device=device, max_bytes=max_bytes)
+        link = ReceiverLink(address=data_listen, device=device, max_bytes=max_bytes, credentials=credentials)
         link.survives_errors = True  # one request's failure leaves the listener usable
         return link
     from .ipc_receiver import ReceiverLink
@@ -46,7 +46,7 @@ def receiver_link(transport: str, device: torch.device, max_bytes: int, data_lis
 
 
 def sender_link(transport: str, device: torch.device, address: str, layers_per_message: int = 1,
-                channels: int = 4, checksum: str = "xxh3", connect_timeout_s: float = 60.0):
+                channels: int = 4, checksum: str = "xxh3", connect_timeout_s: float = 60.0, credentials=None):
     """The prefill side's link; `address` is what the decode side announced (address transports)."""
     if transport in PROCESS_GROUP:
         from .dist import SenderLink
@@ -57,6 +57,6 @@ def sender_link(transport: str, device: torch.device, address: str, layers_per_m
         from .grpc_backend import Checksum, SenderLink
         return SenderLink(address, channels=channels,
                           checksum=Checksum.XXH3_64 if checksum == "xxh3" else Checksum.NONE,
-                          connect_timeout_s=connect_timeout_s)
+                          connect_timeout_s=connect_timeout_s, credentials=credentials)
     from .cuda_ipc import SenderLink
     return SenderLink(device, address, connect_timeout=connect_timeout_s)
