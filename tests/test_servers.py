@@ -32,11 +32,12 @@ def tiny_models():
     return {dt: load_model(ModelSpec("tiny", dt)) for dt in ("float32", "bfloat16")}
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_pair_matches_colocated(tmp_path, tiny_models, dtype):
-    """Cache byte-equal, tokens and logits bit-identical, in every mode."""
+@pytest.mark.parametrize("dtype,transport", [("float32", "gloo"), ("bfloat16", "gloo"), ("bfloat16", "grpc")])
+def test_pair_matches_colocated(tmp_path, tiny_models, dtype, transport):
+    """Cache byte-equal, tokens and logits bit-identical, in every mode, over each CPU data plane."""
     model = tiny_models[dtype]
-    with server_pair(tmp_path, dtype=dtype) as run:
+    with server_pair(tmp_path, dtype=dtype, prefill_args=["--transport", transport],
+                     decode_args=["--transport", transport]) as run:
         for ids in prompts(model.config.vocab_size):
             want = reference(model, ids, 6)
             for mode in ("layerwise", "bulk", "auto", "colocated"):
