@@ -13,7 +13,9 @@ from kvtransfer.configargs import one_line
 from kvtransfer.models import ModelSpec
 from kvtransfer.transport.links import TRANSPORTS
 from kvtransfer.security import check_tls_flags, check_token_flags
-from kvtransfer.serving import CONTROL_MESSAGE_LIMIT, check_message_limit
+from kvtransfer.serving import CONTROL_MESSAGE_LIMIT, check_message_limit, check_metrics_flags
+
+ON_FAILURE = ("fail", "recompute")
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,9 @@ class DecodeConfig:
     max_receive_bytes: int = 64 << 30     # one transfer's receive buffer limit; larger prompts: RESOURCE_EXHAUSTED
     max_message_bytes: int = CONTROL_MESSAGE_LIMIT  # gRPC send/receive limit, both directions and to the peer
     request_timeout_s: float = 120.0      # each request ends before this (unless the client's deadline is sooner)
+    on_failure: str = "fail"              # peer or data plane failed a request: fail (UNAVAILABLE) or recompute here
+    peer_timeout_s: float = 30.0          # longest wait for the prefill worker's answer + cache; then --on-failure
+    peer_keepalive_s: float = 2.0         # ping the prefill worker this often; unanswered as long: the link is down
     handshake_timeout_s: float = 120.0
     dist_timeout_s: float = 120.0
     tls_cert: str = ""                    # front door: PEM certificate chain, serve TLS
@@ -50,6 +55,8 @@ class DecodeConfig:
     prefill_tls_key: str = ""             # to the prefill worker: private key of --prefill-tls-cert
     prefill_auth_token: str = ""          # to the prefill worker: the token its --auth-token expects
     prefill_auth_token_file: str = ""     # to the prefill worker: file holding that token
+    metrics_port: int = 0                 # Prometheus /metrics on this port (0: off)
+    metrics_addr: str = "127.0.0.1"       # where /metrics listens (loopback unless told otherwise)
     deterministic: bool = False
     log_level: str = "INFO"
 
@@ -63,8 +70,12 @@ class DecodeConfig:
                      "max_message_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-        if self.request_timeout_s <= 0 or self.handshake_timeout_s <= 0:
+        if min(self.request_timeout_s, self.handshake_timeout_s, self.peer_timeout_s, self.peer_keepalive_s) <= 0:
             raise ValueError("timeouts must be > 0")
+        if self.on_failure not in ON_FAILURE:
+            raise ValueError(f"--on-failure {self.on_failure!r}: choose fail (end the request with UNAVAILABLE) or "
+                             "recompute (prefill on this worker instead)")
+        check_metrics_flags(self.metrics_port, self.metrics_addr)
         if ":" not in self.listen:
             raise ValueError(f"--listen {self.listen!r}: expected HOST:PORT")
         check_message_limit(self.max_message_bytes, self.max_prompt_tokens)

@@ -4,6 +4,12 @@ Why one thread: the data plane is one ordered stream per peer, so frames are acc
 the order the prefill worker sent them, whatever order the requests were made in. Each
 frame's header names its request; buffers are sized from that header and handed to the
 request that expected exactly that id and length, never to another.
+
+Why the bookkeeping: a pairing can end at any moment (peer killed, link down). Then every
+request still waiting is failed at once (`fail_pending`, or `retire` for a loop whose
+process group is being replaced), so each one reaches its policy before its deadline, and
+every receive buffer is counted from the frame's header until its request lets go of it
+(`BufferLedger`), so a test can prove that none leaks.
 """
 
 from __future__ import annotations
@@ -29,59 +35,108 @@ class Expected:
     seq_len: int
     future: Future  # -> list[(k, v)] on the device, or TransferError
     t_ready: float = 0.0  # perf_counter when the whole cache was on the device
+    nbytes: int = 0  # receive-buffer bytes handed over with the result; `release` gives them back
+
+
+class BufferLedger:
+    """Bytes of receive buffers held for requests, across every receive loop of the process."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.bytes = 0
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self.bytes += n
 
 
 class ReceiveLoop:
-    def __init__(self, link, geometry: CacheGeometry, device: torch.device, finish_timeout_s: float):
+    def __init__(self, link, geometry: CacheGeometry, device: torch.device, finish_timeout_s: float,
+                 ledger: BufferLedger | None = None, name: str = "kv-receive"):
         self.link, self.geometry, self.device = link, geometry, device
         self.finish_timeout_s = finish_timeout_s
+        self.ledger = ledger or BufferLedger()
         self._expected: dict[int, Expected] = {}
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, name="kv-receive", daemon=True)
+        self._current = None  # the receiver being finished (aborted by fail_pending on links that survive it)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.survives = getattr(link, "survives_errors", False)
         self.frames = 0
         self.warmups = 0
         self.dropped = 0
+        self.retired = False
         self.error: BaseException | None = None
         self.on_stop = None  # called (from this thread) once the loop has stopped for good
 
     def start(self) -> None:
         self._thread.start()
 
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def expect(self, request_id: int, seq_len: int) -> Expected:
         e = Expected(seq_len, Future())
         e.future.set_running_or_notify_cancel()  # a waiter that gives up cannot cancel it under this thread
         with self._lock:
-            self._expected[request_id] = e
+            if self.error is not None or self.retired:
+                e.future.set_exception(TransferError("peer", f"data plane is down: {self.error or 'retired'}"))
+            else:
+                self._expected[request_id] = e
         return e
 
     def forget(self, request_id: int) -> None:
         """The request gave up; its frame (if it still comes) is drained and dropped."""
         with self._lock:
             self._expected.pop(request_id, None)
+            current = self._current
+        if current is not None and self.survives and current.header.request_id == request_id:
+            current.abort("the request gave up")  # gRPC: cancels the streams, the sender hears of it at once
+
+    def release(self, exp: Expected) -> None:
+        """The request is over: its receive buffers are no longer held."""
+        with self._lock:
+            n, exp.nbytes = exp.nbytes, 0
+        self.ledger.add(-n)
 
     def pending(self) -> int:
         with self._lock:
             return len(self._expected)
 
+    def receiving(self) -> int:
+        """1 while a frame's receiver (and its buffers) is being finished."""
+        return int(self._current is not None)
+
+    def fail_pending(self, reason: str) -> None:
+        """Fail every request still waiting for its cache (the pairing ended), and the transfer in progress."""
+        with self._lock:
+            waiting, self._expected = self._expected, {}
+            current = self._current
+        for exp in waiting.values():
+            exp.future.set_exception(TransferError("peer", reason))
+        if current is not None and self.survives:
+            current.abort(reason)
+
+    def retire(self, reason: str) -> None:
+        """This loop's link is being replaced: fail everyone now; the thread ends when its link gives up."""
+        self.retired = True
+        self.fail_pending(reason)
+
     def _run(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        survives = getattr(self.link, "survives_errors", False)
         try:
-            while True:
+            while not self.retired:  # a retired loop's thread ends after the frame it was blocked in
                 try:
                     self._one()
                 except TransferError as e:
-                    if not survives:
+                    if not self.survives or self.retired:
                         raise
                     log.warning("a transfer failed; the data plane is still up: %s", e)
         except BaseException as e:  # the link is broken: fail everyone waiting, loudly
-            self.error = e
-            log.error("receive loop stopped: %s", e)
             with self._lock:
-                waiting, self._expected = self._expected, {}
-            for exp in waiting.values():
-                exp.future.set_exception(TransferError("peer", f"data plane failed: {e}"))
+                self.error = e
+            (log.info if self.retired else log.error)("receive loop stopped: %s", e)
+            self.fail_pending(f"data plane failed: {e}")
             if self.on_stop is not None:
                 self.on_stop()
 
@@ -89,9 +144,23 @@ class ReceiveLoop:
         r = self.link.accept(timeout=None)
         h = r.header
         self.frames += 1
+        nbytes = h.layer_bytes() * h.num_layers
+        self.ledger.add(nbytes)
+        handed = False
         with self._lock:
-            exp = self._expected.pop(h.request_id, None)
-        g = self.geometry
+            exp = self._expected.get(h.request_id)
+            self._current = r
+        try:
+            handed = self._finish(r, exp, nbytes)
+        finally:
+            with self._lock:
+                self._current = None
+            if not handed:
+                self.ledger.add(-nbytes)
+
+    def _finish(self, r, exp: Expected | None, nbytes: int) -> bool:
+        """Receive the frame and hand it to its request; False when it was dropped (its bytes are freed)."""
+        h, g = r.header, self.geometry
         problem = None
         if h.request_id == WARMUP_REQUEST_ID:
             self.warmups += 1
@@ -106,17 +175,31 @@ class ReceiveLoop:
             layers = r.finish(timeout=self.finish_timeout_s)
         except TransferError as e:
             if exp is not None:
-                exp.future.set_exception(e)
+                self._settle(h.request_id, exp, error=e)
             if e.cause not in ("aborted", "data_loss"):
                 raise  # timeout / peer: an ordered stream is out of step (the loop decides whether to stop)
-            return
+            return False
         if h.request_id == WARMUP_REQUEST_ID:
-            return
+            return False
         if problem is not None:
             self.dropped += 1
             log.warning("dropped a frame: %s", problem)
             if exp is not None:
-                exp.future.set_exception(TransferError("protocol", problem))
-            return
+                self._settle(h.request_id, exp, error=TransferError("protocol", problem))
+            return False
         exp.t_ready = time.perf_counter()
+        return self._settle(h.request_id, exp, layers=layers, nbytes=nbytes)
+
+    def _settle(self, request_id: int, exp: Expected, layers=None, nbytes: int = 0, error=None) -> bool:
+        """Complete `exp` unless its request gave up or was failed meanwhile; True when the layers were handed over."""
+        with self._lock:
+            if self._expected.get(request_id) is not exp:
+                return False
+            del self._expected[request_id]
+            if error is None:
+                exp.nbytes = nbytes
+        if error is not None:
+            exp.future.set_exception(error)
+            return False
         exp.future.set_result(layers)
+        return True

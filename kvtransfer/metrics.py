@@ -1,7 +1,10 @@
-"""Prometheus metrics for both servers, on a separate port (`--metrics-port`).
+"""Prometheus metrics for both servers, on a separate port (`--metrics-port`, 0 = off).
 
 Why here: the two servers report the same families (a dashboard needs one name per
-figure), and prometheus-client is the well-kept way to expose them.
+figure), and prometheus-client is the well-kept way to expose them. Live values (requests
+in flight, buffers held, frames expected) are read at scrape time from the objects that
+own them, so a gauge can never drift from the truth it reports; that is also what the
+fault tests use to prove that nothing leaks.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ class Metrics:
     def __init__(self, role: str):
         self.registry = r = CollectorRegistry()
         self.role = role
+        Gauge("kvt_info", "constant 1, labelled with the server's role", ["role"], registry=r).labels(role).set(1)
         self.ttft_ms = Histogram("kvt_ttft_ms", "request in -> whole cache and first token on the decode worker",
                                  ["mode"], buckets=_MS_BUCKETS, registry=r)
         self.transfer_ms = Histogram("kvt_transfer_ms", "prefill start -> last layer sent/received", ["mode"],
@@ -25,13 +29,30 @@ class Metrics:
                                     buckets=_MS_BUCKETS, registry=r)
         self.bytes = Counter("kvt_transfer_bytes", "KV bytes moved", registry=r)
         self.gbps = Gauge("kvt_transfer_gbps", "achieved GB/s of the last transfer", registry=r)
-        self.requests = Counter("kvt_requests", "requests by outcome", ["outcome"], registry=r)
-        self.failures = Counter("kvt_failures", "failed requests by cause", ["cause"], registry=r)
+        self.requests = Counter("kvt_requests", "finished requests by final gRPC status", ["outcome"], registry=r)
+        self.failures = Counter("kvt_failures", "remote prefill/transfer failures by cause (whatever the policy "
+                                "then did)", ["cause"], registry=r)
         self.inflight = Gauge("kvt_inflight_requests", "requests in flight", registry=r)
-        self.buffer_bytes = Gauge("kvt_buffer_bytes", "bytes held in receive/staging buffers", registry=r)
-        self.peer_up = Gauge("kvt_peer_up", "1 while the peer is connected", registry=r)
+        self.buffer_bytes = Gauge("kvt_buffer_bytes", "bytes held in receive/send buffers for requests in flight",
+                                  registry=r)
+        self.expected = Gauge("kvt_expected_frames", "decode: requests waiting for their cache frame", registry=r)
+        self.receivers = Gauge("kvt_receivers_inflight", "decode: data-plane receivers holding buffers", registry=r)
+        self.receive_loops = Gauge("kvt_receive_loops", "decode: receive-loop threads alive (old pairings' "
+                                   "threads end when the peer closes their group)", registry=r)
+        self.peer_up = Gauge("kvt_peer_up", "1 while the peer is paired and its data plane is up", registry=r)
+        self.pairings = Counter("kvt_pairings", "pairings with the peer (the first one and every re-pairing)",
+                                registry=r)
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> int:
-        """Expose /metrics over HTTP; port 0 picks a free one. Returns the port."""
+        """Expose /metrics over HTTP on `addr:port`; returns the port."""
         server, _ = start_http_server(port, addr=addr, registry=self.registry)
         return server.server_port
+
+    def finished(self, outcome: str) -> None:
+        self.requests.labels(outcome).inc()
+
+    def moved(self, nbytes: int, seconds: float, mode: str) -> None:
+        self.bytes.inc(nbytes)
+        self.transfer_ms.labels(mode).observe(seconds * 1e3)
+        if seconds > 0:
+            self.gbps.set(nbytes / seconds / 1e9)

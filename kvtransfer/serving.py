@@ -34,6 +34,42 @@ def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
             ("grpc.max_receive_message_length", max_message_bytes)]
 
 
+# A server accepts the decode side's keepalive pings as often as once a second, even between calls.
+SERVER_KEEPALIVE = [("grpc.http2.min_ping_interval_without_data_ms", 1000), ("grpc.keepalive_permit_without_calls", 1),
+                    ("grpc.http2.max_ping_strikes", 0)]
+
+
+def peer_channel_options(max_message_bytes: int, keepalive_s: float) -> list[tuple[str, int]]:
+    """The decode server's channel to its prefill peer: a link that stops answering pings for `keepalive_s`
+    fails every call on it (and the liveness watch) with UNAVAILABLE, instead of hanging until a deadline;
+    a peer that comes back is reconnected to within about 2 s."""
+    ms = max(int(keepalive_s * 1000), 1000)
+    return grpc_options(max_message_bytes) + [
+        ("grpc.keepalive_time_ms", ms), ("grpc.keepalive_timeout_ms", ms), ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0), ("grpc.initial_reconnect_backoff_ms", 500),
+        ("grpc.min_reconnect_backoff_ms", 500), ("grpc.max_reconnect_backoff_ms", 2000)]
+
+
+def check_metrics_flags(port: int, addr: str) -> None:
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--metrics-port {port}: use 1..65535, or 0 for no metrics endpoint")
+    if not addr:
+        raise ValueError("--metrics-addr must not be empty (127.0.0.1 keeps it on this host)")
+
+
+def start_metrics(role: str, port: int, addr: str):
+    """The server's Metrics (always, so code records unconditionally), served on addr:port unless port is 0."""
+    from .metrics import Metrics
+    metrics = Metrics(role)
+    if port:
+        try:
+            metrics.serve(port, addr)
+        except OSError as e:
+            raise ValueError(f"cannot serve metrics on {addr}:{port} (--metrics-port/--metrics-addr): {e}") from None
+        log.info("metrics on http://%s:%d/metrics", addr, port)
+    return metrics
+
+
 def check_message_limit(max_message_bytes: int, max_prompt_tokens: int) -> None:
     """A prompt the server accepts must also fit in one message; refuse a config where it would not."""
     need = max_prompt_tokens * BYTES_PER_TOKEN_ID + 1024
@@ -153,7 +189,8 @@ def build_server(descriptor, servicer, address: str, max_message_bytes: int, tok
 
     Returns (server, bound port, health servicer). Raises ValueError when it cannot bind.
     """
-    server = grpc.aio.server(options=grpc_options(max_message_bytes), interceptors=server_interceptors(token))
+    server = grpc.aio.server(options=grpc_options(max_message_bytes) + SERVER_KEEPALIVE,
+                             interceptors=server_interceptors(token))
     add_typed_service(server, descriptor, servicer)
     health = add_standard_services(server, [descriptor.full_name])
     try:

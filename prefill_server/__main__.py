@@ -1,4 +1,4 @@
-"""`kvtransfer-prefill`: load the model, join the decode peer's process group, serve Prefill."""
+"""`kvtransfer-prefill`: load the model, serve Handshake and Prefill; the data plane is built per pairing."""
 
 from __future__ import annotations
 
@@ -6,14 +6,17 @@ import asyncio
 import logging
 import sys
 
+from grpc_health.v1 import health_pb2
+
 from kvtransfer.compat import local_compat
 from kvtransfer.configargs import from_args
 from kvtransfer.security import channel_credentials, resolve_token
-from kvtransfer.serving import configure_logging, load, new_event_loop, pick_device
-from kvtransfer.transport.dist import init_pair
-from kvtransfer.transport.links import ADDRESSED, PROCESS_GROUP, resolve, sender_link
+from kvtransfer.serving import configure_logging, load, new_event_loop, pick_device, start_metrics
+from kvtransfer.transport.links import PROCESS_GROUP, resolve, sender_link
+from kvtransfer.transport.rendezvous import open_store
 
 from .config import PrefillConfig
+from .faults import StallFault
 from .server import PrefillService, create_server
 from .worker import PrefillWorker
 
@@ -25,6 +28,7 @@ async def serve(config: PrefillConfig) -> None:
     device = pick_device(config.device)
     loaded = load(config.spec, device, config.deterministic)
     transport = resolve(config.transport, device)
+    metrics = start_metrics("prefill", config.metrics_port, config.metrics_addr)
 
     data_credentials = channel_credentials(config.data_tls_ca, config.data_tls_cert, config.data_tls_key, "data-tls")
 
@@ -32,27 +36,26 @@ async def serve(config: PrefillConfig) -> None:
         return sender_link(transport, device, address, config.layers_per_message, config.grpc_channels,
                            config.checksum, config.send_timeout_s, data_credentials)
 
-    worker = PrefillWorker(loaded, None, config.send_timeout_s)
-    if transport in PROCESS_GROUP:
-        log.info("model loaded on %s; joining process group at %s as rank 0 (%s)", device, config.dist_init,
-                 transport)
-        await asyncio.to_thread(init_pair, 0, config.dist_init, device, config.dist_timeout_s)
-        worker.link = connect()
-        await asyncio.to_thread(worker.warmup, config.warmup_tokens)
+    fault = (StallFault(config.fail_after_layers, config.fail_stall_s, config.fail_requests)
+             if config.fail_after_layers >= 0 else None)
+    worker = PrefillWorker(loaded, None, config.send_timeout_s, fault)
+    store = None
+    if transport in PROCESS_GROUP:  # one store for the process's lifetime; each pairing joins a fresh group on it
+        try:
+            store = await asyncio.to_thread(open_store, config.dist_init, 0, config.dist_timeout_s)
+        except RuntimeError as e:  # torch's DistNetworkError: the port is taken or the host is not ours
+            raise ValueError(f"cannot host the rendezvous store at --dist-init {config.dist_init}: {e}") from None
+        log.info("model loaded on %s; rendezvous store at %s, waiting for the decode peer (%s)", device,
+                 config.dist_init, transport)
     service = PrefillService(config, worker, local_compat(config.spec, loaded.model, loaded.geometry,
-                                                          config.deterministic), transport,
-                             connect if transport in ADDRESSED else None)
+                                                          config.deterministic), transport, connect, metrics, store)
     server, port = await create_server(config, service, token=token)
     await server.start()
-    await service.health.set("", _serving())
-    log.info("prefill server ready on port %d (%s%s)", port, "mTLS" if config.tls_ca else
-             "TLS" if config.tls_cert else "plaintext", ", token required" if token else "")
+    await service.pairing.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)  # SERVING once paired
+    log.info("prefill server ready on port %d (%s%s)%s", port, "mTLS" if config.tls_ca else
+             "TLS" if config.tls_cert else "plaintext", ", token required" if token else "",
+             "; fault injection on" if fault else "")
     await server.wait_for_termination()
-
-
-def _serving():
-    from grpc_health.v1 import health_pb2
-    return health_pb2.HealthCheckResponse.SERVING
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -12,7 +12,7 @@ from kvtransfer.configargs import one_line
 from kvtransfer.models import ModelSpec
 from kvtransfer.transport.links import TRANSPORTS
 from kvtransfer.security import check_tls_flags, check_token_flags
-from kvtransfer.serving import CONTROL_MESSAGE_LIMIT, check_message_limit
+from kvtransfer.serving import CONTROL_MESSAGE_LIMIT, check_message_limit, check_metrics_flags
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,12 @@ class PrefillConfig:
     max_message_bytes: int = CONTROL_MESSAGE_LIMIT  # gRPC send/receive limit; larger: RESOURCE_EXHAUSTED
     send_timeout_s: float = 60.0
     dist_timeout_s: float = 120.0
-    warmup_tokens: int = 128              # warm-up transfer at start (0: none); must fit the peer's --max-receive-bytes
+    warmup_tokens: int = 128              # warm-up at each pairing (0: none); must fit the peer's --max-receive-bytes
+    fail_after_layers: int = -1           # fault injection (tests): hold a transfer after this many layers (-1: off)
+    fail_stall_s: float = 30.0            # fault injection: how long each held transfer stalls before it goes on
+    fail_requests: int = 1                # fault injection: how many requests (after the warm-up) are held
+    metrics_port: int = 0                 # Prometheus /metrics on this port (0: off)
+    metrics_addr: str = "127.0.0.1"       # where /metrics listens (loopback unless told otherwise)
     tls_cert: str = ""                    # PEM certificate chain: serve TLS
     tls_key: str = ""                     # PEM private key of --tls-cert
     tls_ca: str = ""                      # PEM CA bundle: require client certificates signed by it (mTLS)
@@ -60,6 +65,9 @@ class PrefillConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         if self.layerwise_min_tokens < 0 or self.warmup_tokens < 0:
             raise ValueError("--layerwise-min-tokens and --warmup-tokens must be >= 0")
+        if self.fail_after_layers < -1 or self.fail_stall_s < 0 or self.fail_requests < 1:
+            raise ValueError("--fail-after-layers must be >= -1 (-1: off), --fail-stall-s >= 0, --fail-requests >= 1")
+        check_metrics_flags(self.metrics_port, self.metrics_addr)
         if ":" not in self.listen:
             raise ValueError(f"--listen {self.listen!r}: expected HOST:PORT")
         check_message_limit(self.max_message_bytes, self.max_prompt_tokens)

@@ -14,13 +14,16 @@ import logging
 import grpc
 
 from kvtransfer.compat import mismatch
+from kvtransfer.metrics import Metrics
 from kvtransfer.security import server_credentials
 from kvtransfer.serving import InflightLimit, build_server, gpu_executor, transfer_status
 from kvtransfer.transport import TransferError
+from kvtransfer.transport.links import PROCESS_GROUP
 from proto import kvtransfer_pb2 as pb
 from proto import kvtransfer_pb2_grpc as pbg
 
 from .config import PrefillConfig
+from .pairing import PrefillPairing
 from .worker import WARMUP_REQUEST_ID, PrefillWorker
 
 log = logging.getLogger("kvtransfer.prefill")
@@ -31,13 +34,18 @@ MAX_REQUEST_ID = (1 << 63) - 1  # the data-plane header carries it as int64
 
 class PrefillService(pbg.PrefillServicer):
     def __init__(self, config: PrefillConfig, worker: PrefillWorker, compat: pb.Compat, transport: str,
-                 connect=None):
+                 connect, metrics: Metrics | None = None, store=None):
+        """connect(address="") builds the data-plane link (to the announced address for grpc/cuda_ipc);
+        store: the process-group rendezvous store (nccl/gloo)."""
         self.config, self.worker, self.compat, self.transport = config, worker, compat, transport
-        self.connect = connect  # address transports: builds the link to the announced data address
         self.gpu = gpu_executor(worker.m.device, "prefill-gpu")
         self.vocab = worker.m.model.config.vocab_size
         self.admit = InflightLimit(config.max_inflight)
         self.peer_max_receive_bytes = 0  # announced by the decode peer at the handshake (0: unknown)
+        self.metrics = metrics or Metrics("prefill")
+        self.metrics.inflight.set_function(lambda: self.admit.count)
+        self.metrics.buffer_bytes.set_function(lambda: worker.sending_bytes)
+        self.pairing = PrefillPairing(config, worker, transport, connect, self.gpu, self.metrics, store)
 
     async def Handshake(self, request, context):
         problem = mismatch(self.compat, request.compat)
@@ -47,26 +55,14 @@ class PrefillService(pbg.PrefillServicer):
         if problem:
             log.warning("handshake refused: %s", problem)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
+        if self.transport not in PROCESS_GROUP and not request.data_address:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"transport {self.transport} needs the decode side's data address in the handshake")
         self.peer_max_receive_bytes = request.max_receive_bytes
-        if self.connect is not None:
-            if not request.data_address:
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                    f"transport {self.transport} needs the decode side's data address in the handshake")
-            try:
-                await asyncio.get_running_loop().run_in_executor(self.gpu, self._reconnect, request.data_address)
-            except (TransferError, ValueError, OSError) as e:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot reach the data plane at "
-                                    f"{request.data_address}: {e}")
-        return pb.HandshakeResponse(compat=self.compat, transport=self.transport)
-
-    def _reconnect(self, address: str) -> None:
-        """(Re)connect the data plane to a decode peer that (re)started, then warm it up."""
-        old, self.worker.link = self.worker.link, None
-        if old is not None:
-            old.close()
-        self.worker.link = self.connect(address)
-        log.info("data plane (%s) connected to %s", self.transport, address)
-        self.worker.warmup(self.config.warmup_tokens)
+        resp = await self.pairing.handshake(request, context)
+        resp.compat.CopyFrom(self.compat)
+        resp.transport = self.transport
+        return resp
 
     def resolve_mode(self, mode: int, n: int) -> str:
         if mode == pb.MODE_AUTO:
@@ -113,13 +109,18 @@ class PrefillService(pbg.PrefillServicer):
         mode = self.resolve_mode(request.mode, n)
         loop = asyncio.get_running_loop()
         try:
-            r = await loop.run_in_executor(self.gpu, self.worker.run, request.request_id,
+            r = await loop.run_in_executor(self.gpu, self.pairing.run_request, request.request_id,
                                            list(request.token_ids), mode, request.return_logits_digest)
         except TransferError as e:
             log.error("request %d: transfer failed: %s", request.request_id, e)
+            self.metrics.failures.labels(e.cause).inc()
+            self.metrics.finished(transfer_status(e).name)
             await context.abort(transfer_status(e), f"cache transfer failed: {e}")
         log.info("request %d: %d tokens %s prefill %.2f ms sent %.2f ms", request.request_id, n, r.mode,
                  r.prefill_ms, r.send_done_ms)
+        self.metrics.prefill_ms.labels(r.mode).observe(r.prefill_ms)
+        self.metrics.moved(self.worker.m.geometry.cache_bytes(n), r.send_done_ms / 1e3, r.mode)
+        self.metrics.finished("OK")
         return pb.PrefillResponse(first_token=r.first_token, first_logits_digest=r.first_logits_digest,
                                   prefill_ms=r.prefill_ms, send_done_ms=r.send_done_ms, mode=r.mode)
 
@@ -127,7 +128,7 @@ class PrefillService(pbg.PrefillServicer):
 async def create_server(config: PrefillConfig, service: PrefillService, address: str | None = None,
                         token: str = "") -> tuple[grpc.aio.Server, int]:
     """Build (not start) the server; returns it and the bound port (tests bind port 0)."""
-    server, port, service.health = build_server(
+    server, port, service.pairing.health = build_server(
         pb.DESCRIPTOR.services_by_name["Prefill"], service, address or config.listen, config.max_message_bytes,
         token, server_credentials(config.tls_cert, config.tls_key, config.tls_ca))
     return server, port

@@ -34,10 +34,12 @@ class PrefillResult:
 
 
 class PrefillWorker:
-    def __init__(self, loaded: LoadedModel, link, send_timeout_s: float = 60.0):
+    def __init__(self, loaded: LoadedModel, link, send_timeout_s: float = 60.0, fault=None):
         self.m = loaded
         self.link = link
         self.send_timeout_s = send_timeout_s
+        self.fault = fault  # faults.StallFault, for the fault tests
+        self.sending_bytes = 0  # the cache being sent (held until the transfer ends)
 
     def header(self, request_id: int, seq_len: int) -> TransferHeader:
         g = self.m.geometry
@@ -47,27 +49,38 @@ class PrefillWorker:
     def run(self, request_id: int, token_ids: list[int], mode: str, want_digest: bool) -> PrefillResult:
         """Prefill and ship the cache. `mode` is "layerwise" or "bulk". Raises TransferError/ValueError."""
         if self.link is None:
-            raise TransferError("peer", "no decode peer has connected its data plane yet")
+            raise TransferError("peer", "no decode peer has paired its data plane (the decode server handshakes "
+                                "at start and again after a failure)")
         ids = torch.tensor([token_ids], dtype=torch.long).to(self.m.device, non_blocking=True)  # (1, seq)
-        sender = self.link.open(self.header(request_id, len(token_ids)))
+        header = self.header(request_id, len(token_ids))
+        sender = _transport_errors(self.link.open)(header)
+        send = _transport_errors(sender.send_layer)
+        if self.fault is not None and request_id != WARMUP_REQUEST_ID:
+            send = self.fault.wrap(request_id, header.num_layers, send)
+        self.sending_bytes = header.layer_bytes() * header.num_layers
         try:
             sync(self.m.device)
             t0 = time.perf_counter()
             if mode == "layerwise":
-                cache, logits = prefill(self.m.model, ids, on_layer=sender.send_layer)
+                cache, logits = prefill(self.m.model, ids, on_layer=send)
             else:
                 cache, logits = prefill(self.m.model, ids)
             first = logits.argmax()
             if mode == "bulk":
                 for i, (k, v) in enumerate(cache_layers(cache)):
-                    sender.send_layer(i, k, v)
+                    send(i, k, v)
             first_token = int(first)  # host waits for the compute stream: prefill is done
             t_prefill = time.perf_counter()
-            sender.finish(timeout=self.send_timeout_s)
+            _transport_errors(sender.finish)(timeout=self.send_timeout_s)
             t_sent = time.perf_counter()
         except BaseException as e:
-            sender.abort(f"prefill failed: {e}")
+            try:
+                sender.abort(f"prefill failed: {e}")
+            except Exception as abort_error:  # a broken data plane may refuse the abort too; the first error wins
+                log.warning("request %d: abort after a failure failed too: %s", request_id, abort_error)
             raise
+        finally:
+            self.sending_bytes = 0
         digest = logits_digest(logits) if want_digest else ""
         return PrefillResult(first_token, digest, (t_prefill - t0) * 1e3, (t_sent - t0) * 1e3, mode)
 
@@ -79,3 +92,15 @@ class PrefillWorker:
         for mode in ("layerwise", "bulk"):
             self.run(WARMUP_REQUEST_ID, ids, mode, want_digest=False)
         log.info("warm-up transfers done (%d tokens, layerwise and bulk)", tokens)
+
+
+def _transport_errors(fn):
+    """A transport op whose RuntimeError (e.g. gloo's "Connection closed by peer") becomes TransferError("peer")."""
+    def call(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except TransferError:
+            raise
+        except RuntimeError as e:
+            raise TransferError("peer", f"data plane failed: {e}") from e
+    return call

@@ -89,24 +89,30 @@ class Compat(_message.Message):
     def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., weights_fingerprint: _Optional[str] = ..., geometry_digest: _Optional[str] = ..., num_layers: _Optional[int] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., layout: _Optional[str] = ..., protocol_version: _Optional[int] = ..., deterministic: _Optional[bool] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
-    __slots__ = ("compat", "transport", "max_receive_bytes", "data_address")
+    __slots__ = ("compat", "transport", "max_receive_bytes", "data_address", "instance_id")
     COMPAT_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     MAX_RECEIVE_BYTES_FIELD_NUMBER: _ClassVar[int]
     DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     compat: Compat
     transport: str
     max_receive_bytes: int
     data_address: str
-    def __init__(self, compat: _Optional[_Union[Compat, _Mapping]] = ..., transport: _Optional[str] = ..., max_receive_bytes: _Optional[int] = ..., data_address: _Optional[str] = ...) -> None: ...
+    instance_id: int
+    def __init__(self, compat: _Optional[_Union[Compat, _Mapping]] = ..., transport: _Optional[str] = ..., max_receive_bytes: _Optional[int] = ..., data_address: _Optional[str] = ..., instance_id: _Optional[int] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("compat", "transport")
+    __slots__ = ("compat", "transport", "instance_id", "epoch")
     COMPAT_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     compat: Compat
     transport: str
-    def __init__(self, compat: _Optional[_Union[Compat, _Mapping]] = ..., transport: _Optional[str] = ...) -> None: ...
+    instance_id: int
+    epoch: int
+    def __init__(self, compat: _Optional[_Union[Compat, _Mapping]] = ..., transport: _Optional[str] = ..., instance_id: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "mode", "return_logits_digest")

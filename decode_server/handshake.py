@@ -1,0 +1,49 @@
+"""The handshake with the prefill worker: wait for it, refuse it unless it holds the same model and layout.
+
+Why apart: the decode server handshakes at start (a refusal there ends the process with
+the reason) and again after every failure (a refusal there keeps it NOT_SERVING and
+retrying), and both must check the same things.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import grpc
+
+from kvtransfer.compat import mismatch
+from proto import kvtransfer_pb2 as pb
+from proto import kvtransfer_pb2_grpc as pbg
+
+log = logging.getLogger("kvtransfer.decode")
+
+
+class HandshakeRefused(SystemExit):
+    pass
+
+
+async def handshake(stub: pbg.PrefillStub, compat: pb.Compat, transport: str, timeout_s: float,
+                    max_receive_bytes: int = 0, metadata=None, data_address: str = "",
+                    instance_id: int = 0) -> pb.HandshakeResponse:
+    """Wait up to `timeout_s` for the prefill peer to answer; raises HandshakeRefused."""
+    deadline = time.monotonic() + timeout_s
+    request = pb.HandshakeRequest(compat=compat, transport=transport, max_receive_bytes=max_receive_bytes,
+                                  data_address=data_address, instance_id=instance_id)
+    while True:
+        try:
+            resp = await stub.Handshake(request, timeout=max(min(10.0, deadline - time.monotonic()), 0.1),
+                                        wait_for_ready=True, metadata=metadata)
+            break
+        except grpc.aio.AioRpcError as e:
+            if e.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAUTHENTICATED):
+                raise HandshakeRefused(f"prefill peer refused the handshake: {e.details()}") from None
+            if time.monotonic() > deadline:
+                raise HandshakeRefused(f"prefill peer did not answer the handshake within {timeout_s} s: "
+                                       f"{e.code().name} {e.details()}") from None
+    problem = mismatch(compat, resp.compat)
+    if problem:
+        raise HandshakeRefused(f"prefill peer refused: {problem}")
+    log.info("handshake ok: %s %s fingerprint %s", resp.compat.model, resp.compat.dtype,
+             resp.compat.weights_fingerprint)
+    return resp

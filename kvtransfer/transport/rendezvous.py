@@ -1,0 +1,67 @@
+"""Re-joinable process-group pairing for the servers: one long-lived store, one fresh group per pairing.
+
+Why not `init_process_group(init_method=...)` each time: with tcp:// the prefill (rank 0)
+would host a new TCPStore per pairing on the same port, while the old one may still be
+held by a thread blocked in the dead group; and a group whose peer died, or whose gloo
+wait timed out, is closed for good. So the prefill opens the store once for its lifetime
+(torchrun's agent hosts it under env:// when told so), and every pairing joins a new
+default group under a key prefix that names the pairing: (prefill instance id, epoch),
+exchanged at the handshake. Leaving destroys the group (aborts it for NCCL) so the next
+pairing can join; a thread still blocked in the old group wakes when the peer closes it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from urllib.parse import urlparse
+
+import torch
+import torch.distributed as dist
+
+
+def store_address(init_method: str) -> tuple[str, int]:
+    """HOST, PORT of the rendezvous: tcp://HOST:PORT, or env:// (MASTER_ADDR, MASTER_PORT)."""
+    if init_method.startswith("tcp://"):
+        u = urlparse(init_method)
+        if not u.hostname or not u.port:
+            raise ValueError(f"--dist-init {init_method!r}: expected tcp://HOST:PORT")
+        return u.hostname, u.port
+    if init_method.startswith("env://"):
+        host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        if not host or not port or not port.isdigit():
+            raise ValueError("--dist-init env:// needs MASTER_ADDR and MASTER_PORT (torchrun sets them); "
+                             "or use tcp://HOST:PORT")
+        return host, int(port)
+    raise ValueError(f"--dist-init {init_method!r}: the servers re-pair after a failure and need tcp://HOST:PORT "
+                     "or env://")
+
+
+def open_store(init_method: str, rank: int, timeout_s: float) -> dist.TCPStore:
+    """Rank 0 hosts the store (unless torchrun's agent does); rank 1 connects to it. Does not wait for the peer."""
+    host, port = store_address(init_method)
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's contract, not our config
+    return dist.TCPStore(host, port, None, rank == 0 and not agent, datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
+def pairing_prefix(instance_id: int, epoch: int) -> str:
+    return f"kvt/{instance_id:x}/{epoch}/"
+
+
+def join_pair(rank: int, store: dist.Store, prefix: str, device: torch.device, timeout_s: float) -> None:
+    """Join a fresh two-rank default group (0 prefill, 1 decode) under `prefix`; waits at most `timeout_s`."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kw = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=timeout_s), **kw)
+
+
+def leave_pair(device: torch.device) -> None:
+    """Drop the current group, if any, so that the next pairing can join (NCCL: abort, no waiting on a dead peer)."""
+    if not dist.is_initialized():
+        return
+    if device.type == "cuda" and hasattr(dist.distributed_c10d, "_abort_process_group"):
+        dist.distributed_c10d._abort_process_group()
+    else:
+        dist.destroy_process_group()

@@ -1,0 +1,115 @@
+"""Bounded soak: 64 concurrent clients with mixed prompt lengths against a tiny pair on CPU.
+
+Checks: no request lost (every one ends OK with the colocated reference's tokens; a
+RESOURCE_EXHAUSTED refusal would be counted apart, and none is expected at 64 clients
+under the default --max-inflight 64), and both servers' resident memory flat within 5%
+between the first and the last part of the run, after a warm-up. The decode worker runs
+all device work on one thread, so throughput is a few tens of requests per second here.
+Length: 25 s by default; `KVT_SOAK_SECONDS=600 pytest tests/test_soak.py` for a long one
+(read here only).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+
+import grpc
+import torch
+
+from faultkit import Pair, assert_no_leaks, value
+from kvtransfer.reference import colocated_generate, random_prompt
+from proto import kvtransfer_pb2 as pb
+from proto import kvtransfer_pb2_grpc as pbg
+
+CLIENTS = 64
+LENGTHS = [1, 6, 17, 33, 64, 130, 257, 500]
+MODES = [pb.MODE_AUTO, pb.MODE_LAYERWISE, pb.MODE_BULK]
+
+
+def rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+class RssSampler(threading.Thread):
+    def __init__(self, pids: dict[str, int], every: float = 0.25):
+        super().__init__(daemon=True)
+        self.pids, self.every, self.samples = pids, every, []  # (t, {name: kib})
+        self.done = threading.Event()
+        self.start()
+
+    def run(self) -> None:
+        while not self.done.wait(self.every):
+            self.samples.append((time.monotonic(), {k: rss_kib(p) for k, p in self.pids.items()}))
+
+    def mean(self, name: str, t0: float, t1: float) -> float:
+        xs = [s[name] for t, s in self.samples if t0 <= t < t1]
+        assert xs, f"no RSS samples in [{t0}, {t1})"
+        return sum(xs) / len(xs)
+
+
+async def clients(addr: str, pool: list, seconds: float) -> dict:
+    stats = {"ok": 0, "exhausted": 0, "lost": [], "latency_ms": []}
+    stop = time.monotonic() + seconds
+    async with grpc.aio.insecure_channel(addr) as channel:
+        stub = pbg.DecodeStub(channel)
+
+        async def one_client(c: int) -> None:
+            i = c
+            while time.monotonic() < stop:
+                ids, n, mode, want = pool[i % len(pool)]
+                i += CLIENTS
+                t0 = time.monotonic()
+                try:
+                    got = [m.token_id async for m in stub.Generate(
+                        pb.GenerateRequest(token_ids=ids, max_new_tokens=n, mode=mode), timeout=60)]
+                except grpc.aio.AioRpcError as e:
+                    if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        stats["exhausted"] += 1
+                    else:
+                        stats["lost"].append(f"{len(ids)} tokens: {e.code().name} {e.details()}")
+                    continue
+                if got != want:
+                    stats["lost"].append(f"{len(ids)} tokens: wrong tokens {got} != {want}")
+                else:
+                    stats["ok"] += 1
+                    stats["latency_ms"].append((time.monotonic() - t0) * 1e3)
+        await asyncio.gather(*[one_client(c) for c in range(CLIENTS)])
+    return stats
+
+
+def test_soak(tmp_path, tiny_fp32, record_property):
+    seconds = float(os.environ.get("KVT_SOAK_SECONDS", "25"))
+    pool = []
+    for k, n in enumerate(LENGTHS * 3):
+        ids = random_prompt(512, n, seed=1000 + k).view(-1).tolist()
+        new = 2 + k % 5
+        tokens = colocated_generate(tiny_fp32, torch.tensor([ids]), new)[0].tokens
+        pool.append((ids, new, MODES[k % len(MODES)], tokens))
+    with Pair(tmp_path, "gloo") as pair:
+        pair.start()
+        rss = RssSampler({"prefill": pair.prefill.proc.pid, "decode": pair.decode.proc.pid})
+        t0 = time.monotonic()
+        stats = asyncio.run(clients(pair.addr, pool, seconds))
+        rss.done.set()
+        rss.join()
+        assert not stats["lost"], f"{len(stats['lost'])} lost, e.g. {stats['lost'][:3]}\n{pair.log_text()}"
+        assert stats["exhausted"] == 0
+        warm, part = 0.3 * seconds, 0.2 * seconds  # compare [30%, 50%) with the last 20%, after the warm-up
+        flat = {}
+        for name in ("prefill", "decode"):
+            first, last = rss.mean(name, t0 + warm, t0 + warm + part), rss.mean(name, t0 + seconds - part, t0 + seconds)
+            flat[name] = round(last / first - 1, 4)
+            assert abs(last / first - 1) <= 0.05, f"{name} RSS {first:.0f} -> {last:.0f} KiB"
+        lat = sorted(stats["latency_ms"])
+        d = pair.metrics("decode")
+        assert value(d, "kvt_requests_total", outcome="OK") == stats["ok"]
+        assert_no_leaks(pair)
+        figures = {"seconds": seconds, "clients": CLIENTS, "ok": stats["ok"], "rps": round(stats["ok"] / seconds, 1),
+                   "p50_ms": round(lat[len(lat) // 2], 1), "p99_ms": round(lat[int(len(lat) * 0.99)], 1),
+                   "rss_change": flat, "rss_mib": {k: round(v / 1024) for k, v in rss.samples[-1][1].items()}}
+        record_property("soak", figures)
+        print(f"SOAK {figures}")
