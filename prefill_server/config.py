@@ -30,7 +30,7 @@ class PrefillConfig:
     checksum: str = "xxh3"                # grpc: per-layer checksum verified on receive (xxh3 or none)
     dist_init: str = "env://"             # torch.distributed rendezvous, e.g. tcp://10.0.0.1:29500
     layers_per_message: int = 1           # group layers into one send
-    layerwise_min_tokens: int = 0         # MODE_AUTO: prompts at least this long stream layer-wise, shorter ones bulk
+    layerwise_min_tokens: int = -1        # MODE_AUTO: prompts this long stream layer-wise, shorter bulk; -1: measured per transport (policy.py)
     max_prompt_tokens: int = 32768
     max_inflight: int = 64                # Prefill calls admitted at once (run one by one); beyond: RESOURCE_EXHAUSTED
     max_message_bytes: int = CONTROL_MESSAGE_LIMIT  # gRPC send/receive limit; larger: RESOURCE_EXHAUSTED
@@ -63,8 +63,8 @@ class PrefillConfig:
         for name in ("max_prompt_tokens", "max_inflight", "max_message_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-        if self.layerwise_min_tokens < 0 or self.warmup_tokens < 0:
-            raise ValueError("--layerwise-min-tokens and --warmup-tokens must be >= 0")
+        if self.layerwise_min_tokens < -1 or self.warmup_tokens < 0:
+            raise ValueError("--layerwise-min-tokens must be >= -1 (-1: the measured default) and --warmup-tokens >= 0")
         if self.fail_after_layers < -1 or self.fail_stall_s < 0 or self.fail_requests < 1:
             raise ValueError("--fail-after-layers must be >= -1 (-1: off), --fail-stall-s >= 0, --fail-requests >= 1")
         check_metrics_flags(self.metrics_port, self.metrics_addr)

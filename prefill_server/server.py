@@ -22,6 +22,7 @@ from kvtransfer.transport.links import PROCESS_GROUP
 from proto import kvtransfer_pb2 as pb
 from proto import kvtransfer_pb2_grpc as pbg
 
+from . import policy
 from .config import PrefillConfig
 from .pairing import PrefillPairing
 from .worker import WARMUP_REQUEST_ID, PrefillWorker
@@ -66,7 +67,7 @@ class PrefillService(pbg.PrefillServicer):
 
     def resolve_mode(self, mode: int, n: int) -> str:
         if mode == pb.MODE_AUTO:
-            return "layerwise" if n >= self.config.layerwise_min_tokens else "bulk"
+            return policy.choose(self.transport, self.config.layerwise_min_tokens, n)
         return MODES[mode]
 
     async def _validate(self, request, context) -> None:

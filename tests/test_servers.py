@@ -45,8 +45,9 @@ def test_pair_matches_colocated(tmp_path, tiny_models, dtype, transport):
                 assert got["tokens"] == want["tokens"], (mode, len(ids))
                 assert got["logits_digests"] == want["logits_digests"], (mode, len(ids))
                 assert got["cache_digest"] == want["cache_digest"], (mode, len(ids))
+                auto = "layerwise" if len(ids) >= 2048 else "bulk"  # prefill_server/policy.py, gloo and grpc
                 assert got["timing"]["mode"] == ("colocated" if mode == "colocated" else
-                                                 "layerwise" if mode in ("layerwise", "auto") else "bulk")
+                                                 auto if mode == "auto" else mode)
 
 
 def test_grouped_layers_and_concurrency(tmp_path, tiny_models):
@@ -96,3 +97,10 @@ def test_bad_requests_get_clear_status(tmp_path):
                 asyncio.run(generate(run.addr, ids, n))
             assert e.value.code() == code and words in e.value.details()
         assert len(asyncio.run(generate(run.addr, [1, 2, 3], 3))["tokens"]) == 3
+
+
+def test_auto_mode_policy_is_measured_per_transport():
+    from prefill_server import policy
+    assert policy.choose("grpc", -1, 1024) == "bulk" and policy.choose("grpc", -1, 4096) == "layerwise"
+    assert policy.choose("nccl", -1, 32768) == "bulk"  # until the tuned layer-wise path is measured on 2 GPUs
+    assert policy.choose("nccl", 0, 1) == "layerwise"  # --layerwise-min-tokens overrides the table

@@ -34,29 +34,36 @@ def init_pair(rank: int, init_method: str, device: torch.device, timeout_s: floa
                             timeout=datetime.timedelta(seconds=timeout_s), **kw)
 
 
-def _wait_all(works, device: torch.device, deadline: float | None, what: str) -> None:
-    """Host-wait for works: gloo waits with a timeout; CUDA polls an event so nothing waits forever.
+IDLE_WAIT_S = 7 * 24 * 3600.0  # a receive posted while idle (the next frame's header) may wait this long
 
-    A gloo Work must be waited once only (a second wait waits for another message).
+
+def _wait_all(works, device: torch.device, deadline: float | None, what: str) -> None:
+    """Host-wait for works, polling so that a deadline always ends the wait.
+
+    gloo: a Work must be waited once only (a second wait waits for another message).
+    CUDA: poll `is_completed()` first and only then `wait()` (which makes the current
+    stream wait for the group's stream): calling `wait()` on a receive that is still
+    pending would make this thread's stream wait for it, and any later synchronizing
+    call on that stream would hang until the peer sends.
     """
     if device.type != "cuda":
         for w in works:
             if w.is_completed():
                 continue
-            left = 3600.0 if deadline is None else max(deadline - time.monotonic(), 0.001)
+            left = IDLE_WAIT_S if deadline is None else max(deadline - time.monotonic(), 0.001)
             try:
                 w.wait(timeout=datetime.timedelta(seconds=left))
             except RuntimeError as e:
                 raise TransferError("timeout" if "imed out" in str(e) else "peer", f"{what}: {e}") from e
         return
+    pause = 20e-6
     for w in works:
-        w.wait()  # the current stream waits for the group's stream; the host does not block
-    ev = torch.cuda.Event()
-    ev.record()
-    while not ev.query():
-        if deadline is not None and time.monotonic() > deadline:
-            raise TransferError("timeout", f"{what} did not complete in time")
-        time.sleep(20e-6)
+        while not w.is_completed():
+            if deadline is not None and time.monotonic() > deadline:
+                raise TransferError("timeout", f"{what} did not complete in time")
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+        w.wait()  # complete already: only orders the current stream after it
 
 
 def _messages(header: TransferHeader, group: int) -> list[range]:

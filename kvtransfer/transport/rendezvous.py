@@ -19,6 +19,8 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
+from .dist import IDLE_WAIT_S
+
 
 def store_address(init_method: str) -> tuple[str, int]:
     """HOST, PORT of the rendezvous: tcp://HOST:PORT, or env:// (MASTER_ADDR, MASTER_PORT)."""
@@ -50,11 +52,19 @@ def pairing_prefix(instance_id: int, epoch: int) -> str:
 
 
 def join_pair(rank: int, store: dist.Store, prefix: str, device: torch.device, timeout_s: float) -> None:
-    """Join a fresh two-rank default group (0 prefill, 1 decode) under `prefix`; waits at most `timeout_s`."""
+    """Join a fresh two-rank default group (0 prefill, 1 decode) under `prefix`; waits at most `timeout_s`.
+
+    NCCL's watchdog timeout is per operation from the moment it is enqueued, and the decode
+    side keeps the next frame's header receive posted while idle: with the rendezvous
+    timeout there, an idle pair would be torn down by the watchdog. So NCCL operations get
+    IDLE_WAIT_S; request deadlines, the peer timeout and the keepalive detect a dead peer,
+    and leaving the pairing aborts the communicator.
+    """
     backend = "nccl" if device.type == "cuda" else "gloo"
     kw = {"device_id": device} if device.type == "cuda" else {}
+    op_timeout = IDLE_WAIT_S if device.type == "cuda" else timeout_s
     dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=timeout_s), **kw)
+                            timeout=datetime.timedelta(seconds=op_timeout), **kw)
 
 
 def leave_pair(device: torch.device) -> None:
