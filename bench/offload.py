@@ -31,7 +31,8 @@ from kvtransfer.geometry import CacheGeometry
 from kvtransfer.models import ModelSpec, load_model
 from kvtransfer.reference import decode, prefill, random_prompt
 from kvtransfer.streaming import assemble_cache, cache_layers, caches_equal
-from kvtransfer.tiers import TIER_KINDS, Tier, drop_page_cache, make_tiers, read_file, write_file
+from kvtransfer.pagecache import drop_page_cache, read_file, write_file
+from kvtransfer.tiers import TIER_KINDS, Tier, make_tiers
 
 Step = Callable[[str], None]  # called once per finished step with a short description
 

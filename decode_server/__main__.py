@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import sys
 
 from grpc_health.v1 import health_pb2
 
 from kvtransfer.compat import local_compat
-from kvtransfer.configargs import from_args
 from kvtransfer.security import ClientSecurity, resolve_token, server_credentials
-from kvtransfer.serving import (configure_logging, gpu_executor, load, new_event_loop, peer_channel_options,
-                                pick_device, start_metrics)
+from kvtransfer.serving import gpu_executor, load, peer_channel_options, pick_device, run_main, start_metrics
 from kvtransfer.transport.links import resolve
 
 from .config import DecodeConfig
@@ -60,18 +56,7 @@ async def serve(config: DecodeConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = from_args(DecodeConfig, argv, "kvtransfer decode worker (the front door)")
-    configure_logging(config.log_level)
-    log.info("config %s", config.one_line())
-    loop = new_event_loop()
-    asyncio.set_event_loop(loop)
-    try:
-        loop.run_until_complete(serve(config))
-    except KeyboardInterrupt:
-        pass
-    except ValueError as e:  # a setting that only shows at start-up (device, certificate, token file, port)
-        log.error("cannot start: %s", e)
-        sys.exit(2)
+    run_main(DecodeConfig, argv, "kvtransfer decode worker (the front door)", serve, log)
 
 
 if __name__ == "__main__":

@@ -226,3 +226,26 @@ TRANSFER_STATUS = {"aborted": grpc.StatusCode.UNAVAILABLE, "timeout": grpc.Statu
 def transfer_status(e) -> grpc.StatusCode:
     """The gRPC status a failed transfer (TransferError) ends its request with."""
     return TRANSFER_STATUS.get(e.cause, grpc.StatusCode.INTERNAL)
+
+
+def run_main(config_cls, argv, description: str, serve, logger: logging.Logger) -> None:
+    """A server's `main`: flags -> config (validated), logging, one uvloop loop running `serve(config)`.
+
+    A setting that only shows at start-up (device, certificate, token file, port) exits 2
+    with one line saying which.
+    """
+    import sys
+
+    from .configargs import from_args
+    config = from_args(config_cls, argv, description)
+    configure_logging(config.log_level)
+    logger.info("config %s", config.one_line())
+    loop = new_event_loop()
+    asyncio.set_event_loop(loop)
+    try:
+        loop.run_until_complete(serve(config))
+    except KeyboardInterrupt:
+        pass
+    except ValueError as e:
+        logger.error("cannot start: %s", e)
+        sys.exit(2)

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 
 from grpc_health.v1 import health_pb2
 
 from kvtransfer.compat import local_compat
-from kvtransfer.configargs import from_args
 from kvtransfer.security import channel_credentials, resolve_token
-from kvtransfer.serving import configure_logging, load, new_event_loop, pick_device, start_metrics
+from kvtransfer.serving import load, pick_device, run_main, start_metrics
 from kvtransfer.transport.links import PROCESS_GROUP, resolve, sender_link
 from kvtransfer.transport.rendezvous import open_store
 
@@ -59,18 +57,7 @@ async def serve(config: PrefillConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = from_args(PrefillConfig, argv, "kvtransfer prefill worker")
-    configure_logging(config.log_level)
-    log.info("config %s", config.one_line())
-    loop = new_event_loop()
-    asyncio.set_event_loop(loop)
-    try:
-        loop.run_until_complete(serve(config))
-    except KeyboardInterrupt:
-        pass
-    except ValueError as e:  # a setting that only shows at start-up (device, certificate, token file, port)
-        log.error("cannot start: %s", e)
-        sys.exit(2)
+    run_main(PrefillConfig, argv, "kvtransfer prefill worker", serve, log)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ import torch
 from kvtransfer.models import ModelSpec, load_model
 from kvtransfer.reference import prefill, random_prompt
 from kvtransfer.streaming import caches_equal, cache_layers
-from kvtransfer.tiers import TIER_KINDS, DiskTier, contiguous_span, drop_page_cache, make_tiers, resident_pages
+from kvtransfer.pagecache import drop_page_cache, resident_pages
+from kvtransfer.tiers import TIER_KINDS, DiskTier, contiguous_span, make_tiers
 
 
 @pytest.fixture(scope="module")
