@@ -1,52 +1,86 @@
-"""The decode worker's device work: assemble a received cache (or prefill locally) and decode.
+"""The decode worker's device side: the KV pool, the batched step and the scheduler, built once at start.
 
-Why apart from the servicer: one thread owns the device; the servicer only awaits. Tokens
-are handed back one by one through a callback so the client sees each as it is made.
+Why one object: the servicer needs four things from the device: a slot, a local prefill into
+that slot (colocated, recompute), a digest of a slot's cache, and decoding. All device work runs
+on the scheduler's one thread; the servicer only awaits futures and reads sinks.
+
+A local prefill runs the HF forward exactly as the prefill worker does (same streaming cache,
+same kernels), and copies each layer into the slot as it is made: the same one device-local
+copy per layer that a transport's landing does, so colocated and disaggregated requests reach
+the step with byte-identical caches.
 """
 
 from __future__ import annotations
 
-import threading
+import logging
 import time
-from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from kvtransfer.determinism import sync
-from kvtransfer.reference import decode_steps, logits_digest, prefill
+from kvtransfer.reference import logits_digest, prefill
 from kvtransfer.serving import LoadedModel
-from kvtransfer.streaming import assemble_cache
+from kvtransfer.streaming import cache_digest
 
-# emit(index, token_id, logits_digest, perf_counter_time)
-Emit = Callable[[int, int, str, float], None]
+from .graphs import Step
+from .pool import KVPool
+from .runner import StepRunner
+from .scheduler import Job, Scheduler
+
+log = logging.getLogger("kvtransfer.decode.engine")
 
 
-class Cancelled(Exception):
-    """The client went away; decoding stopped early."""
+@dataclass(frozen=True)
+class EngineOptions:
+    max_batch: int = 16  # pool slots = sequences decoded together
+    max_seq_len: int = 4096  # tokens per slot (prompt + generated)
+    cuda_graphs: bool = True  # capture the step per bucketed batch size (CUDA only)
+
+
+@dataclass(frozen=True)
+class LocalPrefill:
+    first: int
+    digest: str
+    prefill_ms: float
 
 
 class DecodeEngine:
-    def __init__(self, loaded: LoadedModel):
-        self.m = loaded
+    def __init__(self, loaded: LoadedModel, options: EngineOptions, on_step=None):
+        self.m, self.options = loaded, options
+        self.pool = KVPool(loaded.geometry, loaded.device, options.max_batch, options.max_seq_len)
+        self.runner = StepRunner(loaded.model, self.pool)
+        self.step = Step(self.runner, options.max_batch, options.cuda_graphs)
+        self.scheduler = Scheduler(self.step, loaded.device, on_step)
+        eos = getattr(loaded.model.config, "eos_token_id", None)
+        self.eos = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        log.info("decode engine: batch <= %d, %d tokens per slot, step %s%s", options.max_batch, options.max_seq_len,
+                 "Triton kernels" if self.runner.use_triton else "torch reference ops",
+                 f", CUDA graphs for batch {','.join(map(str, self.step.buckets))}" if self.step.graphs else ", eager")
 
-    def local_prefill(self, token_ids: list[int], want_digest: bool):
-        """Colocated baseline / recompute: returns (cache, first_token, digest, prefill_ms)."""
+    def prefill_job(self, token_ids: list[int], slot: int, want_digest: bool) -> Job:
+        """Prefill the prompt into `slot`, in one piece (one `next()`); returns LocalPrefill."""
+        views = self.pool.views(slot, len(token_ids))
         ids = torch.tensor([token_ids], dtype=torch.long).to(self.m.device)  # (1, seq)
         sync(self.m.device)
         t0 = time.perf_counter()
-        cache, logits = prefill(self.m.model, ids)
+
+        def land(i: int, k: torch.Tensor, v: torch.Tensor) -> None:  # k, v: (1, kv_heads, seq, head_dim)
+            views[i][0].copy_(k)
+            views[i][1].copy_(v)
+        _, logits = prefill(self.m.model, ids, on_layer=land)
         first = int(logits.argmax())
         ms = (time.perf_counter() - t0) * 1e3
-        return cache, first, (logits_digest(logits) if want_digest else ""), ms
+        return LocalPrefill(first, logits_digest(logits) if want_digest else "", ms)
+        yield  # noqa: unreachable: a one-piece job
 
-    def assemble(self, layers):
-        return assemble_cache(self.m.model.config, layers)
+    def prefill(self, token_ids: list[int], slot: int, want_digest: bool):
+        """Future -> LocalPrefill, run on the device thread between steps."""
+        return self.scheduler.submit(self.prefill_job(token_ids, slot, want_digest))
 
-    def decode(self, cache, first_token: int, steps: int, prompt_len: int, want_digest: bool,
-               emit: Emit, cancelled: threading.Event) -> None:
-        """Emit tokens 1..steps (token 0 came from prefill)."""
-        tok = torch.tensor([[first_token]], dtype=torch.long, device=self.m.device)  # (1, 1)
-        for i, (tok, logits) in enumerate(decode_steps(self.m.model, cache, tok, steps, prompt_len), start=1):
-            if cancelled.is_set():
-                raise Cancelled()
-            emit(i, int(tok), logits_digest(logits) if want_digest else "", time.perf_counter())
+    def digest(self, slot: int, seq_len: int):
+        """Future -> digest of the slot's cache, byte for byte as the transports' cache_digest of the same cache."""
+        return self.scheduler.call(lambda: cache_digest(self.pool.views(slot, seq_len)))
+
+    def close(self) -> None:
+        self.scheduler.close()

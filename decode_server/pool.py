@@ -1,0 +1,102 @@
+"""The decode worker's KV pool: one preallocated block on the device, handed out by slot.
+
+Why slots (gpt-fast's static cache, per-row lengths) and not pages: a slot is one request's
+whole context, so a request's prefix of one layer is a plain strided view that every
+transport can land into (one device-local copy per layer, as it arrives), and the step reads
+row b's K/V at `slots[b]` with no block table. The price is capacity: every slot reserves
+`--max-seq-len` tokens, so the pool holds `--max-batch` requests of any length up to that.
+
+A slot is leased, not owned: the request holds it until it ends, and the receive loop holds it
+while a frame is landing in it, so a request that gives up while its cache is still arriving
+never lets a second request's cache be written over by the late frame.
+
+Layout, one tensor: (layers, 2, slots + 1, kv_heads, max_seq, head_dim). The extra last slot is
+scratch: rows that pad a batch up to its CUDA-graph bucket point there.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+
+from kvtransfer.geometry import CacheGeometry
+
+log = logging.getLogger("kvtransfer.decode.pool")
+
+
+class PoolFull(Exception):
+    """No free slot (the caller decides how long to wait)."""
+
+
+class Lease:
+    """One slot, released when its last holder lets go."""
+
+    def __init__(self, pool: "KVPool", slot: int):
+        self.pool, self.slot, self._holders = pool, slot, 1
+
+    def hold(self) -> None:
+        with self.pool._lock:
+            if self._holders == 0:
+                raise RuntimeError(f"slot {self.slot} was already released")
+            self._holders += 1
+
+    def release(self) -> None:
+        with self.pool._lock:
+            if self._holders == 0:
+                return
+            self._holders -= 1
+            if self._holders == 0:
+                self.pool._free.append(self.slot)
+                self.pool._changed.notify_all()
+
+
+class KVPool:
+    def __init__(self, geometry: CacheGeometry, device: torch.device, slots: int, max_seq: int):
+        if slots < 1 or max_seq < 2:
+            raise ValueError(f"KV pool needs >= 1 slot of >= 2 tokens (got --max-batch {slots}, --max-seq-len {max_seq})")
+        self.geometry, self.device, self.slots, self.max_seq = geometry, device, slots, max_seq
+        g = geometry
+        # (layers, 2, slots + 1, kv_heads, max_seq, head_dim); zeros: masked kernels never see NaN garbage
+        self.kv = torch.zeros((g.num_layers, 2, slots + 1, g.kv_heads, max_seq, g.head_dim), dtype=g.dtype,
+                              device=device)
+        self.scratch = slots
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._free = list(range(slots - 1, -1, -1))  # pop() hands out slot 0 first
+        log.info("KV pool: %d slots x %d tokens x %d B/token = %.2f GiB on %s (+1 scratch slot)", slots, max_seq,
+                 g.bytes_per_token, self.capacity_bytes / 2**30, device)
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.slots * self.max_seq * self.geometry.bytes_per_token
+
+    def used(self) -> int:
+        with self._lock:
+            return self.slots - len(self._free)
+
+    def try_lease(self) -> Lease:
+        with self._lock:
+            if not self._free:
+                raise PoolFull()
+            return Lease(self, self._free.pop())
+
+    def lease(self, timeout: float) -> Lease:
+        """A slot, waiting at most `timeout` seconds for one to be released (PoolFull after that)."""
+        with self._changed:
+            if not self._changed.wait_for(lambda: bool(self._free), timeout=max(timeout, 0.0)):
+                raise PoolFull()
+            return Lease(self, self._free.pop())
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's K and V pools, each (slots + 1, kv_heads, max_seq, head_dim)."""
+        return self.kv[i, 0], self.kv[i, 1]
+
+    def views(self, slot: int, seq_len: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (k, v) over `slot`'s first `seq_len` positions, each (1, kv_heads, seq_len, head_dim): where a
+        transport or a local prefill lands a cache. Strided views into the pool, not copies."""
+        if not 0 < seq_len <= self.max_seq:
+            raise ValueError(f"{seq_len} tokens do not fit a slot of --max-seq-len {self.max_seq}")
+        s = self.kv[:, :, slot:slot + 1, :, :seq_len]  # (layers, 2, 1, kv_heads, seq, head_dim)
+        return [(s[i, 0], s[i, 1]) for i in range(self.geometry.num_layers)]

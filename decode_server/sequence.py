@@ -1,0 +1,64 @@
+"""One request's decode state, as the scheduler sees it.
+
+Why apart: the scheduler advances many of these per step and the servicer reads their
+tokens from another thread; this is the whole contract between the two. A sequence holds its
+pool slot (`lease`) until it ends; `stop` (client gone, deadline, slow reader) is honoured at
+the next step boundary, where the slot is let go.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .pool import Lease
+
+
+@dataclass(frozen=True)
+class Token:
+    index: int  # 1.. (token 0 came from prefill)
+    token_id: int
+    logits_digest: str
+    t: float  # perf_counter when it was known on the host
+    last: bool  # no more tokens follow (max_new_tokens reached, or EOS)
+
+
+@dataclass(frozen=True)
+class Ended:
+    """The scheduler dropped the sequence before its last token; `reason` says why (ends the stream)."""
+
+    reason: str
+
+
+# Called on the scheduler thread; must not block (the servicer hands it to its event loop).
+Sink = Callable[[Token | Ended], None]
+
+
+@dataclass
+class Sequence:
+    rid: int
+    lease: Lease
+    length: int  # tokens in the pool slot
+    last_token: int  # the next input
+    remaining: int  # tokens still to make
+    sink: Sink
+    want_digest: bool = False
+    eos: frozenset[int] = frozenset()  # stop early on these (empty: run to max_new_tokens)
+    index: int = 0  # of the last token made
+    _stop: threading.Event = field(default_factory=threading.Event)
+    stop_reason: str = ""
+
+    @property
+    def slot(self) -> int:
+        return self.lease.slot
+
+    def stop(self, reason: str) -> None:
+        """Ask the scheduler to drop this sequence at the next step boundary (thread-safe, idempotent)."""
+        if not self._stop.is_set():
+            self.stop_reason = reason
+            self._stop.set()
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
