@@ -8,11 +8,11 @@ from grpc_health.v1 import health_pb2
 
 from kvtransfer.compat import local_compat
 from kvtransfer.security import ClientSecurity, resolve_token, server_credentials
-from kvtransfer.serving import gpu_executor, load, peer_channel_options, pick_device, run_main, start_metrics
+from kvtransfer.serving import load, peer_channel_options, pick_device, run_main, start_metrics
 from kvtransfer.transport.links import resolve
 
 from .config import DecodeConfig
-from .engine import DecodeEngine
+from .engine import DecodeEngine, EngineOptions
 from .pairing import DecodePairing
 from .server import DecodeService, create_server
 
@@ -26,9 +26,9 @@ async def serve(config: DecodeConfig) -> None:
                                         "--prefill-auth-token-file"))
     device = pick_device(config.device)
     loaded = load(config.spec, device, config.deterministic)
-    engine = DecodeEngine(loaded)
-    gpu = gpu_executor(device, "decode-gpu")
     metrics = start_metrics("decode", config.metrics_port, config.metrics_addr)
+    engine = DecodeEngine(loaded, EngineOptions(config.max_batch, config.max_seq_len, config.cuda_graphs,
+                                                config.prefill_chunk), on_step=metrics.batch_size.observe)
     pairing = None
     if not config.colocated:
         transport = resolve(config.transport, device)
@@ -41,7 +41,7 @@ async def serve(config: DecodeConfig) -> None:
                                 channel, peer.metadata(), metrics,
                                 server_credentials(config.data_tls_cert, config.data_tls_key, config.data_tls_ca))
         await pairing.start()  # a refused or silent peer ends the process here, with the reason
-    service = DecodeService(config, engine, gpu, pairing, metrics, peer.metadata())
+    service = DecodeService(config, engine, pairing, metrics, peer.metadata())
     server, port = await create_server(config, service, token=token)
     await server.start()
     if pairing is not None:  # "" follows the peer: NOT_SERVING while it is gone, SERVING once paired again

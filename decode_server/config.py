@@ -37,6 +37,12 @@ class DecodeConfig:
     max_prompt_tokens: int = 32768
     max_new_tokens: int = 4096            # per request
     max_inflight: int = 64                # beyond it: RESOURCE_EXHAUSTED at once
+    max_batch: int = 16                   # KV pool slots: requests decoded together (more wait for a slot)
+    max_seq_len: int = 4096               # tokens per KV pool slot: prompt + max_new_tokens must fit
+    cuda_graphs: bool = True              # capture the decode step as CUDA graphs per batch bucket (CUDA only)
+    prefill_chunk: int = 0                # colocated/recompute prefill: tokens per chunk between decode steps (0: whole)
+    admission_wait_s: float = 10.0        # longest wait for a free pool slot; then RESOURCE_EXHAUSTED
+    stream_buffer_tokens: int = 1024      # tokens a client may leave unread; then its request ends
     max_receive_bytes: int = 64 << 30     # one transfer's receive buffer limit; larger prompts: RESOURCE_EXHAUSTED
     max_message_bytes: int = CONTROL_MESSAGE_LIMIT  # gRPC send/receive limit, both directions and to the peer
     request_timeout_s: float = 120.0      # each request ends before this (unless the client's deadline is sooner)
@@ -67,9 +73,15 @@ class DecodeConfig:
         if self.ipc_slots < 1:
             raise ValueError("--ipc-slots must be >= 1")
         for name in ("max_prompt_tokens", "max_new_tokens", "max_inflight", "max_receive_bytes",
-                     "max_message_bytes"):
+                     "max_message_bytes", "max_batch", "stream_buffer_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.max_seq_len < 2:
+            raise ValueError("--max-seq-len must be >= 2 (a prompt token and a generated one)")
+        if self.prefill_chunk < 0:
+            raise ValueError("--prefill-chunk must be >= 0 (0: prefill in one piece)")
+        if self.admission_wait_s < 0:
+            raise ValueError("--admission-wait-s must be >= 0")
         if min(self.request_timeout_s, self.handshake_timeout_s, self.peer_timeout_s, self.peer_keepalive_s) <= 0:
             raise ValueError("timeouts must be > 0")
         if self.on_failure not in ON_FAILURE:

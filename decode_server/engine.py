@@ -36,6 +36,7 @@ class EngineOptions:
     max_batch: int = 16  # pool slots = sequences decoded together
     max_seq_len: int = 4096  # tokens per slot (prompt + generated)
     cuda_graphs: bool = True  # capture the step per bucketed batch size (CUDA only)
+    prefill_chunk: int = 0  # local prefill: tokens per piece between decode steps (0: the whole prompt at once)
 
 
 @dataclass(frozen=True)
@@ -59,23 +60,35 @@ class DecodeEngine:
                  f", CUDA graphs for batch {','.join(map(str, self.step.buckets))}" if self.step.graphs else ", eager")
 
     def prefill_job(self, token_ids: list[int], slot: int, want_digest: bool) -> Job:
-        """Prefill the prompt into `slot`, in one piece (one `next()`); returns LocalPrefill."""
-        views = self.pool.views(slot, len(token_ids))
+        """Prefill the prompt into `slot`; returns LocalPrefill.
+
+        Whole (prefill_chunk 0, or a prompt no longer than a chunk): one `next()`, exactly the prefill worker's
+        forward. Chunked (Sarathi-Serve): one chunk per `next()`, so the scheduler runs a decode step between two
+        chunks; each chunk attends over the cache so far. Chunked logits and cache then equal the whole prefill's
+        only within a tolerance (other kernel shapes; tests/test_chunked_prefill.py).
+        """
+        n, chunk = len(token_ids), self.options.prefill_chunk or len(token_ids)
+        views = self.pool.views(slot, n)
         ids = torch.tensor([token_ids], dtype=torch.long).to(self.m.device)  # (1, seq)
         sync(self.m.device)
         t0 = time.perf_counter()
+        cache, start = None, 0
 
-        def land(i: int, k: torch.Tensor, v: torch.Tensor) -> None:  # k, v: (1, kv_heads, seq, head_dim)
-            views[i][0].copy_(k)
-            views[i][1].copy_(v)
-        _, logits = prefill(self.m.model, ids, on_layer=land)
+        def land(i: int, k: torch.Tensor, v: torch.Tensor) -> None:  # k, v: (1, kv_heads, end, head_dim) so far
+            views[i][0][:, :, start:end].copy_(k[:, :, start:end])
+            views[i][1][:, :, start:end].copy_(v[:, :, start:end])
+        while start < n:
+            end = min(n, start + chunk)
+            cache, logits = prefill(self.m.model, ids[:, start:end], on_layer=land, cache=cache)
+            start = end
+            if start < n:
+                yield
         first = int(logits.argmax())
         ms = (time.perf_counter() - t0) * 1e3
         return LocalPrefill(first, logits_digest(logits) if want_digest else "", ms)
-        yield  # noqa: unreachable: a one-piece job
 
     def prefill(self, token_ids: list[int], slot: int, want_digest: bool):
-        """Future -> LocalPrefill, run on the device thread between steps."""
+        """Future -> LocalPrefill, run on the device thread between decode steps."""
         return self.scheduler.submit(self.prefill_job(token_ids, slot, want_digest))
 
     def digest(self, slot: int, seq_len: int):

@@ -34,6 +34,8 @@ WARMUP_REQUEST_ID = 0
 class Expected:
     seq_len: int
     future: Future  # -> list[(k, v)] on the device, or TransferError
+    destination: object = None  # per layer (k, v): where the cache lands (views of a pool slot)
+    lease: object = None  # the slot's lease, held while a frame lands in it
     t_ready: float = 0.0  # perf_counter when the whole cache was on the device
     nbytes: int = 0  # receive-buffer bytes handed over with the result; `release` gives them back
 
@@ -74,8 +76,8 @@ class ReceiveLoop:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def expect(self, request_id: int, seq_len: int) -> Expected:
-        e = Expected(seq_len, Future())
+    def expect(self, request_id: int, seq_len: int, destination=None, lease=None) -> Expected:
+        e = Expected(seq_len, Future(), destination, lease)
         e.future.set_running_or_notify_cancel()  # a waiter that gives up cannot cancel it under this thread
         with self._lock:
             if self.error is not None or self.retired:
@@ -150,11 +152,16 @@ class ReceiveLoop:
         with self._lock:
             exp = self._expected.get(h.request_id)
             self._current = r
+            lease = exp.lease if exp is not None else None
+            if lease is not None:
+                lease.hold()  # the slot stays ours until this frame stops landing, even if its request gives up
         try:
             handed = self._finish(r, exp, nbytes)
         finally:
             with self._lock:
                 self._current = None
+            if lease is not None:
+                lease.release()
             if not handed:
                 self.ledger.add(-nbytes)
 
@@ -187,6 +194,13 @@ class ReceiveLoop:
             if exp is not None:
                 self._settle(h.request_id, exp, error=TransferError("protocol", problem))
             return False
+        if exp.destination is not None:  # interim: one device-local copy per layer into the pool slot
+            for (dk, dv), (k, v) in zip(exp.destination, layers):
+                dk.copy_(k)
+                dv.copy_(v)
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+            layers = exp.destination
         exp.t_ready = time.perf_counter()
         return self._settle(h.request_id, exp, layers=layers, nbytes=nbytes)
 

@@ -50,8 +50,9 @@ class Remote:
     release: Callable[[], None]  # call when the request is over: its receive buffers are let go
 
 
-async def remote_prefill(pairing, request, rid: int, deadline: float, metadata) -> Remote:
-    """Prefill `request` on the peer as request `rid`; raises PeerFailure or RequestError."""
+async def remote_prefill(pairing, request, rid: int, deadline: float, metadata, destination, lease) -> Remote:
+    """Prefill `request` on the peer as request `rid`, its cache landing in `destination` (per layer (k, v) views
+    of the request's pool slot, held by `lease` while a frame lands); raises PeerFailure or RequestError."""
     c = pairing.config
     if not pairing.up:
         raise PeerFailure("peer_down", S.UNAVAILABLE,
@@ -59,7 +60,7 @@ async def remote_prefill(pairing, request, rid: int, deadline: float, metadata) 
     loop, n = pairing.loop, len(request.token_ids)
     peer_deadline = min(deadline, time.perf_counter() + c.peer_timeout_s)
     by_peer = peer_deadline < deadline  # which bound a timeout hits: the peer's, or the request's own
-    exp = loop.expect(rid, n)
+    exp = loop.expect(rid, n, destination, lease)
     arrived = False
     try:
         t_sent = time.perf_counter()

@@ -23,7 +23,7 @@ import torch
 from kvtransfer.reference import logits_digest
 
 from .graphs import Step
-from .sequence import Ended, Sequence, Token
+from .sequence import EndCause, Ended, Sequence, Token
 
 log = logging.getLogger("kvtransfer.decode.scheduler")
 
@@ -104,10 +104,10 @@ class Scheduler:
                 except Exception as e:  # a failed step fails every running request loudly, not silently
                     log.exception("decode step failed")
                     for s in self.running:
-                        self._end(s, Ended(f"decode step failed: {e}"))
+                        self._end(s, Ended(EndCause.STEP_FAILED, f"decode step failed: {e}"))
                     self.running = []
         for s in self.running + self._joining:
-            self._end(s, Ended("the decode server is stopping"))
+            self._end(s, Ended(EndCause.SHUTDOWN, "the decode server is stopping"))
         for _, fut in self._jobs:
             fut.set_exception(RuntimeError("the decode server is stopping"))
 
@@ -131,7 +131,7 @@ class Scheduler:
         keep = []
         for s in self.running:
             if s.stopped:
-                self._end(s, Ended(s.stop_reason))
+                self._end(s, Ended(s.stop_cause, s.stop_reason))
             else:
                 keep.append(s)
         self.running = keep

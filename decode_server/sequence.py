@@ -8,6 +8,7 @@ the next step boundary, where the slot is let go.
 
 from __future__ import annotations
 
+import enum
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,10 +25,20 @@ class Token:
     last: bool  # no more tokens follow (max_new_tokens reached, or EOS)
 
 
+class EndCause(enum.Enum):
+    """Why a sequence left before its last token (the servicer maps each to one gRPC status)."""
+
+    REQUEST_ENDED = "request ended"  # the request side asked: client gone, deadline, error
+    SLOW_READER = "slow reader"  # the client left too many tokens unread
+    STEP_FAILED = "step failed"  # the device step raised
+    SHUTDOWN = "shutdown"  # the server is stopping
+
+
 @dataclass(frozen=True)
 class Ended:
     """The scheduler dropped the sequence before its last token; `reason` says why (ends the stream)."""
 
+    cause: EndCause
     reason: str
 
 
@@ -47,16 +58,17 @@ class Sequence:
     eos: frozenset[int] = frozenset()  # stop early on these (empty: run to max_new_tokens)
     index: int = 0  # of the last token made
     _stop: threading.Event = field(default_factory=threading.Event)
+    stop_cause: EndCause = EndCause.REQUEST_ENDED
     stop_reason: str = ""
 
     @property
     def slot(self) -> int:
         return self.lease.slot
 
-    def stop(self, reason: str) -> None:
-        """Ask the scheduler to drop this sequence at the next step boundary (thread-safe, idempotent)."""
+    def stop(self, reason: str, cause: EndCause = EndCause.REQUEST_ENDED) -> None:
+        """Ask the scheduler to drop this sequence at the next step boundary (thread-safe; the first call wins)."""
         if not self._stop.is_set():
-            self.stop_reason = reason
+            self.stop_cause, self.stop_reason = cause, reason
             self._stop.set()
 
     @property

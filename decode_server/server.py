@@ -14,9 +14,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -24,7 +22,6 @@ import grpc
 from kvtransfer.metrics import Metrics
 from kvtransfer.security import server_credentials
 from kvtransfer.serving import InflightLimit, build_server
-from kvtransfer.streaming import cache_digest, cache_layers
 from proto import kvtransfer_pb2 as pb
 from proto import kvtransfer_pb2_grpc as pbg
 
@@ -32,33 +29,37 @@ from .config import DecodeConfig
 from .engine import DecodeEngine
 from .pairing import DecodePairing
 from .remote import PeerFailure, RequestError, remote_prefill
+from .sequence import EndCause, Ended, Sequence
+from .streams import TokenStream, acquire_slot
 
 log = logging.getLogger("kvtransfer.decode")
 
 KNOWN_MODES = {pb.MODE_AUTO, pb.MODE_LAYERWISE, pb.MODE_BULK, pb.MODE_COLOCATED}
+END_STATUS = {EndCause.REQUEST_ENDED: grpc.StatusCode.CANCELLED, EndCause.SLOW_READER: grpc.StatusCode.RESOURCE_EXHAUSTED,
+              EndCause.STEP_FAILED: grpc.StatusCode.INTERNAL, EndCause.SHUTDOWN: grpc.StatusCode.UNAVAILABLE}
 
 
 @dataclass
 class Prefilled:
-    cache: object
     first: int
     digest: str
     timing: pb.Timing
     t_first: float  # perf_counter: first token known
-    t_ready: float  # whole cache on this device
-    release: Callable[[], None] = lambda: None  # let go of the receive buffers once the request is over
+    t_ready: float  # whole cache in the request's pool slot
 
 
 class DecodeService(pbg.DecodeServicer):
-    def __init__(self, config: DecodeConfig, engine: DecodeEngine, gpu, pairing: DecodePairing | None = None,
+    def __init__(self, config: DecodeConfig, engine: DecodeEngine, pairing: DecodePairing | None = None,
                  metrics: Metrics | None = None, prefill_metadata=None):
-        self.config, self.engine, self.gpu, self.pairing = config, engine, gpu, pairing
+        self.config, self.engine, self.pairing = config, engine, pairing
         self.vocab = engine.m.model.config.vocab_size
         self.ids = itertools.count(1)  # 0 is the warm-up frame
         self.admit = InflightLimit(config.max_inflight)
         self.prefill_metadata = prefill_metadata  # the prefill worker's token, when it asks for one
         self.metrics = metrics or Metrics("decode")
         self.metrics.inflight.set_function(lambda: self.admit.count)
+        self.metrics.pool_slots.set_function(engine.pool.used)
+        self.metrics.running.set_function(engine.scheduler.active)
         if pairing is not None:
             m = self.metrics
             m.buffer_bytes.set_function(lambda: pairing.ledger.bytes)
@@ -86,6 +87,9 @@ class DecodeService(pbg.DecodeServicer):
         elif n + new > context_len:
             problem = (f"prompt ({n}) + max_new_tokens ({new}) exceeds the model's context of {context_len} tokens; "
                        f"ask for at most {context_len - n} new tokens")
+        elif n + new > (slot := self.engine.pool.max_seq):
+            problem = (f"prompt ({n}) + max_new_tokens ({new}) = {n + new} tokens exceeds this server's KV slot of "
+                       f"{slot} tokens (--max-seq-len); ask for fewer tokens or raise --max-seq-len")
         elif (bad := next((t for t in request.token_ids if not 0 <= t < self.vocab), None)) is not None:
             problem = f"token id {bad} outside the vocabulary [0, {self.vocab})"
         elif request.mode not in KNOWN_MODES:
@@ -108,19 +112,28 @@ class DecodeService(pbg.DecodeServicer):
             limit = self.config.request_timeout_s
             budget = limit if remaining is None else min(remaining, limit)
             deadline = time.perf_counter() + budget
-            async for msg in self._generate(request, context, deadline):
-                yield msg
+            try:
+                lease = await acquire_slot(self.engine.pool, deadline, self.config.admission_wait_s)
+            except RequestError as e:
+                await self._abort(context, e.code, e.message)
+            try:
+                async for msg in self._generate(request, context, deadline, lease):
+                    yield msg
+            finally:
+                lease.release()
             self.metrics.finished("OK")
         finally:
             self.admit.leave()
 
-    async def _prefill(self, request, context, rid: int, deadline: float):
-        """The cache and first token, remotely unless colocated; the --on-failure policy when the peer fails."""
-        loop, want = asyncio.get_running_loop(), request.return_logits_digest
+    async def _prefill(self, request, context, rid: int, deadline: float, lease) -> Prefilled:
+        """The cache into the request's slot and the first token, remotely unless colocated; the --on-failure
+        policy when the peer fails."""
+        want = request.return_logits_digest
         timing = pb.Timing()
         if not (self.config.colocated or request.mode == pb.MODE_COLOCATED):
             try:
-                r = await remote_prefill(self.pairing, request, rid, deadline, self.prefill_metadata)
+                r = await remote_prefill(self.pairing, request, rid, deadline, self.prefill_metadata,
+                                         self.engine.pool.views(lease.slot, len(request.token_ids)), lease)
             except RequestError as e:
                 await self._abort(context, e.code, e.message)
             except PeerFailure as f:
@@ -138,73 +151,66 @@ class DecodeService(pbg.DecodeServicer):
                 timing.prefill_ms, timing.mode = r.response.prefill_ms, r.response.mode
                 timing.transfer_bytes = nbytes = self.engine.m.geometry.cache_bytes(len(request.token_ids))
                 self.metrics.moved(nbytes, r.t_ready - r.t_sent, r.response.mode)
-                try:
-                    cache = await loop.run_in_executor(self.gpu, self.engine.assemble, r.layers)
-                except BaseException:
-                    r.release()
-                    raise
-                return Prefilled(cache, r.response.first_token, r.response.first_logits_digest, timing, r.t_first,
-                                 r.t_ready, r.release)
-        cache, first, digest, timing.prefill_ms = await loop.run_in_executor(
-            self.gpu, self.engine.local_prefill, list(request.token_ids), want)
+                return Prefilled(r.response.first_token, r.response.first_logits_digest, timing, r.t_first, r.t_ready)
+        job = self.engine.prefill(list(request.token_ids), lease.slot, want)
+        local = await self._within(context, job, deadline, "the prefill did not finish before the deadline")
+        timing.prefill_ms = local.prefill_ms
         timing.mode = timing.mode or "colocated"
         self.metrics.prefill_ms.labels(timing.mode).observe(timing.prefill_ms)
         t = time.perf_counter()
-        return Prefilled(cache, first, digest, timing, t, t)
+        return Prefilled(local.first, local.digest, timing, t, t)
 
-    async def _generate(self, request, context, deadline: float):
-        t_in, rid = time.perf_counter(), next(self.ids)
-        p = await self._prefill(request, context, rid, deadline)
+    async def _within(self, context, future, deadline: float, late: str):
+        """Await a scheduler future before the deadline (DEADLINE_EXCEEDED after; the job is cancelled if queued)."""
         try:
-            async for msg in self._decode(request, context, deadline, rid, t_in, p):
-                yield msg
-        finally:
-            p.release()
+            return await asyncio.wait_for(asyncio.wrap_future(future), max(deadline - time.perf_counter(), 0.001))
+        except asyncio.TimeoutError:
+            future.cancel()
+            await self._abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, late)
 
-    async def _decode(self, request, context, deadline: float, rid: int, t_in: float, p: Prefilled):
-        loop = asyncio.get_running_loop()
-        n, want, cache, first, digest, timing = (len(request.token_ids), request.return_logits_digest, p.cache,
-                                                 p.first, p.digest, p.timing)
-        cache_dig = (await loop.run_in_executor(self.gpu, cache_digest, cache_layers(cache))
+    async def _generate(self, request, context, deadline: float, lease):
+        t_in, rid = time.perf_counter(), next(self.ids)
+        n, want = len(request.token_ids), request.return_logits_digest
+        p = await self._prefill(request, context, rid, deadline, lease)
+        timing = p.timing
+        cache_dig = (await self._within(context, self.engine.digest(lease.slot, n), deadline,
+                                        "the cache digest did not finish before the deadline")
                      if request.return_cache_digest else "")
         timing.first_token_ms = (p.t_first - t_in) * 1e3
         timing.cache_ready_ms = (p.t_ready - t_in) * 1e3
         self.metrics.ttft_ms.labels(timing.mode).observe(timing.cache_ready_ms)
         log.info("request %d: %d tokens, %s, cache ready %.1f ms", rid, n, timing.mode, timing.cache_ready_ms)
         steps = request.max_new_tokens - 1
-        if steps == 0:
+        stop = request.stop_on_eos and p.first in self.engine.eos
+        if steps == 0 or stop:
             timing.total_ms = timing.second_token_ms = (time.perf_counter() - t_in) * 1e3
-            yield pb.GenerateResponse(token_id=first, index=0, logits_digest=digest, timing=timing,
+            yield pb.GenerateResponse(token_id=p.first, index=0, logits_digest=p.digest, timing=timing,
                                       cache_digest=cache_dig)
             return
-        yield pb.GenerateResponse(token_id=first, index=0, logits_digest=digest, cache_digest=cache_dig)
-        queue: asyncio.Queue = asyncio.Queue()
-        cancelled = threading.Event()
-
-        def emit(i, tok, dig, t):
-            loop.call_soon_threadsafe(queue.put_nowait, (i, tok, dig, t))
-
-        job = loop.run_in_executor(self.gpu, self.engine.decode, cache, first, steps, n, want, emit, cancelled)
+        yield pb.GenerateResponse(token_id=p.first, index=0, logits_digest=p.digest, cache_digest=cache_dig)
+        stream = TokenStream(asyncio.get_running_loop(), self.config.stream_buffer_tokens)
+        lease.hold()  # the sequence's own hold: the scheduler lets go when it drops or finishes it
+        seq = stream.seq = Sequence(rid, lease, n, p.first, steps, stream.sink, want,
+                                    self.engine.eos if request.stop_on_eos else frozenset())
+        self.engine.scheduler.add(seq)
         try:
-            for _ in range(steps):
-                left = deadline - time.perf_counter()
-                i, tok, dig, t = await asyncio.wait_for(queue.get(), max(left, 0.001))
-                if i == 1:
-                    timing.second_token_ms = (t - t_in) * 1e3
-                if i == steps:
+            while True:
+                item = await stream.next(deadline)
+                if isinstance(item, Ended):
+                    await self._abort(context, END_STATUS[item.cause], item.reason)
+                if item.index == 1:
+                    timing.second_token_ms = (item.t - t_in) * 1e3
+                if item.last:
                     timing.total_ms = (time.perf_counter() - t_in) * 1e3
-                    yield pb.GenerateResponse(token_id=tok, index=i, logits_digest=dig, timing=timing)
-                else:
-                    yield pb.GenerateResponse(token_id=tok, index=i, logits_digest=dig)
-            await job
+                    yield pb.GenerateResponse(token_id=item.token_id, index=item.index,
+                                              logits_digest=item.logits_digest, timing=timing)
+                    return
+                yield pb.GenerateResponse(token_id=item.token_id, index=item.index, logits_digest=item.logits_digest)
         except asyncio.TimeoutError:
-            cancelled.set()
             log.warning("request %d: decoding did not finish before the deadline", rid)
             await self._abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, "decoding did not finish before the deadline")
         finally:
-            cancelled.set()
-            if not job.done():
-                job.add_done_callback(lambda f: f.exception())  # Cancelled is expected; don't warn
+            seq.stop("the request ended (client gone, deadline or error)")  # no-op once it finished
 
 
 async def create_server(config: DecodeConfig, service: DecodeService, address: str | None = None,

@@ -40,6 +40,11 @@ class Metrics:
         self.receive_loops = Gauge("kvt_receive_loops", "decode: receive-loop threads alive (old pairings' "
                                    "threads end when the peer closes their group)", registry=r)
         self.peer_up = Gauge("kvt_peer_up", "1 while the peer is paired and its data plane is up", registry=r)
+        self.pool_slots = Gauge("kvt_kv_pool_slots_used", "decode: KV pool slots held by requests", registry=r)
+        self.running = Gauge("kvt_decode_running", "decode: sequences in the running batch (or joining it)",
+                             registry=r)
+        self.batch_size = Histogram("kvt_decode_batch_size", "decode: sequences advanced per step",
+                                    buckets=(1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256), registry=r)
         self.pairings = Counter("kvt_pairings", "pairings with the peer (the first one and every re-pairing)",
                                 registry=r)
 

@@ -32,13 +32,15 @@ def logits_digest(logits: torch.Tensor) -> str:
 
 
 @torch.inference_mode()
-def prefill(model, input_ids: torch.Tensor, on_layer: LayerCallback | None = None
-            ) -> tuple[StreamingCache, torch.Tensor]:
-    """Run the prompt once. Returns the cache and the last position's logits (vocab,).
+def prefill(model, input_ids: torch.Tensor, on_layer: LayerCallback | None = None,
+            cache: StreamingCache | None = None) -> tuple[StreamingCache, torch.Tensor]:
+    """Run the prompt once (or the next chunk of it, after `cache`). Returns the cache and the last position's
+    logits (vocab,).
 
-    input_ids: (1, seq). The layer callback sees each layer's K/V during this call only.
+    input_ids: (1, seq). The layer callback sees each layer's K/V (the whole cache so far) during this call only.
     """
-    cache = StreamingCache(config=model.config, on_layer=on_layer)
+    cache = cache if cache is not None else StreamingCache(config=model.config)
+    cache.on_layer = on_layer
     try:
         out = model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **{cache_kwarg(model): cache})
     finally:

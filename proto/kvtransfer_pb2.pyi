@@ -19,18 +19,20 @@ MODE_BULK: Mode
 MODE_COLOCATED: Mode
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("token_ids", "max_new_tokens", "mode", "return_logits_digest", "return_cache_digest")
+    __slots__ = ("token_ids", "max_new_tokens", "mode", "return_logits_digest", "return_cache_digest", "stop_on_eos")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     RETURN_LOGITS_DIGEST_FIELD_NUMBER: _ClassVar[int]
     RETURN_CACHE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    STOP_ON_EOS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_new_tokens: int
     mode: Mode
     return_logits_digest: bool
     return_cache_digest: bool
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ..., return_logits_digest: _Optional[bool] = ..., return_cache_digest: _Optional[bool] = ...) -> None: ...
+    stop_on_eos: bool
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ..., return_logits_digest: _Optional[bool] = ..., return_cache_digest: _Optional[bool] = ..., stop_on_eos: _Optional[bool] = ...) -> None: ...
 
 class Timing(_message.Message):
     __slots__ = ("prefill_ms", "cache_ready_ms", "first_token_ms", "second_token_ms", "transfer_bytes", "mode", "total_ms")

@@ -16,12 +16,12 @@ import time
 
 import grpc
 import pytest
-import torch
 
 import netns
 from decode_server.client import generate
 from faultkit import NOT_SERVING, SERVING, Call, Pair, assert_no_leaks, remote_host, shape, value
-from kvtransfer.reference import colocated_generate, random_prompt
+from enginekit import engine_generate
+from kvtransfer.reference import random_prompt
 
 NEW = 6
 HOLD = ["--fail-after-layers", "2", "--fail-requests", "1"]
@@ -34,7 +34,7 @@ def prompt(n: int, seed: int) -> list[int]:
 
 
 def want(model, ids) -> list[int]:
-    return colocated_generate(model, torch.tensor([ids]), NEW)[0].tokens
+    return engine_generate(model, ids, NEW)[0]
 
 
 def report(record_property, name: str, **figures) -> None:

@@ -10,7 +10,8 @@ import torch
 
 from decode_server.client import generate
 from kvtransfer.models import ModelSpec, load_model
-from kvtransfer.reference import colocated_generate, prefill, random_prompt
+from enginekit import engine_generate
+from kvtransfer.reference import prefill, random_prompt
 from kvtransfer.streaming import cache_digest, cache_layers
 from servers import colocated_server, server_pair
 
@@ -19,8 +20,8 @@ LENGTHS = [1, 7, 33, 130]
 
 def reference(model, ids: list[int], n: int) -> dict:
     cache, _ = prefill(model, torch.tensor([ids]))
-    gen, _ = colocated_generate(model, torch.tensor([ids]), n)
-    return {"tokens": gen.tokens, "logits_digests": gen.logits_digests(), "cache_digest": cache_digest(cache_layers(cache))}
+    tokens, digests = engine_generate(model, ids, n)
+    return {"tokens": tokens, "logits_digests": digests, "cache_digest": cache_digest(cache_layers(cache))}
 
 
 def prompts(vocab: int) -> list[list[int]]:
@@ -51,7 +52,9 @@ def test_pair_matches_colocated(tmp_path, tiny_models, dtype, transport):
 
 
 def test_grouped_layers_and_concurrency(tmp_path, tiny_models):
-    """8+ concurrent requests of different lengths, layers grouped 3 per message: all correct."""
+    """8+ concurrent requests of different lengths, layers grouped 3 per message: caches byte-equal, tokens equal.
+
+    Decoded in batches, so logits are not compared bit for bit (the batch-vs-alone tolerance is test_engine's)."""
     model = tiny_models["float32"]
     ids_list = [random_prompt(model.config.vocab_size, n, seed=100 + n).view(-1).tolist()
                 for n in [3, 17, 64, 1, 90, 5, 41, 128, 8, 77]]
@@ -64,7 +67,6 @@ def test_grouped_layers_and_concurrency(tmp_path, tiny_models):
     with server_pair(tmp_path, prefill_args=["--layers-per-message", "3"]) as run:
         for got, want in zip(asyncio.run(all_at_once(run.addr)), wants):
             assert got["tokens"] == want["tokens"]
-            assert got["logits_digests"] == want["logits_digests"]
             assert got["cache_digest"] == want["cache_digest"]
 
 

@@ -17,10 +17,10 @@ import threading
 import time
 
 import grpc
-import torch
 
 from faultkit import Pair, assert_no_leaks, value
-from kvtransfer.reference import colocated_generate, random_prompt
+from enginekit import engine_generate
+from kvtransfer.reference import random_prompt
 from proto import kvtransfer_pb2 as pb
 from proto import kvtransfer_pb2_grpc as pbg
 
@@ -87,7 +87,7 @@ def test_soak(tmp_path, tiny_fp32, record_property):
     for k, n in enumerate(LENGTHS * 3):
         ids = random_prompt(512, n, seed=1000 + k).view(-1).tolist()
         new = 2 + k % 5
-        tokens = colocated_generate(tiny_fp32, torch.tensor([ids]), new)[0].tokens
+        tokens = engine_generate(tiny_fp32, ids, new)[0]
         pool.append((ids, new, MODES[k % len(MODES)], tokens))
     with Pair(tmp_path, "gloo") as pair:
         pair.start()

@@ -1,0 +1,60 @@
+"""Between the scheduler thread and a Generate call: a slot for the request, and its token stream.
+
+Why here: the scheduler must never wait on a client, and a client must never hold up the
+batch. Tokens cross from the scheduler's thread to the servicer's event loop through an
+unbounded asyncio queue whose use is bounded by a count: a client that leaves more than
+`limit` tokens unread has its sequence stopped (its slot freed at the next step), and its
+stream ends with RESOURCE_EXHAUSTED saying so.
+Admission: a request waits for a free slot at most `wait_s` and never past its deadline;
+then it is refused with RESOURCE_EXHAUSTED naming the flag that sizes the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+
+from .pool import KVPool, Lease, PoolFull
+from .remote import RequestError
+from .sequence import EndCause, Ended, Sequence, Token
+
+ADMISSION_POLL_S = 0.005  # how often a waiting request looks for a free slot (slots free on other threads)
+
+
+async def acquire_slot(pool: KVPool, deadline: float, wait_s: float) -> Lease:
+    """A slot of the pool, waiting at most `wait_s` and never past `deadline` (perf_counter)."""
+    give_up = min(deadline, time.perf_counter() + wait_s)
+    while True:
+        try:
+            return pool.try_lease()
+        except PoolFull:
+            if time.perf_counter() >= give_up:
+                raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                   f"all {pool.slots} KV pool slots are busy (--max-batch {pool.slots}) and none was "
+                                   f"freed within {wait_s:g} s (--admission-wait-s); retry later") from None
+            await asyncio.sleep(ADMISSION_POLL_S)
+
+
+class TokenStream:
+    """The sink of one Sequence (called on the scheduler thread) and its reader (the servicer's loop)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, limit: int):
+        self.loop, self.limit = loop, limit
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.sent = self.read = 0  # written by one thread each; reads of an int are atomic
+        self.seq: Sequence | None = None
+
+    def sink(self, item: Token | Ended) -> None:
+        self.sent += 1
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        if self.seq is not None and self.sent - self.read > self.limit:
+            self.seq.stop(f"the client left {self.limit} tokens unread (--stream-buffer-tokens); read the stream "
+                          "as it comes", EndCause.SLOW_READER)
+
+    async def next(self, deadline: float) -> Token | Ended:
+        """The next token or end; asyncio.TimeoutError at the deadline."""
+        item = await asyncio.wait_for(self.queue.get(), max(deadline - time.perf_counter(), 0.001))
+        self.read += 1
+        return item
