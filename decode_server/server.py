@@ -148,6 +148,7 @@ class DecodeService(pbg.DecodeServicer):
                 log.warning("request %d: %s; recomputing the prefill here (--on-failure recompute)", rid, f.message)
                 timing.mode = "recompute"
             else:
+                r.release()  # the cache is in the slot now: the receive side holds nothing for it
                 timing.prefill_ms, timing.mode = r.response.prefill_ms, r.response.mode
                 timing.transfer_bytes = nbytes = self.engine.m.geometry.cache_bytes(len(request.token_ids))
                 self.metrics.moved(nbytes, r.t_ready - r.t_sent, r.response.mode)

@@ -175,3 +175,38 @@ def test_pool_full_and_leases_held_twice():
     assert views[0][0].shape == (1, 1, 3, 4) and views[0][0].data_ptr() == pool.kv[0, 0, 1].data_ptr()
     with pytest.raises(ValueError, match="--max-seq-len"):
         pool.views(0, 9)
+
+
+def test_eos_ends_the_sequence_when_asked(engine):
+    tokens, _ = generate(engine, PROMPTS[:1], steps=8, want_digest=False)[0]
+    stop_at = tokens[3]  # token index 3: the third decode step makes it
+    lease = engine.pool.try_lease()
+    r = engine.prefill(PROMPTS[0], lease.slot, False).result(timeout=30)
+    q = queue.Queue()
+    engine.scheduler.add(Sequence(2, lease, len(PROMPTS[0]), r.first, 8, q.put, eos=frozenset([stop_at])))
+    got = []
+    while not (t := q.get(timeout=30)).last:
+        got.append(t.token_id)
+    got.append(t.token_id)
+    assert got == tokens[1:tokens.index(stop_at) + 1] and engine.pool.used() == 0
+
+
+def test_token_stream_stops_a_sequence_whose_client_does_not_read():
+    import asyncio
+
+    from decode_server.sequence import EndCause, Token
+    from decode_server.streams import TokenStream
+
+    async def scenario():
+        stream = TokenStream(asyncio.get_running_loop(), limit=3)
+        pool = KVPool(CacheGeometry(1, 1, 2, torch.float32), torch.device("cpu"), slots=1, max_seq=4)
+        stream.seq = Sequence(1, pool.try_lease(), 1, 0, 100, stream.sink)
+        for i in range(3):
+            stream.sink(Token(i + 1, 0, "", 0.0, False))
+        assert not stream.seq.stopped
+        await stream.next(deadline=1e18)  # one read: 2 unread
+        stream.sink(Token(4, 0, "", 0.0, False))
+        stream.sink(Token(5, 0, "", 0.0, False))  # 4 unread > 3
+        assert stream.seq.stopped and stream.seq.stop_cause is EndCause.SLOW_READER
+        assert "--stream-buffer-tokens" in stream.seq.stop_reason
+    asyncio.run(scenario())
