@@ -28,6 +28,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from bench import link, serve
+from bench.decode import register_decode
 from bench.offload import OffloadConfig, run_offload, total_steps
 from bench.ttft import TtftConfig, run_ttft
 from bench.ttft import total_steps as ttft_steps
@@ -232,7 +233,8 @@ def register_serve(sub) -> None:
     p.set_defaults(run=cmd_serve, parser=p)
 
 
-REGISTRY: list[Callable] = [register_offload, register_ttft, register_demo, register_link, register_serve]
+REGISTRY: list[Callable] = [register_offload, register_ttft, register_demo, register_link, register_serve,
+                            register_decode]
 
 
 def build_parser() -> argparse.ArgumentParser:
