@@ -83,41 +83,54 @@ def tolerance(dtype: torch.dtype) -> float:
     return 1e-4 if dtype == torch.float32 else 5e-2
 
 
+def inputs(b: int, ctx: int, vocab: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """tokens, positions, slots, each (B,): B random tokens at position ctx - 1 of slots 0..B-1 (ctx live tokens)."""
+    dev = gen.device
+    return (torch.randint(0, vocab, (b,), device=dev, generator=gen),
+            torch.full((b,), ctx - 1, dtype=torch.long, device=dev), torch.arange(b, device=dev))
+
+
+def sanity_check(step, runner, b: int, ctx: int, gen: torch.Generator, grid: Grid, sanity: list[dict]) -> None:
+    """Row 0 of the timed step at batch b vs the eager `runner.forward` of that row alone."""
+    dtype = runner.pool.geometry.dtype
+    tokens, positions, slots = inputs(b, ctx, runner.embed.shape[0], gen)
+    got = step(tokens, positions, slots)[0].float()  # (vocab,): copied out of the graph's output buffer
+    ref = runner.forward(tokens[:1], positions[:1], slots[:1])[0].float()
+    diff, rel = (got - ref).abs().max().item(), ((got - ref).norm() / ref.norm()).item()
+    ok = bool(torch.isfinite(got).all()) and rel <= tolerance(dtype)
+    sanity.append(dict(context=ctx, batch=b, graphed=bool(step.graphs), max_abs_diff=diff, rel_l2=rel,
+                       ref_max_abs=ref.abs().max().item(), ok=ok))
+    if not ok:
+        grid.failures.append(f"sanity {b}x{ctx}: step row 0 vs eager forward alone: relative L2 error {rel:.3g} > "
+                             f"{tolerance(dtype):g}")
+
+
 def engine_context(model, geom: CacheGeometry, ctx: int, batches: list[int], cfg: DecodeConfig, grid: Grid,
                    sanity: list[dict]) -> None:
-    """One pool of max(batches) slots x (ctx + 8) tokens; every batch timed at position ctx - 1 (ctx tokens live)."""
+    """One pool of max(batches) slots x (ctx + 8) tokens; every batch timed at position ctx - 1 (ctx tokens live),
+    then the sanity check at the largest batch that ran."""
     from decode_server.graphs import Step  # the engine (and its kernels) only when this bench runs
     from decode_server.pool import KVPool
     from decode_server.runner import StepRunner
-    device, vocab = grid.device, model.config.vocab_size
-    pool = KVPool(geom, device, slots=max(batches), max_seq=ctx + 8)
+    pool = KVPool(geom, grid.device, slots=max(batches), max_seq=ctx + 8)
     pool.kv.normal_()  # (layers, 2, slots + 1, kv_heads, max_seq, head_dim): values do not change the times
-    runner = StepRunner(model, pool)
+    runner = StepRunner(model, pool)  # fuses the weights on the first pool only (idempotent)
     step = Step(runner, max(batches), cfg.cuda_graphs)
-    gen = torch.Generator(device=device).manual_seed(cfg.seed + ctx)
+    gen = torch.Generator(device=grid.device).manual_seed(cfg.seed + ctx)
     for b in batches:
-        tokens = torch.randint(0, vocab, (b,), device=device, generator=gen)  # (B,)
-        positions = torch.full((b,), ctx - 1, dtype=torch.long, device=device)  # (B,)
-        slots = torch.arange(b, device=device)  # (B,)
+        tokens, positions, slots = inputs(b, ctx, model.config.vocab_size, gen)
 
         def one() -> None:
-            s = time_calls(lambda: step(tokens, positions, slots), device, cfg.runs, cfg.warmup)
+            s = time_calls(lambda: step(tokens, positions, slots), grid.device, cfg.runs, cfg.warmup)
             grid.cell(b, ctx).update(step_ms_p50=s["p50"], step_ms_p10=s["p10"], step_ms_p90=s["p90"],
                                      graphed=bool(step.graphs))
             print(f"decode: engine {b}x{ctx}: {s['p50']:.3f} ms", file=sys.stderr, flush=True)
-            if b == max(batches):  # row 0 of the largest batch vs the eager forward of that row alone
-                got = step(tokens, positions, slots)[0].float()  # (vocab,)
-                ref = runner.forward(tokens[:1], positions[:1], slots[:1])[0].float()
-                diff, rel = (got - ref).abs().max().item(), ((got - ref).norm() / ref.norm()).item()
-                ok = bool(torch.isfinite(got).all()) and rel <= tolerance(geom.dtype)
-                sanity.append(dict(context=ctx, batch=b, graphed=bool(step.graphs), max_abs_diff=diff,
-                                   rel_l2=rel, ref_max_abs=ref.abs().max().item(), ok=ok))
-                if not ok:
-                    grid.failures.append(f"sanity {b}x{ctx}: step row 0 vs eager forward alone: relative L2 error "
-                                         f"{rel:.3g} > {tolerance(geom.dtype):g}")
 
         grid.guard([(b, ctx)], "engine", one)
         grid.progress(f"engine {b}x{ctx}")
+    ran = [b for b in batches if "step_ms_p50" in grid.cells.get((b, ctx), {})]
+    if ran:
+        grid.guard([(max(ran), ctx)], "sanity", lambda: sanity_check(step, runner, max(ran), ctx, gen, grid, sanity))
 
 
 def run_decode(cfg: DecodeConfig, progress: Progress = lambda _: None) -> dict:
