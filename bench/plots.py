@@ -100,8 +100,13 @@ def link_plot(result: dict, out_dir: str) -> list[tuple[str, str]]:
     return [("Raw link speeds", _save(fig, out_dir, "links.png"))]
 
 
+def decode_plot(result: dict, out_dir: str) -> list[tuple[str, str]]:
+    from bench.decode_report import decode_plot  # beside its bench (imports this module)
+    return decode_plot(result, out_dir)
+
+
 PLOTTERS: dict[str, Callable[[dict, str], list[tuple[str, str]]]] = {
-    "offload": offload_plot, "ttft": ttft_plot, "link": link_plot}
+    "offload": offload_plot, "ttft": ttft_plot, "link": link_plot, "decode": decode_plot}
 
 
 def plots_for(result: dict, out_dir: str) -> list[tuple[str, str]]:

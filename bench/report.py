@@ -146,8 +146,14 @@ def serve_tables(result: dict) -> list[Table]:
     return [head, lat]
 
 
+def decode_tables(result: dict) -> list[Table]:
+    from bench.decode_report import decode_tables  # beside its bench (imports this module)
+    return decode_tables(result)
+
+
 BUILDERS: dict[str, Callable[[dict], list[Table]]] = {"offload": offload_tables, "ttft": ttft_tables,
-                                                      "link": link_tables, "serve": serve_tables}
+                                                      "link": link_tables, "serve": serve_tables,
+                                                      "decode": decode_tables}
 
 
 def tables_for(result: dict) -> list[Table]:

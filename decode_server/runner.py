@@ -57,10 +57,27 @@ class LayerWeights:
     down: torch.Tensor  # (H, I)
 
 
+def _adjacent(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """The one tensor that `parts` are consecutive row blocks of (a fusion done before), else None."""
+    first = parts[0]
+    offset, ptr = first.storage_offset(), first.untyped_storage().data_ptr()
+    for t in parts:
+        if not t.is_contiguous() or t.untyped_storage().data_ptr() != ptr or t.storage_offset() != offset:
+            return None
+        offset += t.numel()
+    rows = sum(t.shape[0] for t in parts)
+    return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
+
+
 @torch.no_grad()
 def _fuse(*linears) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Concatenate the linears' weights (and biases) along the output dim; rebind each module's parameters as a
-    view of the fused tensor, so the weights exist once and the HF forward keeps working on them."""
+    view of the fused tensor, so the weights exist once and the HF forward keeps working on them. Idempotent: a
+    second runner over the same model (a new pool) reuses the fused tensor instead of copying the weights again."""
+    w = _adjacent([m.weight.data for m in linears])
+    b = None if linears[0].bias is None else _adjacent([m.bias.data for m in linears])
+    if w is not None and (b is not None or linears[0].bias is None):
+        return w, b
     w = torch.cat([m.weight for m in linears])
     b = torch.cat([m.bias for m in linears]) if linears[0].bias is not None else None
     row = 0
