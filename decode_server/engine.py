@@ -24,7 +24,7 @@ from kvtransfer.serving import LoadedModel
 from kvtransfer.streaming import cache_digest
 
 from .graphs import Step
-from .pool import KVPool
+from .pool import KVPool, Lease
 from .runner import StepRunner
 from .scheduler import Job, Scheduler
 
@@ -59,37 +59,42 @@ class DecodeEngine:
                  "Triton kernels" if self.runner.use_triton else "torch reference ops",
                  f", CUDA graphs for batch {','.join(map(str, self.step.buckets))}" if self.step.graphs else ", eager")
 
-    def prefill_job(self, token_ids: list[int], slot: int, want_digest: bool) -> Job:
-        """Prefill the prompt into `slot`; returns LocalPrefill.
+    def prefill_job(self, token_ids: list[int], lease: Lease, want_digest: bool) -> Job:
+        """Prefill the prompt into the leased slot; returns LocalPrefill.
 
         Whole (prefill_chunk 0, or a prompt no longer than a chunk): one `next()`, exactly the prefill worker's
         forward. Chunked (Sarathi-Serve): one chunk per `next()`, so the scheduler runs a decode step between two
         chunks; each chunk attends over the cache so far. Chunked logits and cache then equal the whole prefill's
-        only within a tolerance (other kernel shapes; tests/test_chunked_prefill.py).
+        only within a tolerance (other kernel shapes; tests/test_chunked_prefill.py). The job holds the lease
+        while it writes, so a request that gives up meanwhile cannot free the slot under it.
         """
-        n, chunk = len(token_ids), self.options.prefill_chunk or len(token_ids)
-        views = self.pool.views(slot, n)
-        ids = torch.tensor([token_ids], dtype=torch.long).to(self.m.device)  # (1, seq)
-        sync(self.m.device)
-        t0 = time.perf_counter()
-        cache, start = None, 0
+        lease.hold()
+        try:
+            n, chunk = len(token_ids), self.options.prefill_chunk or len(token_ids)
+            views = self.pool.views(lease.slot, n)
+            ids = torch.tensor([token_ids], dtype=torch.long).to(self.m.device)  # (1, seq)
+            sync(self.m.device)
+            t0 = time.perf_counter()
+            cache, start = None, 0
 
-        def land(i: int, k: torch.Tensor, v: torch.Tensor) -> None:  # k, v: (1, kv_heads, end, head_dim) so far
-            views[i][0][:, :, start:end].copy_(k[:, :, start:end])
-            views[i][1][:, :, start:end].copy_(v[:, :, start:end])
-        while start < n:
-            end = min(n, start + chunk)
-            cache, logits = prefill(self.m.model, ids[:, start:end], on_layer=land, cache=cache)
-            start = end
-            if start < n:
-                yield
-        first = int(logits.argmax())
-        ms = (time.perf_counter() - t0) * 1e3
-        return LocalPrefill(first, logits_digest(logits) if want_digest else "", ms)
+            def land(i: int, k: torch.Tensor, v: torch.Tensor) -> None:  # k, v: (1, kv_heads, end, head_dim) so far
+                views[i][0][:, :, start:end].copy_(k[:, :, start:end])
+                views[i][1][:, :, start:end].copy_(v[:, :, start:end])
+            while start < n:
+                end = min(n, start + chunk)
+                cache, logits = prefill(self.m.model, ids[:, start:end], on_layer=land, cache=cache)
+                start = end
+                if start < n:
+                    yield
+            first = int(logits.argmax())
+            ms = (time.perf_counter() - t0) * 1e3
+            return LocalPrefill(first, logits_digest(logits) if want_digest else "", ms)
+        finally:
+            lease.release()
 
-    def prefill(self, token_ids: list[int], slot: int, want_digest: bool):
+    def prefill(self, token_ids: list[int], lease: Lease, want_digest: bool):
         """Future -> LocalPrefill, run on the device thread between decode steps."""
-        return self.scheduler.submit(self.prefill_job(token_ids, slot, want_digest))
+        return self.scheduler.submit(self.prefill_job(token_ids, lease, want_digest))
 
     def digest(self, slot: int, seq_len: int):
         """Future -> digest of the slot's cache, byte for byte as the transports' cache_digest of the same cache."""

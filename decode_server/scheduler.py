@@ -91,8 +91,11 @@ class Scheduler:
                     self._cond.wait()
                 if self._closed:
                     break
-                if job is None and self._jobs:
+                while job is None and self._jobs:
                     job = self._jobs.popleft()
+                    if not job[1].set_running_or_notify_cancel():  # cancelled while queued (its request gave up)
+                        job[0].close()
+                        job = None
                 joining, self._joining = self._joining, []
             if job is not None and self._advance(*job):
                 job = None
@@ -114,9 +117,6 @@ class Scheduler:
     @staticmethod
     def _advance(job: Job, fut: Future) -> bool:
         """One piece of the job; True when it is over (its future is then resolved)."""
-        if not fut.set_running_or_notify_cancel():
-            job.close()
-            return True
         try:
             next(job)
         except StopIteration as done:

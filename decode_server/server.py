@@ -153,7 +153,7 @@ class DecodeService(pbg.DecodeServicer):
                 timing.transfer_bytes = nbytes = self.engine.m.geometry.cache_bytes(len(request.token_ids))
                 self.metrics.moved(nbytes, r.t_ready - r.t_sent, r.response.mode)
                 return Prefilled(r.response.first_token, r.response.first_logits_digest, timing, r.t_first, r.t_ready)
-        job = self.engine.prefill(list(request.token_ids), lease.slot, want)
+        job = self.engine.prefill(list(request.token_ids), lease, want)
         local = await self._within(context, job, deadline, "the prefill did not finish before the deadline")
         timing.prefill_ms = local.prefill_ms
         timing.mode = timing.mode or "colocated"

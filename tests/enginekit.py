@@ -32,7 +32,7 @@ def engine_generate(model, ids: list[int], max_new_tokens: int) -> tuple[list[in
     """(tokens, logits digests) of greedy decoding `ids` alone, as the decode server does it."""
     e = _engine(model)
     lease = e.pool.try_lease()
-    first = e.prefill(list(ids), lease.slot, True).result(timeout=60)
+    first = e.prefill(list(ids), lease, True).result(timeout=60)
     tokens, digests = [first.first], [first.digest]
     if max_new_tokens > 1:
         q: queue.Queue = queue.Queue()

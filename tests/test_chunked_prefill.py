@@ -28,7 +28,7 @@ def engine(chunk: int) -> DecodeEngine:
 
 def prefilled(e: DecodeEngine, ids: list[int]):
     lease = e.pool.try_lease()
-    r = e.prefill(ids, lease.slot, True).result(timeout=60)
+    r = e.prefill(ids, lease, True).result(timeout=60)
     cache = [(k.clone(), v.clone()) for k, v in e.pool.views(lease.slot, len(ids))]
     lease.release()
     return r, cache
@@ -62,13 +62,13 @@ def test_decode_steps_run_between_chunks():
     e = engine(32)
     try:
         lease = e.pool.try_lease()
-        r = e.prefill([1, 2, 3], lease.slot, False).result(timeout=60)
+        r = e.prefill([1, 2, 3], lease, False).result(timeout=60)
         q: queue.Queue = queue.Queue()
         e.scheduler.add(Sequence(1, lease, 3, r.first, 400, q.put))
         q.get(timeout=30)
         before = e.scheduler.steps
         other = e.pool.try_lease()
-        e.prefill(random_prompt(512, 320, seed=4)[0].tolist(), other.slot, False).result(timeout=60)
+        e.prefill(random_prompt(512, 320, seed=4)[0].tolist(), other, False).result(timeout=60)
         assert e.scheduler.steps - before >= 9  # 10 chunks: at least one step between each two
         other.release()
     finally:

@@ -97,7 +97,7 @@ def generate(engine, prompts, steps=8, want_digest=True):
     runs = []
     for p in prompts:
         lease = engine.pool.try_lease()
-        r = engine.prefill(p, lease.slot, True).result(timeout=30)
+        r = engine.prefill(p, lease, True).result(timeout=30)
         q = queue.Queue()
         runs.append((r.first, q, Sequence(1, lease, len(p), r.first, steps, q.put, want_digest)))
     for _, _, s in runs:
@@ -132,7 +132,7 @@ def test_batch_vs_alone_within_the_stated_tolerance(engine):
         assert tb == ta  # tiny fp32: margins here are far above BATCH_TOL
     # the measured gap itself, logits against logits
     lease = [engine.pool.try_lease() for _ in PROMPTS]
-    firsts = [engine.prefill(p, le.slot, False).result(timeout=30).first for p, le in zip(PROMPTS, lease)]
+    firsts = [engine.prefill(p, le, False).result(timeout=30).first for p, le in zip(PROMPTS, lease)]
     pos = torch.tensor([len(p) for p in PROMPTS])
     slots = torch.tensor([le.slot for le in lease])
     batch = engine.scheduler.call(engine.step, torch.tensor(firsts), pos, slots).result(timeout=30).clone()
@@ -146,7 +146,7 @@ def test_batch_vs_alone_within_the_stated_tolerance(engine):
 
 def test_stop_drops_the_sequence_and_frees_its_slot(engine):
     lease = engine.pool.try_lease()
-    r = engine.prefill(PROMPTS[0], lease.slot, False).result(timeout=30)
+    r = engine.prefill(PROMPTS[0], lease, False).result(timeout=30)
     q = queue.Queue()
     s = Sequence(9, lease, len(PROMPTS[0]), r.first, 10_000, q.put)
     engine.scheduler.add(s)
@@ -181,7 +181,7 @@ def test_eos_ends_the_sequence_when_asked(engine):
     tokens, _ = generate(engine, PROMPTS[:1], steps=8, want_digest=False)[0]
     stop_at = tokens[3]  # token index 3: the third decode step makes it
     lease = engine.pool.try_lease()
-    r = engine.prefill(PROMPTS[0], lease.slot, False).result(timeout=30)
+    r = engine.prefill(PROMPTS[0], lease, False).result(timeout=30)
     q = queue.Queue()
     engine.scheduler.add(Sequence(2, lease, len(PROMPTS[0]), r.first, 8, q.put, eos=frozenset([stop_at])))
     got = []
