@@ -7,7 +7,8 @@ result.json + charts (PNG) + report.md under --out, and the whole result as ONE 
 object on the last stdout line. The exit status is non-zero when a check failed: the
 result's `ok` is False and its `failures` (if any) say why.
 
-Subcommands: offload, ttft, demo, link (raw link speeds), serve (load on a running server).
+Subcommands: offload, ttft, demo, link (raw link speeds), serve (load on a running server),
+interference (long prefills stalling running decodes).
 To add one: write `register_x(sub)` that calls `sub.add_parser("x")`, adds options and
 `set_defaults(run=cmd_x, parser=p)`, where `cmd_x(args) -> int` builds the config (a
 frozen dataclass whose ValueError becomes a usage error), runs it under `with_progress`
@@ -27,7 +28,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from bench import link, serve
+from bench import interference_cli, link, serve
 from bench.offload import OffloadConfig, run_offload, total_steps
 from bench.ttft import TtftConfig, run_ttft
 from bench.ttft import total_steps as ttft_steps
@@ -232,7 +233,12 @@ def register_serve(sub) -> None:
     p.set_defaults(run=cmd_serve, parser=p)
 
 
-REGISTRY: list[Callable] = [register_offload, register_ttft, register_demo, register_link, register_serve]
+def register_interference(sub) -> None:
+    interference_cli.register(sub, finish, with_progress)  # options and run: bench/interference_cli.py
+
+
+REGISTRY: list[Callable] = [register_offload, register_ttft, register_demo, register_link, register_serve,
+                            register_interference]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -100,8 +100,13 @@ def link_plot(result: dict, out_dir: str) -> list[tuple[str, str]]:
     return [("Raw link speeds", _save(fig, out_dir, "links.png"))]
 
 
+def interference_plot(result: dict, out_dir: str) -> list[tuple[str, str]]:
+    from bench.interference_report import plot  # the chart lives beside the bench
+    return plot(result, out_dir, _save)
+
+
 PLOTTERS: dict[str, Callable[[dict, str], list[tuple[str, str]]]] = {
-    "offload": offload_plot, "ttft": ttft_plot, "link": link_plot}
+    "offload": offload_plot, "ttft": ttft_plot, "link": link_plot, "interference": interference_plot}
 
 
 def plots_for(result: dict, out_dir: str) -> list[tuple[str, str]]:

@@ -146,8 +146,14 @@ def serve_tables(result: dict) -> list[Table]:
     return [head, lat]
 
 
+def interference_tables(result: dict) -> list[Table]:
+    from bench.interference_report import tables  # the builder lives beside the bench
+    return tables(result)
+
+
 BUILDERS: dict[str, Callable[[dict], list[Table]]] = {"offload": offload_tables, "ttft": ttft_tables,
-                                                      "link": link_tables, "serve": serve_tables}
+                                                      "link": link_tables, "serve": serve_tables,
+                                                      "interference": interference_tables}
 
 
 def tables_for(result: dict) -> list[Table]:
