@@ -86,7 +86,8 @@ def test_goodput_counts_by_max_itl_and_long_ttft():
 def test_config_defaults_and_refusals():
     cfg = InterferenceConfig(streams=4, context=32, arrivals=(1500,), max_seq_len=2048)
     assert cfg.stream_tokens == 2048 - 32 and cfg.max_batch == 5
-    assert decode_args(cfg, 256) == ["--max-batch", "5", "--max-seq-len", "2048", "--prefill-chunk", "256"]
+    assert decode_args(cfg, 256) == ["--max-batch", "5", "--max-seq-len", "2048", "--request-timeout-s", "1200",
+                                     "--prefill-chunk", "256"]
     assert cfg.arm_list() == [("colocated", 0), ("chunked", 512), ("chunked", 2048), ("disagg", 0)]
     assert label(cfg, "disagg", 0) == "disaggregated (gloo, sharing one CPU)"
     assert InterferenceConfig(streams=2, context=8, arrivals=(64,)).max_seq_len == 8 + 2048
@@ -121,7 +122,8 @@ class OneDevice(pbg.DecodeServicer):
 
 def test_drive_against_a_stand_in_server(tmp_path):
     """The client side end to end (streams, arrivals, cancel, figures, tables, chart) without real servers."""
-    cfg = InterferenceConfig(streams=3, context=16, arrivals=(2000, 3000), gap_s=0.3, max_seq_len=4000)
+    cfg = InterferenceConfig(streams=3, context=16, arrivals=(2000, 3000), gap_s=0.3, max_seq_len=4000,
+                             poisson_rate=20, poisson_count=2, poisson_len=500)
 
     async def main() -> dict:
         server = grpc.aio.server()
@@ -134,17 +136,18 @@ def test_drive_against_a_stand_in_server(tmp_path):
             await server.stop(None)
 
     raw = asyncio.run(main())
-    assert len(raw["streams"]) == 3 and [r["tokens"] for r in raw["longs"]] == [2000, 3000]
+    assert len(raw["streams"]) == 3 and [r["tokens"] for r in raw["longs"]] == [2000, 3000, 500, 500]
+    assert [r["kind"] for r in raw["longs"]] == ["single", "single", "poisson", "poisson"]
     assert all(len(r["times"]) == cfg.long_tokens for r in raw["longs"])
     assert all(raw["start"] < ts[-1] <= raw["stop"] + 1 for ts in raw["streams"])
     f = st.arm_figures(raw["streams"], raw["longs"], raw["start"], raw["stop"], 5000, 100, 0.15)
-    for a in f["arrivals"]:
+    for a in f["arrivals"][:2]:
         assert a["ttft_ms"] > 0 and a["stall_ms"] > a["itl_max_outside_ms"], a
     result = {"kind": "interference", "ok": True, "config": dataclasses.asdict(cfg) | {"shared_device": True},
               "env": {"device_name": "cpu"}, "arms": [{"arm": "colocated", "chunk": 0, "label": "colocated",
                                                         "ok": True} | f]}
     paths = write_outputs(str(tmp_path), result, tables_for(result), "test")
-    assert paths["plots"] and os.path.exists(paths["plots"][0]) and "3,000" in open(paths["markdown"]).read()
+    assert paths["plots"] and os.path.exists(paths["plots"][0]) and "500 (Poisson)" in open(paths["markdown"]).read()
 
 
 SMOKE = ["--model", "tiny", "--device", "cpu", "--streams", "4", "--context", "32", "--arrivals", "3000",
