@@ -8,7 +8,8 @@ object on the last stdout line. The exit status is non-zero when a check failed:
 result's `ok` is False and its `failures` (if any) say why.
 
 Subcommands: offload, ttft, demo, link (raw link speeds), serve (load on a running server), decode
-(the batched engine's step time over a (batch, context) grid).
+(the batched engine's step time over a (batch, context) grid), interference (long prefills stalling
+running decodes).
 To add one: write `register_x(sub)` that calls `sub.add_parser("x")`, adds options and
 `set_defaults(run=cmd_x, parser=p)`, where `cmd_x(args) -> int` builds the config (a
 frozen dataclass whose ValueError becomes a usage error), runs it under `with_progress`
@@ -28,7 +29,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from bench import link, serve
+from bench import interference_cli, link, serve
 from bench.decode import register_decode
 from bench.offload import OffloadConfig, run_offload, total_steps
 from bench.ttft import TtftConfig, run_ttft
@@ -234,8 +235,12 @@ def register_serve(sub) -> None:
     p.set_defaults(run=cmd_serve, parser=p)
 
 
+def register_interference(sub) -> None:
+    interference_cli.register(sub, finish, with_progress)  # options and run: bench/interference_cli.py
+
+
 REGISTRY: list[Callable] = [register_offload, register_ttft, register_demo, register_link, register_serve,
-                            register_decode]
+                            register_decode, register_interference]
 
 
 def build_parser() -> argparse.ArgumentParser:

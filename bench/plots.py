@@ -105,8 +105,14 @@ def decode_plot(result: dict, out_dir: str) -> list[tuple[str, str]]:
     return decode_plot(result, out_dir)
 
 
+def interference_plot(result: dict, out_dir: str) -> list[tuple[str, str]]:
+    from bench.interference_report import plot  # the chart lives beside the bench
+    return plot(result, out_dir, _save)
+
+
 PLOTTERS: dict[str, Callable[[dict, str], list[tuple[str, str]]]] = {
-    "offload": offload_plot, "ttft": ttft_plot, "link": link_plot, "decode": decode_plot}
+    "offload": offload_plot, "ttft": ttft_plot, "link": link_plot, "decode": decode_plot,
+    "interference": interference_plot}
 
 
 def plots_for(result: dict, out_dir: str) -> list[tuple[str, str]]:

@@ -151,9 +151,14 @@ def decode_tables(result: dict) -> list[Table]:
     return decode_tables(result)
 
 
+def interference_tables(result: dict) -> list[Table]:
+    from bench.interference_report import tables  # the builder lives beside the bench
+    return tables(result)
+
+
 BUILDERS: dict[str, Callable[[dict], list[Table]]] = {"offload": offload_tables, "ttft": ttft_tables,
                                                       "link": link_tables, "serve": serve_tables,
-                                                      "decode": decode_tables}
+                                                      "decode": decode_tables, "interference": interference_tables}
 
 
 def tables_for(result: dict) -> list[Table]:
