@@ -109,6 +109,11 @@ def add_rms_norm_ref(
 
 
 def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
-    """(B, 2I) fused gate|up projection -> silu(gate) * up, (B, I), in the input dtype."""
+    """(B, 2I) fused gate|up projection -> silu(gate) * up, (B, I), in the input dtype.
+
+    The gate half is made contiguous first: torch's CPU silu takes a different (vectorized vs
+    strided) path for a strided view and differs in the last bit, and HF applies it to the
+    contiguous output of gate_proj.
+    """
     inter = gate_up.shape[-1] // 2
-    return F.silu(gate_up[..., :inter]) * gate_up[..., inter:]
+    return F.silu(gate_up[..., :inter].contiguous()) * gate_up[..., inter:]

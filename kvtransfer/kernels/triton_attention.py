@@ -15,7 +15,8 @@ work. Splits whose chunk starts at or past the length (short rows, padded rows o
 exit at once and stage 2 skips them.
 
 num_splits is a Python int from static shapes only (B, kv heads, max_seq, SM count), so one
-captured CUDA graph stays valid for any lengths: see `choose_num_splits`.
+captured CUDA graph stays valid for any lengths: see `choose_num_splits`. It is a runtime
+kernel argument, so batch buckets with different split counts share one compiled kernel.
 Scores and the softmax run in fp32 in the log2 domain (exp2); P is rounded to the KV dtype
 for the P @ V dot, as flash attention does and as HF rounds the fp32 softmax to the model
 dtype before @ V. fp32 pools use IEEE dots (no TF32); so do CPU tensors, which only run
@@ -60,11 +61,11 @@ def choose_num_splits(batch: int, kv_heads: int, head_blocks: int, max_seq: int,
 
 
 @triton.jit
-def _row_length_and_chunk(Lengths, b, max_seq, NUM_SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+def _row_length_and_chunk(Lengths, b, max_seq, num_splits, BLOCK: tl.constexpr):
     # Valid positions of row b (clamped to the pool) and positions per split: ceil(L / S)
     # rounded up to BLOCK. Stage 1 and stage 2 must agree on this exactly.
     length = tl.minimum(tl.maximum(tl.load(Lengths + b).to(tl.int32), 0), max_seq)
-    chunk = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK) * BLOCK
+    chunk = tl.cdiv(tl.cdiv(length, num_splits), BLOCK) * BLOCK
     return length, chunk
 
 
@@ -75,9 +76,9 @@ def _decode_stage1(
     stride_qb, stride_qh,
     stride_ks, stride_kh, stride_kt,
     stride_vs, stride_vh, stride_vt,
-    max_seq,
+    max_seq, num_splits,
     Q_HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
-    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
     # grid (B, Hkv * HEAD_BLOCKS, NUM_SPLITS); MidO (B, Hq, S, D), MidLse (B, Hq, S) fp32.
@@ -87,7 +88,7 @@ def _decode_stage1(
     kv_head = pid_h // HEAD_BLOCKS
     head_block = pid_h % HEAD_BLOCKS
 
-    length, chunk = _row_length_and_chunk(Lengths, b, max_seq, NUM_SPLITS, BLOCK_N)
+    length, chunk = _row_length_and_chunk(Lengths, b, max_seq, num_splits, BLOCK_N)
     start = split * chunk
     end = tl.minimum(start + chunk, length)
     if start < end:
@@ -138,7 +139,7 @@ def _decode_stage1(
             l_i = l_i * alpha + tl.sum(p, 1)
             m_i = m_new
 
-        row = (b64 * Q_HEADS + heads) * NUM_SPLITS + split  # (BLOCK_H,) index into (B, Hq, S)
+        row = (b64 * Q_HEADS + heads) * num_splits + split  # (BLOCK_H,) index into (B, Hq, S)
         tl.store(
             MidO + row[:, None] * HEAD_DIM + offs_d[None, :],
             acc / l_i[:, None],
@@ -151,21 +152,21 @@ def _decode_stage1(
 def _decode_stage2(
     MidO, MidLse, Lengths, Out,
     stride_ob, stride_oh,
-    max_seq,
-    Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    max_seq, num_splits,
+    Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DS: tl.constexpr,
 ):
     # grid (B, Hq, cdiv(D, BLOCK_DS)): merges all splits of (row, head) over BLOCK_DS dims at once.
     b = tl.program_id(0)
     h = tl.program_id(1)
     pid_d = tl.program_id(2)
-    length, chunk = _row_length_and_chunk(Lengths, b, max_seq, NUM_SPLITS, BLOCK_N)
+    length, chunk = _row_length_and_chunk(Lengths, b, max_seq, num_splits, BLOCK_N)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = pid_d * BLOCK_DS + tl.arange(0, BLOCK_DS)
     mask_d = offs_d < HEAD_DIM
     # The same test as stage 1's `start < end`: inactive splits were never written.
-    active = (offs_s < NUM_SPLITS) & (offs_s * chunk < length)
-    row = (b.to(tl.int64) * Q_HEADS + h) * NUM_SPLITS + offs_s  # (BLOCK_S,)
+    active = (offs_s < num_splits) & (offs_s * chunk < length)
+    row = (b.to(tl.int64) * Q_HEADS + h) * num_splits + offs_s  # (BLOCK_S,)
     lse = tl.load(MidLse + row, mask=active, other=float("-inf"))
     part = tl.load(
         MidO + row[:, None] * HEAD_DIM + offs_d[None, :],
@@ -215,9 +216,9 @@ def decode_attention_triton(
         q.stride(0), q.stride(1),
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
-        max_seq,
+        max_seq, num_splits,
         Q_HEADS=q_heads, GROUPS=groups, HEAD_BLOCKS=head_blocks, HEAD_DIM=head_dim,
-        NUM_SPLITS=num_splits, BLOCK_D=block_d, BLOCK_N=BLOCK_N, BLOCK_H=BLOCK_H,
+        BLOCK_D=block_d, BLOCK_N=BLOCK_N, BLOCK_H=BLOCK_H,
         # fp32 pools: IEEE dots, no TF32. CPU tensors run only under the Triton interpreter,
         # whose tl.dot mishandles bf16: there the dots run in fp32 on the same rounded values.
         UPCAST_DOT=q.dtype == torch.float32 or q.device.type != "cuda",
@@ -228,8 +229,8 @@ def decode_attention_triton(
     _decode_stage2[(batch, q_heads, triton.cdiv(head_dim, block_ds))](
         mid_o, mid_lse, lengths, out,
         out.stride(0), out.stride(1),
-        max_seq,
-        Q_HEADS=q_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+        max_seq, num_splits,
+        Q_HEADS=q_heads, HEAD_DIM=head_dim,
         BLOCK_N=BLOCK_N, BLOCK_S=block_s, BLOCK_DS=block_ds,
         num_warps=4,
     )
