@@ -45,17 +45,16 @@ def decode_case(
     slot (the last one). Pool positions at or past each slot's length hold `garbage`
     (None: leave the random values) so that reading them shows up in the output."""
     device = torch.device(device)
-    gen = torch.Generator(device=device).manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)  # bulk data, made on the device
+    cpu_gen = torch.Generator().manual_seed(seed)  # small index data, made on the CPU
     real = len(lengths)
     num_slots = real + 1
     scratch = num_slots - 1
     shape = (num_slots, kv_heads, max_seq, head_dim)
     k_pool = torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
     v_pool = torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
-    if shuffle:
-        perm = torch.randperm(real, generator=gen, device=device)
-    else:
-        perm = torch.arange(real, device=device)
+    perm = torch.randperm(real, generator=cpu_gen) if shuffle else torch.arange(real)
+    perm = perm.to(device)
     slots = torch.cat([perm, torch.full((pad_rows,), scratch, device=device, dtype=perm.dtype)])
     lens = torch.tensor(list(lengths) + [1] * pad_rows, device=device)
     if garbage is not None:
@@ -76,13 +75,15 @@ def ragged_lengths(batch: int, max_len: int, seed: int = 0) -> list[int]:
 
 
 def attention_gold(case: DecodeCase) -> torch.Tensor:
-    """fp32 attention from the same (rounded) inputs, exact slices per row: (B, Hq, D) fp32."""
-    q = case.q.float()
+    """fp64 attention from the same (rounded) inputs, exact slices per row -> (B, Hq, D) fp32.
+
+    fp64 so that no TF32 setting or matmul path can blur it."""
+    q = case.q.double()
     groups = q.shape[1] // case.k_pool.shape[1]
     out = torch.empty_like(q)
     for b, (slot, length) in enumerate(zip(case.slots.tolist(), case.lengths.tolist())):
-        k = case.k_pool[slot, :, :length].float().repeat_interleave(groups, dim=0)  # (Hq, L, D)
-        v = case.v_pool[slot, :, :length].float().repeat_interleave(groups, dim=0)
+        k = case.k_pool[slot, :, :length].double().repeat_interleave(groups, dim=0)  # (Hq, L, D)
+        v = case.v_pool[slot, :, :length].double().repeat_interleave(groups, dim=0)
         probs = torch.softmax((k @ q[b][:, :, None])[:, :, 0] * case.scale, dim=-1)  # (Hq, L)
         out[b] = (probs[:, None, :] @ v)[:, 0, :]
-    return out
+    return out.float()
