@@ -5,12 +5,13 @@ bf16 on Qwen2.5-7B shapes (28 q / 4 kv heads, D=128) with ragged rows, on the sm
 shapes of the `tiny` (G=2, D=16) and `smollm2-135m` (G=3, D=64) presets, under graph
 capture and replay with new indices, and with a > 2^31-element pool (int64 offsets).
 
-Tolerances: attention is compared per row with an fp32 computation from the same rounded
+Tolerances: attention is compared per row with an fp64 computation from the same rounded
 inputs (`attention_gold`): max |err| <= 2e-2 * max |gold| of the row in bf16 (P and the
 output are rounded to bf16, ~0.4% each; the bf16 HF reference itself is off by ~1%), 4e-3
 in fp16, 1e-4 in fp32 (IEEE dots; this also catches a lost 64-position block of a 32k row,
-which moves the output by ~0.2%). Elementwise ops: rtol 1e-2 (about one bf16 ulp, as the
-kernels round once in fp32 where torch rounds each op); the residual add must be exact.
+which moves the output by ~0.2%). Norms and SiLU: within 2 bf16 ulps and bit-equal
+in >= 99% of elements (`assert_bf16_close`); RoPE: rtol 1e-2, atol 4e-2 (see ROPE_TOL, the
+kernel rounds once in fp32 where HF rounds each op); the residual add must be exact.
 Run: python3 -m pytest tests/test_kernels_gpu.py -m gpu -q
 """
 
@@ -30,6 +31,9 @@ pytestmark = [
 
 QWEN = (28, 4, 128)
 ATT_TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-4}
+# RoPE of randn inputs (|x| < ~5): HF rounds x*cos, rotate_half(x)*sin and the sum, the kernel
+# once, so they may differ by ~1 ulp of the terms (2^-5 at 4..8 in bf16) even where the sum is small.
+ROPE_TOL = {"rtol": 1e-2, "atol": 4e-2}
 
 
 def row_rel_err(out: torch.Tensor, gold: torch.Tensor) -> float:
@@ -99,13 +103,20 @@ def test_rope_store_qwen(batch):
     tri_pools = [p.clone() for p in pools]
     q_ref = K.rope_store(q, k, v, cos, sin, *ref_pools, slots, positions, use_triton=False)
     q_tri = K.rope_store(q, k, v, cos, sin, *tri_pools, slots, positions)
-    torch.testing.assert_close(q_tri, q_ref, rtol=1e-2, atol=1e-2)
-    torch.testing.assert_close(tri_pools[0], ref_pools[0], rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(q_tri, q_ref, **ROPE_TOL)
+    torch.testing.assert_close(tri_pools[0], ref_pools[0], **ROPE_TOL)
     assert torch.equal(tri_pools[1], ref_pools[1])
     changed = (tri_pools[0] != pools[0]).any(dim=(1, 3)) | (tri_pools[1] != pools[1]).any(dim=(1, 3))
     written = torch.zeros_like(changed)
     written[slots.long(), positions.long()] = True
     assert not (changed & ~written).any()  # nothing outside (slot, :, position) touched
+
+
+def assert_bf16_close(out, ref):
+    """Within 2 bf16 ulps everywhere, and bit-equal almost everywhere: both round the same fp32
+    value once, which differs only by the last fp32 bits (reduction order, rsqrt/exp)."""
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=1e-3)
+    assert (out != ref).float().mean().item() <= 1e-2
 
 
 @pytest.mark.parametrize("batch", [1, 64])
@@ -114,13 +125,13 @@ def test_norms_and_silu_qwen_widths(batch):
     gen = torch.Generator(device="cuda").manual_seed(batch)
     x, res = (torch.randn(batch, hidden, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(2))
     w = (torch.rand(hidden, generator=gen, device="cuda") + 0.5).to(torch.bfloat16)
-    torch.testing.assert_close(K.rms_norm(x, w, 1e-6), K.rms_norm(x, w, 1e-6, use_triton=False), rtol=1e-2, atol=1e-3)
+    assert_bf16_close(K.rms_norm(x, w, 1e-6), K.rms_norm(x, w, 1e-6, use_triton=False))
     normed, res_out = K.add_rms_norm(x, res, w, 1e-6)
     normed_ref, res_ref = K.add_rms_norm(x, res, w, 1e-6, use_triton=False)
     assert torch.equal(res_out, res_ref)
-    torch.testing.assert_close(normed, normed_ref, rtol=1e-2, atol=1e-3)
+    assert_bf16_close(normed, normed_ref)
     gate_up = torch.randn(batch, 2 * inter, generator=gen, device="cuda").to(torch.bfloat16)
-    torch.testing.assert_close(K.silu_mul(gate_up), K.silu_mul(gate_up, use_triton=False), rtol=1e-2, atol=1e-3)
+    assert_bf16_close(K.silu_mul(gate_up), K.silu_mul(gate_up, use_triton=False))
 
 
 def test_cuda_graph_replay_with_new_lengths_slots_positions():
@@ -192,9 +203,9 @@ def test_pool_over_2_31_elements_uses_int64_offsets():
     k_ref, v_ref = k_pool[598:].clone(), v_pool[598:].clone()
     q_expect = K.rope_store(q, k, v, cos, sin, k_ref, v_ref, slots - 598, positions, use_triton=False)
     q_rot = K.rope_store(q, k, v, cos, sin, k_pool, v_pool, slots, positions)
-    torch.testing.assert_close(q_rot, q_expect, rtol=1e-2, atol=1e-2)
-    torch.testing.assert_close(k_pool[599, :, 8191], k_ref[1, :, 8191], rtol=1e-2, atol=1e-2)
-    torch.testing.assert_close(k_pool[598, :, 999], k_ref[0, :, 999], rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(q_rot, q_expect, **ROPE_TOL)
+    torch.testing.assert_close(k_pool[599, :, 8191], k_ref[1, :, 8191], **ROPE_TOL)
+    torch.testing.assert_close(k_pool[598, :, 999], k_ref[0, :, 999], **ROPE_TOL)
     assert torch.equal(v_pool[599, :, 8191], v[0]) and torch.equal(v_pool[598, :, 999], v[1])
     out = K.decode_attention(q_rot, k_pool, v_pool, slots, lengths, d**-0.5)
     view = DecodeCase(q_rot, k_pool[598:600], v_pool[598:600], slots - 598, lengths, scratch_slot=0)

@@ -90,7 +90,7 @@ def rope_store_triton(q, k, v, cos, sin, k_pool, v_pool, slots, positions) -> to
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         num_slots, max_seq,
         Q_HEADS=q_heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim,
-        BLOCK_HQ=triton.next_power_of_2(q_heads), BLOCK_HKV=triton.next_power_of_2(kv_heads),
+        BLOCK_HQ=max(2, triton.next_power_of_2(q_heads)), BLOCK_HKV=max(2, triton.next_power_of_2(kv_heads)),
         BLOCK_HALF=triton.next_power_of_2(head_dim // 2), BLOCK_D=triton.next_power_of_2(head_dim),
         num_warps=4,
     )
