@@ -60,6 +60,13 @@ def choose_num_splits(batch: int, kv_heads: int, head_blocks: int, max_seq: int,
     return max(1, min(want, cap))
 
 
+def default_num_splits(batch: int, q_heads: int, kv_heads: int, max_seq: int, device: torch.device) -> int:
+    """`choose_num_splits` for these shapes on `device` (8 SMs assumed off CUDA: interpreter)."""
+    head_blocks = triton.cdiv(q_heads // kv_heads, BLOCK_H)
+    sm_count = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) if device.type == "cuda" else 8
+    return choose_num_splits(batch, kv_heads, head_blocks, max_seq, sm_count)
+
+
 @triton.jit
 def _row_length_and_chunk(Lengths, b, max_seq, num_splits, BLOCK: tl.constexpr):
     # Valid positions of row b (clamped to the pool) and positions per split: ceil(L / S)
@@ -203,8 +210,7 @@ def decode_attention_triton(
     groups = q_heads // kv_heads
     head_blocks = triton.cdiv(groups, BLOCK_H)
     if num_splits is None:
-        sm_count = _sm_count(q.device.index) if q.device.type == "cuda" else 8
-        num_splits = choose_num_splits(batch, kv_heads, head_blocks, max_seq, sm_count)
+        num_splits = default_num_splits(batch, q_heads, kv_heads, max_seq, q.device)
     num_splits = max(1, min(int(num_splits), MAX_SPLITS))
     block_d = max(16, triton.next_power_of_2(head_dim))
     mid_o = torch.empty((batch, q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
