@@ -46,13 +46,14 @@ def _sm_count(device_index: int) -> int:
 def choose_num_splits(batch: int, kv_heads: int, head_blocks: int, max_seq: int, sm_count: int) -> int:
     """Splits per row, from static shapes only (so one CUDA graph serves any lengths).
 
-    A stage-1 program holds ~64 KB of shared memory (K and V tiles, two pipeline stages), so
-    about 3 fit on an SM; aim for ~2 waves of those, 6 * SMs programs in all, when the rows
-    are full: enough to keep HBM busy when B is 1, few enough that the partial outputs stay a
-    few percent of the K/V bytes when B is large. Programs per split = B * Hkv * head_blocks.
-    Capped so that a full-length row's chunk is >= BLOCK_N positions, and at MAX_SPLITS.
-    H200 (132 SMs), Qwen2.5-7B (4 kv heads): B=1 -> 198 splits (chunks of 192 at 32k);
-    B=8 -> 25; B=64 -> 4 (chunks of 256 at 1k, 2048 at 8k).
+    The bf16 D=128 stage-1 program compiles for sm_90 to 87 registers/thread (4 warps) and
+    ~39 KB of shared memory, so ~5 are resident per SM. Aim for 6 * SMs programs in all
+    (about 1.2 such waves) when the rows are full: enough to keep HBM busy when B is 1, few
+    enough that the partial outputs stay a few percent of the K/V bytes when B is large.
+    Programs per split = B * Hkv * head_blocks. Capped so that a full-length row's chunk is
+    >= BLOCK_N positions, and at MAX_SPLITS. H200 (132 SMs), Qwen2.5-7B (4 kv heads): B=1 ->
+    198 splits (chunks of 192 at 32k); B=8 -> 25; B=64 -> 4 (chunks of 256 at 1k, 2048 at
+    8k). `python -m bench.kernels` sweeps the split count to re-tune this.
     """
     per_split = max(1, batch * kv_heads * head_blocks)
     want = triton.cdiv(6 * sm_count, per_split)
@@ -191,6 +192,12 @@ def _decode_stage2(
     )
 
 
+def _upcast_dots(q: torch.Tensor) -> bool:
+    # fp32 pools: IEEE dots, no TF32. CPU tensors run only under the Triton interpreter, whose
+    # tl.dot mishandles bf16: there the dots run in fp32 on the same rounded values.
+    return q.dtype == torch.float32 or q.device.type != "cuda"
+
+
 def decode_attention_triton(
     q: torch.Tensor,
     k_pool: torch.Tensor,
@@ -225,9 +232,7 @@ def decode_attention_triton(
         max_seq, num_splits,
         Q_HEADS=q_heads, GROUPS=groups, HEAD_BLOCKS=head_blocks, HEAD_DIM=head_dim,
         BLOCK_D=block_d, BLOCK_N=BLOCK_N, BLOCK_H=BLOCK_H,
-        # fp32 pools: IEEE dots, no TF32. CPU tensors run only under the Triton interpreter,
-        # whose tl.dot mishandles bf16: there the dots run in fp32 on the same rounded values.
-        UPCAST_DOT=q.dtype == torch.float32 or q.device.type != "cuda",
+        UPCAST_DOT=_upcast_dots(q),
         num_warps=4, num_stages=2,
     )
     block_s = max(2, triton.next_power_of_2(num_splits))
