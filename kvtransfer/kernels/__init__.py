@@ -1,0 +1,200 @@
+"""Fused ops of one batched decode step, each with a plain-torch reference.
+
+Why: the decode engine runs a step for B rows at once over the slot-layout KV pool and
+captures it as a CUDA graph per batch bucket, so these ops take static shapes, never sync
+with the host on the Triton path, and are capturable. On CPU (tests, CI) the engine runs the
+`*_ref` functions, which mirror HF's eager math.
+
+Backend choice is explicit: every op takes `use_triton`; None means `triton_available(device)`
+(CUDA tensors and an importable triton). True forces Triton (e.g. CPU tensors under the Triton
+interpreter in tests); False forces the reference. Nothing here reads environment variables.
+triton is imported lazily, so this package imports without it.
+
+KV pool, one layer: k_pool, v_pool (slots, kv_heads, max_seq, head_dim), contiguous. Row b
+lives in slot slots[b] with lengths[b] valid positions (including this step's token).
+Padded rows should have length 1 and a scratch slot: they produce garbage, never crash and
+write only inside their slot. Out-of-range slots are the caller's bug (not checked: a check
+would sync); out-of-range lengths are clamped to [0, max_seq] by the kernel, out-of-range
+write positions are skipped by the Triton rope_store.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from kvtransfer.kernels._checks import (
+    check_float,
+    check_groups,
+    check_index,
+    check_pools,
+    last_dim_unit,
+    require,
+)
+from kvtransfer.kernels.reference import (
+    add_rms_norm_ref,
+    decode_attention_ref,
+    rms_norm_ref,
+    rope_store_ref,
+    silu_mul_ref,
+)
+
+__all__ = [
+    "triton_available",
+    "decode_attention",
+    "rope_store",
+    "rms_norm",
+    "add_rms_norm",
+    "silu_mul",
+    "decode_attention_ref",
+    "rope_store_ref",
+    "rms_norm_ref",
+    "add_rms_norm_ref",
+    "silu_mul_ref",
+]
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except (ImportError, OSError, RuntimeError):
+        return False
+    return True
+
+
+def triton_available(device: torch.device | str) -> bool:
+    """True when Triton kernels can run on `device`: a CUDA device and an importable triton."""
+    return torch.device(device).type == "cuda" and _triton_importable()
+
+
+def _use_triton(use_triton: bool | None, device: torch.device) -> bool:
+    if use_triton is None:
+        return triton_available(device)
+    if use_triton:
+        require(_triton_importable(), "use_triton=True but triton cannot be imported")
+    return bool(use_triton)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slots: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+    *,
+    use_triton: bool | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Attention of one query per row over the first lengths[b] positions of slot slots[b].
+
+    q: (B, Hq, D); k_pool/v_pool: (S, Hkv, T, D), q's dtype; slots, lengths: (B,) int32/int64.
+    Returns a new (B, Hq, D) tensor in q.dtype. GQA: q head j reads kv head j // (Hq // Hkv).
+    num_splits (Triton only) overrides the static split count (for tuning/benchmarks).
+    """
+    check_float("q", q, 3)
+    batch, q_heads, head_dim = q.shape
+    check_pools(k_pool, v_pool, head_dim, q.dtype)
+    check_groups(q_heads, k_pool.shape[1])
+    require(q.device == k_pool.device, f"q is on {q.device}, pools on {k_pool.device}")
+    check_index("slots", slots, batch, q.device)
+    check_index("lengths", lengths, batch, q.device)
+    if not _use_triton(use_triton, q.device):
+        return decode_attention_ref(q, k_pool, v_pool, slots, lengths, scale)
+    from kvtransfer.kernels.triton_attention import decode_attention_triton
+
+    return decode_attention_triton(
+        last_dim_unit(q), k_pool, v_pool, slots, lengths, scale, num_splits=num_splits
+    )
+
+
+def rope_store(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    use_triton: bool | None = None,
+) -> torch.Tensor:
+    """RoPE on q and k; rotated k and plain v written to k_pool/v_pool[slots[b], :, positions[b]].
+
+    q: (B, Hq, D); k, v: (B, Hkv, D) pre-RoPE, all in the pools' dtype; cos, sin: (B, D) for
+    each row's position (HF layout, attention scaling folded in; any float dtype, rounded to
+    q's dtype as HF does). Returns a NEW rotated q (B, Hq, D); q and k are not modified.
+    """
+    check_float("q", q, 3)
+    batch, q_heads, head_dim = q.shape
+    require(head_dim % 2 == 0, f"head_dim must be even for RoPE, got {head_dim}")
+    check_pools(k_pool, v_pool, head_dim, q.dtype)
+    kv_heads = k_pool.shape[1]
+    check_groups(q_heads, kv_heads)
+    for name, t in (("k", k), ("v", v)):
+        check_float(name, t, 3)
+        require(tuple(t.shape) == (batch, kv_heads, head_dim), f"{name} must be {(batch, kv_heads, head_dim)}, got {tuple(t.shape)}")
+        require(t.dtype == q.dtype, f"{name} dtype {t.dtype} != q dtype {q.dtype}")
+    for name, t in (("cos", cos), ("sin", sin)):
+        check_float(name, t, 2)
+        require(tuple(t.shape) == (batch, head_dim), f"{name} must be {(batch, head_dim)}, got {tuple(t.shape)}")
+    for name, t in (("k", k), ("v", v), ("cos", cos), ("sin", sin), ("k_pool", k_pool)):
+        require(t.device == q.device, f"{name} is on {t.device}, q on {q.device}")
+    check_index("slots", slots, batch, q.device)
+    check_index("positions", positions, batch, q.device)
+    if not _use_triton(use_triton, q.device):
+        return rope_store_ref(q, k, v, cos, sin, k_pool, v_pool, slots, positions)
+    from kvtransfer.kernels.triton_rope import rope_store_triton
+
+    q, k, v, cos, sin = (last_dim_unit(t) for t in (q, k, v, cos, sin))
+    return rope_store_triton(q, k, v, cos, sin, k_pool, v_pool, slots, positions)
+
+
+def _check_norm(x: torch.Tensor, weight: torch.Tensor) -> None:
+    check_float("x", x, 2)
+    check_float("weight", weight, 1)
+    require(weight.shape[0] == x.shape[1], f"weight has {weight.shape[0]} elements, x rows {x.shape[1]}")
+    require(weight.device == x.device, f"weight is on {weight.device}, x on {x.device}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, use_triton: bool | None = None) -> torch.Tensor:
+    """HF LlamaRMSNorm: x (B, H), weight (H,) -> (B, H) in promote(weight.dtype, x.dtype)."""
+    _check_norm(x, weight)
+    if not _use_triton(use_triton, x.device):
+        return rms_norm_ref(x, weight, eps)
+    from kvtransfer.kernels.triton_norm import rms_norm_triton
+
+    return rms_norm_triton(last_dim_unit(x), last_dim_unit(weight), eps)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *, use_triton: bool | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual_out = residual + x (x's dtype); returns (rms_norm(residual_out), residual_out).
+
+    x, residual: (B, H) of one dtype; both outputs are new tensors (inputs untouched).
+    """
+    _check_norm(x, weight)
+    check_float("residual", residual, 2)
+    require(residual.shape == x.shape and residual.dtype == x.dtype, "residual must match x in shape and dtype")
+    require(residual.device == x.device, f"residual is on {residual.device}, x on {x.device}")
+    if not _use_triton(use_triton, x.device):
+        return add_rms_norm_ref(x, residual, weight, eps)
+    from kvtransfer.kernels.triton_norm import rms_norm_triton
+
+    return rms_norm_triton(last_dim_unit(x), last_dim_unit(weight), eps, residual=last_dim_unit(residual))
+
+
+def silu_mul(gate_up: torch.Tensor, *, use_triton: bool | None = None) -> torch.Tensor:
+    """gate_up (B, 2I), gate first then up -> silu(gate) * up, (B, I) in the input dtype."""
+    check_float("gate_up", gate_up, 2)
+    require(gate_up.shape[1] % 2 == 0, f"gate_up last dim must be even, got {gate_up.shape[1]}")
+    if not _use_triton(use_triton, gate_up.device):
+        return silu_mul_ref(gate_up)
+    from kvtransfer.kernels.triton_norm import silu_mul_triton
+
+    return silu_mul_triton(last_dim_unit(gate_up))

@@ -1,0 +1,48 @@
+"""Cheap shape/dtype checks for the kernels' Python API.
+
+Why: a wrong shape reaching a Triton kernel reads or writes the wrong memory silently; these
+checks look only at metadata (no host sync), so they are safe inside CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def check_float(name: str, t: torch.Tensor, ndim: int) -> None:
+    require(isinstance(t, torch.Tensor), f"{name} must be a tensor")
+    require(t.dim() == ndim, f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    require(t.dtype in FLOAT_DTYPES, f"{name} must be fp16/bf16/fp32, got {t.dtype}")
+
+
+def check_index(name: str, t: torch.Tensor, batch: int, device: torch.device) -> None:
+    require(isinstance(t, torch.Tensor), f"{name} must be a tensor")
+    require(t.dtype in INDEX_DTYPES, f"{name} must be int32/int64, got {t.dtype}")
+    require(tuple(t.shape) == (batch,), f"{name} must have shape ({batch},), got {tuple(t.shape)}")
+    require(t.device == device, f"{name} is on {t.device}, expected {device}")
+
+
+def check_pools(k_pool: torch.Tensor, v_pool: torch.Tensor, head_dim: int, dtype: torch.dtype) -> None:
+    check_float("k_pool", k_pool, 4)
+    require(v_pool.shape == k_pool.shape, f"v_pool shape {tuple(v_pool.shape)} != k_pool {tuple(k_pool.shape)}")
+    require(k_pool.dtype == v_pool.dtype == dtype, f"pool dtypes {k_pool.dtype}/{v_pool.dtype} must equal {dtype}")
+    require(k_pool.is_contiguous() and v_pool.is_contiguous(), "k_pool and v_pool must be contiguous")
+    require(k_pool.device == v_pool.device, "k_pool and v_pool must be on one device")
+    require(k_pool.shape[3] == head_dim, f"pool head_dim {k_pool.shape[3]} != {head_dim}")
+
+
+def check_groups(q_heads: int, kv_heads: int) -> None:
+    require(kv_heads > 0 and q_heads % kv_heads == 0, f"q heads {q_heads} not a multiple of kv heads {kv_heads}")
+
+
+def last_dim_unit(t: torch.Tensor) -> torch.Tensor:
+    """The tensor itself if its last dim has unit stride (and dims > 0), else a contiguous copy."""
+    return t if t.stride(-1) == 1 else t.contiguous()

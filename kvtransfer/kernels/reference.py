@@ -1,0 +1,119 @@
+"""Plain-torch references of the fused decode-step ops.
+
+Why: these are what the decode engine runs on CPU (tests, CI) and what the Triton kernels are
+checked against on the GPU. Each mirrors Hugging Face's eager math for Llama/Qwen2/Mistral in
+the same dtype and the same order of roundings, so a CPU decode step reproduces HF's eager
+results; obvious correctness wins over speed here. They may sync with the host (the attention
+reference reads lengths on the host) and are not meant for CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """HF's rotate_half: (x1, x2) -> (-x2, x1) over the last dim split in halves."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """HF's repeat_kv on a (Hkv, L, D) tensor: (Hkv, L, D) -> (Hkv * groups, L, D).
+
+    Query head j reads kv head j // groups.
+    """
+    if groups == 1:
+        return x
+    hkv, length, dim = x.shape
+    return x[:, None].expand(hkv, groups, length, dim).reshape(hkv * groups, length, dim)
+
+
+def decode_attention_ref(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slots: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query per row over its slot's first lengths[b] positions, HF eager math.
+
+    q: (B, Hq, D); pools: (S, Hkv, T, D); slots, lengths: (B,) -> out (B, Hq, D) in q.dtype.
+    Per row: softmax((q @ k^T) * scale, fp32).to(q.dtype) @ v with K/V repeated per group.
+    Host sync: reads slots/lengths on the host (CPU reference).
+    """
+    batch, hq, _ = q.shape
+    groups = hq // k_pool.shape[1]
+    out = torch.empty_like(q)
+    for b, (slot, length) in enumerate(zip(slots.tolist(), lengths.tolist())):
+        k = repeat_kv(k_pool[slot, :, :length], groups)  # (Hq, L, D)
+        v = repeat_kv(v_pool[slot, :, :length], groups)  # (Hq, L, D)
+        qb = q[b][:, None, :]  # (Hq, 1, D)
+        scores = torch.matmul(qb, k.transpose(1, 2)) * scale  # (Hq, 1, L)
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out[b] = torch.matmul(probs, v)[:, 0, :]  # (Hq, D)
+    return out
+
+
+def apply_rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's apply_rotary_pos_emb for one tensor: x (B, H, D), cos/sin (B, D) -> (B, H, D).
+
+    cos/sin are cast to x.dtype first, as HF's rotary embedding returns them in x's dtype.
+    """
+    cos = cos.to(x.dtype)[:, None, :]  # (B, 1, D)
+    sin = sin.to(x.dtype)[:, None, :]
+    return (x * cos) + (rotate_half(x) * sin)
+
+
+def rope_store_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+) -> torch.Tensor:
+    """RoPE on q and k, then k (rotated) and v (plain) into the pools at (slots[b], :, positions[b]).
+
+    q: (B, Hq, D), k/v: (B, Hkv, D), cos/sin: (B, D); returns a new rotated q (B, Hq, D).
+    The pools are written in place; nothing else in them is touched.
+    """
+    q_rot = apply_rope_ref(q, cos, sin)
+    k_rot = apply_rope_ref(k, cos, sin)
+    slot_idx = slots.long()
+    pos_idx = positions.long()
+    # Advanced indices on dims 0 and 2 around a slice: the result dims are (B, Hkv, D).
+    k_pool[slot_idx, :, pos_idx] = k_rot.to(k_pool.dtype)
+    v_pool[slot_idx, :, pos_idx] = v.to(v_pool.dtype)
+    return q_rot
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF LlamaRMSNorm: x (B, H), weight (H,) -> weight * normalize(x.float()).to(x.dtype)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def add_rms_norm_ref(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual_out = residual + x (input dtype, as HF adds); normed = rms_norm(residual_out)."""
+    residual_out = residual + x
+    return rms_norm_ref(residual_out, weight, eps), residual_out
+
+
+def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """(B, 2I) fused gate|up projection -> silu(gate) * up, (B, I), in the input dtype.
+
+    The gate half is made contiguous first: torch's CPU silu takes a different (vectorized vs
+    strided) path for a strided view and differs in the last bit, and HF applies it to the
+    contiguous output of gate_proj.
+    """
+    inter = gate_up.shape[-1] // 2
+    return F.silu(gate_up[..., :inter].contiguous()) * gate_up[..., inter:]

@@ -1,0 +1,248 @@
+"""Triton flash-decoding (split-K) attention over the slot-layout KV pool.
+
+Why: a decode step is memory bound on reading K/V; one program per (row, head) cannot fill an
+H200 when B is small and the rows are long, so each row's valid length is cut into
+`num_splits` chunks read in parallel (stage 1) and merged by log-sum-exp (stage 2).
+
+Design after SGLang's Triton decode attention (`_fwd_grouped_kernel_stage1` and
+`_fwd_kernel_stage2` in python/sglang/srt/layers/attention/triton_ops/decode_attention.py,
+Apache-2.0, itself after LightLLM), rewritten for this layout: no req_to_token indirection,
+row b reads the contiguous (max_seq, D) matrix k_pool[slots[b], h]. As there, one program
+takes all G query heads of one kv head (padded to BLOCK_H = 16 rows for tl.dot, masked), so
+K/V are read once per group and never repeated in memory; and a row's valid length is cut
+into num_splits equal chunks (rounded up to BLOCK_N), so every split of a long row does
+work. Splits whose chunk starts at or past the length (short rows, padded rows of length 1)
+exit at once and stage 2 skips them.
+
+num_splits is a Python int from static shapes only (B, kv heads, max_seq, SM count), so one
+captured CUDA graph stays valid for any lengths: see `choose_num_splits`. It is a runtime
+kernel argument, so batch buckets with different split counts share one compiled kernel.
+Scores and the softmax run in fp32 in the log2 domain (exp2); P is rounded to the KV dtype
+for the P @ V dot, as flash attention does and as HF rounds the fp32 softmax to the model
+dtype before @ V. fp32 pools use IEEE dots (no TF32); so do CPU tensors, which only run
+under the Triton interpreter (its tl.dot gives wrong results for bf16 inputs; Triton 3.6).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_N = 64  # positions per inner step of stage 1
+BLOCK_H = 16  # query heads per stage-1 program (tl.dot needs M >= 16): G is padded / tiled by it
+MAX_SPLITS = 256  # bounds the stage-2 tile (all splits of a row are merged in one shot)
+_MERGE_ELEMS = 4096  # fp32 partial-output elements per stage-2 program
+_LOG2E = 1.4426950408889634
+
+
+@functools.lru_cache(maxsize=16)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_num_splits(batch: int, kv_heads: int, head_blocks: int, max_seq: int, sm_count: int) -> int:
+    """Splits per row, from static shapes only (so one CUDA graph serves any lengths).
+
+    The bf16 D=128 stage-1 program compiles for sm_90 to 87 registers/thread (4 warps) and
+    ~39 KB of shared memory, so ~5 are resident per SM. Aim for 6 * SMs programs in all
+    (about 1.2 such waves) when the rows are full: enough to keep HBM busy when B is 1, few
+    enough that the partial outputs stay a few percent of the K/V bytes when B is large.
+    Programs per split = B * Hkv * head_blocks. Capped so that a full-length row's chunk is
+    >= BLOCK_N positions, and at MAX_SPLITS. H200 (132 SMs), Qwen2.5-7B (4 kv heads): B=1 ->
+    198 splits (chunks of 192 at 32k); B=8 -> 25; B=64 -> 4 (chunks of 256 at 1k, 2048 at
+    8k). `python -m bench.kernels` sweeps the split count to re-tune this.
+    """
+    per_split = max(1, batch * kv_heads * head_blocks)
+    want = triton.cdiv(6 * sm_count, per_split)
+    cap = max(1, min(MAX_SPLITS, triton.cdiv(max_seq, BLOCK_N)))
+    return max(1, min(want, cap))
+
+
+def default_num_splits(batch: int, q_heads: int, kv_heads: int, max_seq: int, device: torch.device) -> int:
+    """`choose_num_splits` for these shapes on `device` (8 SMs assumed off CUDA: interpreter)."""
+    head_blocks = triton.cdiv(q_heads // kv_heads, BLOCK_H)
+    sm_count = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) if device.type == "cuda" else 8
+    return choose_num_splits(batch, kv_heads, head_blocks, max_seq, sm_count)
+
+
+@triton.jit
+def _row_length_and_chunk(Lengths, b, max_seq, num_splits, BLOCK: tl.constexpr):
+    # Valid positions of row b (clamped to the pool) and positions per split: ceil(L / S)
+    # rounded up to BLOCK. Stage 1 and stage 2 must agree on this exactly.
+    length = tl.minimum(tl.maximum(tl.load(Lengths + b).to(tl.int32), 0), max_seq)
+    chunk = tl.cdiv(tl.cdiv(length, num_splits), BLOCK) * BLOCK
+    return length, chunk
+
+
+@triton.jit
+def _decode_stage1(
+    Q, K, V, Slots, Lengths, MidO, MidLse,
+    qk_scale_log2,
+    stride_qb, stride_qh,
+    stride_ks, stride_kh, stride_kt,
+    stride_vs, stride_vh, stride_vt,
+    max_seq, num_splits,
+    Q_HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):
+    # grid (B, Hkv * HEAD_BLOCKS, NUM_SPLITS); MidO (B, Hq, S, D), MidLse (B, Hq, S) fp32.
+    b = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    split = tl.program_id(2)
+    kv_head = pid_h // HEAD_BLOCKS
+    head_block = pid_h % HEAD_BLOCKS
+
+    length, chunk = _row_length_and_chunk(Lengths, b, max_seq, num_splits, BLOCK_N)
+    start = split * chunk
+    end = tl.minimum(start + chunk, length)
+    if start < end:
+        offs_g = head_block * BLOCK_H + tl.arange(0, BLOCK_H)  # head index inside the group
+        mask_h = offs_g < GROUPS
+        heads = kv_head * GROUPS + offs_g  # (BLOCK_H,) query heads of this kv head
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_d = offs_d < HEAD_DIM
+        b64 = b.to(tl.int64)
+        q = tl.load(
+            Q + b64 * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+            mask=mask_h[:, None] & mask_d[None, :], other=0.0,
+        )  # (BLOCK_H, BLOCK_D)
+        # int64: slot * stride exceeds 2^31 elements in a pool of more than 4 GiB of bf16.
+        slot = tl.load(Slots + b).to(tl.int64)
+        k_base = K + slot * stride_ks + kv_head.to(tl.int64) * stride_kh
+        v_base = V + slot * stride_vs + kv_head.to(tl.int64) * stride_vh
+
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < end
+            k = tl.load(
+                k_base + offs_n[None, :] * stride_kt + offs_d[:, None],
+                mask=mask_n[None, :] & mask_d[:, None], other=0.0,
+            )  # (BLOCK_D, BLOCK_N)
+            if UPCAST_DOT:
+                s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
+            else:
+                s = tl.dot(q, k)
+            # Every step has >= 1 valid position, so m_new is finite for every row.
+            s = tl.where(mask_n[None, :], s * qk_scale_log2, float("-inf"))  # (BLOCK_H, BLOCK_N)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.math.exp2(m_i - m_new)
+            p = tl.math.exp2(s - m_new[:, None])
+            v = tl.load(
+                v_base + offs_n[:, None] * stride_vt + offs_d[None, :],
+                mask=mask_n[:, None] & mask_d[None, :], other=0.0,
+            )  # (BLOCK_N, BLOCK_D)
+            p_kv = p.to(v.dtype)  # P rounded to the KV dtype, as HF rounds softmax before @ V
+            if UPCAST_DOT:
+                pv = tl.dot(p_kv.to(tl.float32), v.to(tl.float32), input_precision="ieee")
+            else:
+                pv = tl.dot(p_kv, v)
+            acc = acc * alpha[:, None] + pv
+            l_i = l_i * alpha + tl.sum(p, 1)
+            m_i = m_new
+
+        row = (b64 * Q_HEADS + heads) * num_splits + split  # (BLOCK_H,) index into (B, Hq, S)
+        tl.store(
+            MidO + row[:, None] * HEAD_DIM + offs_d[None, :],
+            acc / l_i[:, None],
+            mask=mask_h[:, None] & mask_d[None, :],
+        )
+        tl.store(MidLse + row, m_i + tl.math.log2(l_i), mask=mask_h)
+
+
+@triton.jit
+def _decode_stage2(
+    MidO, MidLse, Lengths, Out,
+    stride_ob, stride_oh,
+    max_seq, num_splits,
+    Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DS: tl.constexpr,
+):
+    # grid (B, Hq, cdiv(D, BLOCK_DS)): merges all splits of (row, head) over BLOCK_DS dims at once.
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    pid_d = tl.program_id(2)
+    length, chunk = _row_length_and_chunk(Lengths, b, max_seq, num_splits, BLOCK_N)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = pid_d * BLOCK_DS + tl.arange(0, BLOCK_DS)
+    mask_d = offs_d < HEAD_DIM
+    # The same test as stage 1's `start < end`: inactive splits were never written.
+    active = (offs_s < num_splits) & (offs_s * chunk < length)
+    row = (b.to(tl.int64) * Q_HEADS + h) * num_splits + offs_s  # (BLOCK_S,)
+    lse = tl.load(MidLse + row, mask=active, other=float("-inf"))
+    part = tl.load(
+        MidO + row[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=active[:, None] & mask_d[None, :], other=0.0,
+    )  # (BLOCK_S, BLOCK_DS)
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # length 0: no split active, output zeros
+    w = tl.math.exp2(lse - m)  # (BLOCK_S,), the largest is exactly 1 when any split is active
+    acc = tl.sum(w[:, None] * part, 0)
+    denom = tl.maximum(tl.sum(w, 0), 1e-30)
+    tl.store(
+        Out + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d,
+        (acc / denom).to(Out.dtype.element_ty),
+        mask=mask_d,
+    )
+
+
+def _upcast_dots(q: torch.Tensor) -> bool:
+    # fp32 pools: IEEE dots, no TF32. CPU tensors run only under the Triton interpreter, whose
+    # tl.dot mishandles bf16: there the dots run in fp32 on the same rounded values.
+    return q.dtype == torch.float32 or q.device.type != "cuda"
+
+
+def decode_attention_triton(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slots: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Split-K decode attention; shapes as `kvtransfer.kernels.decode_attention` (checked there).
+
+    q: (B, Hq, D) with unit stride on D; pools (S, Hkv, T, D) contiguous; returns (B, Hq, D).
+    num_splits: None picks `choose_num_splits` (static shapes only); an int overrides (bench).
+    """
+    batch, q_heads, head_dim = q.shape
+    _, kv_heads, max_seq, _ = k_pool.shape
+    groups = q_heads // kv_heads
+    head_blocks = triton.cdiv(groups, BLOCK_H)
+    if num_splits is None:
+        num_splits = default_num_splits(batch, q_heads, kv_heads, max_seq, q.device)
+    num_splits = max(1, min(int(num_splits), MAX_SPLITS))
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    mid_o = torch.empty((batch, q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty((batch, q_heads, num_splits), dtype=torch.float32, device=q.device)
+    out = torch.empty((batch, q_heads, head_dim), dtype=q.dtype, device=q.device)
+    _decode_stage1[(batch, kv_heads * head_blocks, num_splits)](
+        q, k_pool, v_pool, slots, lengths, mid_o, mid_lse,
+        float(scale) * _LOG2E,
+        q.stride(0), q.stride(1),
+        k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+        v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
+        max_seq, num_splits,
+        Q_HEADS=q_heads, GROUPS=groups, HEAD_BLOCKS=head_blocks, HEAD_DIM=head_dim,
+        BLOCK_D=block_d, BLOCK_N=BLOCK_N, BLOCK_H=BLOCK_H,
+        UPCAST_DOT=_upcast_dots(q),
+        num_warps=4, num_stages=2,
+    )
+    block_s = max(2, triton.next_power_of_2(num_splits))
+    block_ds = min(block_d, max(16, _MERGE_ELEMS // block_s))
+    _decode_stage2[(batch, q_heads, triton.cdiv(head_dim, block_ds))](
+        mid_o, mid_lse, lengths, out,
+        out.stride(0), out.stride(1),
+        max_seq, num_splits,
+        Q_HEADS=q_heads, HEAD_DIM=head_dim,
+        BLOCK_N=BLOCK_N, BLOCK_S=block_s, BLOCK_DS=block_ds,
+        num_warps=4,
+    )
+    return out

@@ -1,0 +1,212 @@
+"""GPU checks of the Triton kernels against the references (run on the device machine).
+
+Why: the decode engine runs these kernels on the H200 inside CUDA graphs; this checks them in
+bf16 on Qwen2.5-7B shapes (28 q / 4 kv heads, D=128) with ragged rows, on the small odd
+shapes of the `tiny` (G=2, D=16) and `smollm2-135m` (G=3, D=64) presets, under graph
+capture and replay with new indices, and with a > 2^31-element pool (int64 offsets).
+
+Tolerances: attention is compared per row with an fp64 computation from the same rounded
+inputs (`attention_gold`): max |err| <= 2e-2 * max |gold| of the row in bf16 (P and the
+output are rounded to bf16, ~0.4% each; the bf16 HF reference itself is off by ~1%), 4e-3
+in fp16, 1e-4 in fp32 (IEEE dots; this also catches a lost 64-position block of a 32k row,
+which moves the output by ~0.2%). Norms and SiLU: within 2 bf16 ulps and bit-equal
+in >= 99% of elements (`assert_bf16_close`); RoPE: rtol 1e-2, atol 4e-2 (see ROPE_TOL, the
+kernel rounds once in fp32 where HF rounds each op); the residual add must be exact.
+Run: python3 -m pytest tests/test_kernels_gpu.py -m gpu -q
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtransfer import kernels as K
+from kvtransfer.kernels._testdata import DecodeCase, attention_gold, decode_case, ragged_lengths
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(not K.triton_available("cuda"), reason="needs triton"),
+]
+
+QWEN = (28, 4, 128)
+ATT_TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-4}
+# RoPE of randn inputs (|x| < ~5): HF rounds x*cos, rotate_half(x)*sin and the sum, the kernel
+# once, so they may differ by ~1 ulp of the terms (2^-5 at 4..8 in bf16) even where the sum is small.
+ROPE_TOL = {"rtol": 1e-2, "atol": 4e-2}
+
+
+def row_rel_err(out: torch.Tensor, gold: torch.Tensor) -> float:
+    """max over rows of max |out - gold| / max |gold| in that row; out, gold (B, Hq, D)."""
+    err = (out.float() - gold).abs().amax(dim=(1, 2))
+    return (err / gold.abs().amax(dim=(1, 2)).clamp_min(1e-6)).max().item()
+
+
+def attention(case, **kw):
+    return K.decode_attention(case.q, case.k_pool, case.v_pool, case.slots, case.lengths, case.scale, **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("batch,max_len", [(1, 32768), (8, 8192), (64, 1024)])
+def test_decode_attention_qwen_shapes(batch, max_len, dtype):
+    lengths = ragged_lengths(batch, max_len, seed=batch)
+    lengths[0] = max_len
+    case = decode_case(lengths, *QWEN, max_seq=max_len, dtype=dtype, device="cuda", seed=batch, pad_rows=2, q_scale=2.0)
+    out = attention(case)  # default backend on CUDA: Triton
+    assert out.shape == case.q.shape and out.dtype == dtype
+    assert torch.isfinite(out).all()  # NaN garbage past the lengths and in the scratch slot
+    real = slice(0, batch)
+    assert row_rel_err(out[real], attention_gold(case)[real]) <= ATT_TOL[dtype]
+    if dtype == torch.bfloat16:  # sanity vs the bf16 HF-eager reference, itself a few % off
+        ref = attention(case, use_triton=False)  # (bf16 scores); a wrong head or slot is O(1)
+        assert row_rel_err(out[real], ref[real].float()) <= 1e-1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("heads", [(4, 2, 16), (9, 3, 64)], ids=["tiny", "smollm2"])
+def test_decode_attention_small_presets(heads, dtype):
+    lengths = [1, 17, 300, 1000, 64, 65, 999]
+    case = decode_case(lengths, *heads, max_seq=1000, dtype=dtype, device="cuda", seed=7, pad_rows=3, q_scale=2.0)
+    real = slice(0, len(lengths))
+    gold = attention_gold(case)[real]
+    for splits in (None, 1, 256):
+        out = attention(case, num_splits=splits)
+        assert torch.isfinite(out).all()
+        assert row_rel_err(out[real], gold) <= ATT_TOL[dtype], splits
+
+
+@pytest.mark.parametrize("heads", [(4, 4, 64), (40, 2, 128)], ids=["mha-G1", "G20"])
+def test_decode_attention_other_groupings(heads):
+    case = decode_case([5, 700, 129], *heads, max_seq=800, dtype=torch.bfloat16, device="cuda", seed=8, pad_rows=1)
+    out = attention(case)
+    assert row_rel_err(out[:3], attention_gold(case)[:3]) <= ATT_TOL[torch.bfloat16]
+
+
+def rope_inputs(batch, hq, hkv, d, dtype, num_slots, max_seq, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (torch.randn(batch, h, d, generator=gen, device="cuda").to(dtype) for h in (hq, hkv, hkv))
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, d, 2, device="cuda").float() / d))
+    positions = torch.randint(0, max_seq, (batch,), generator=gen, device="cuda")
+    emb = positions[:, None].float() * inv_freq[None, :]
+    emb = torch.cat((emb, emb), dim=-1)  # (B, D)
+    slots = torch.randperm(num_slots - 1, generator=torch.Generator().manual_seed(seed))[:batch].to("cuda")
+    return q, k, v, emb.cos(), emb.sin(), slots, positions.to(torch.int32)
+
+
+@pytest.mark.parametrize("batch", [1, 64])
+def test_rope_store_qwen(batch):
+    hq, hkv, d = QWEN
+    num_slots, max_seq = batch + 1, 1024
+    q, k, v, cos, sin, slots, positions = rope_inputs(batch, hq, hkv, d, torch.bfloat16, num_slots, max_seq, batch)
+    pools = [torch.randn(num_slots, hkv, max_seq, d, device="cuda").to(torch.bfloat16) for _ in range(2)]
+    ref_pools = [p.clone() for p in pools]
+    tri_pools = [p.clone() for p in pools]
+    q_ref = K.rope_store(q, k, v, cos, sin, *ref_pools, slots, positions, use_triton=False)
+    q_tri = K.rope_store(q, k, v, cos, sin, *tri_pools, slots, positions)
+    torch.testing.assert_close(q_tri, q_ref, **ROPE_TOL)
+    torch.testing.assert_close(tri_pools[0], ref_pools[0], **ROPE_TOL)
+    assert torch.equal(tri_pools[1], ref_pools[1])
+    changed = (tri_pools[0] != pools[0]).any(dim=(1, 3)) | (tri_pools[1] != pools[1]).any(dim=(1, 3))
+    written = torch.zeros_like(changed)
+    written[slots.long(), positions.long()] = True
+    assert not (changed & ~written).any()  # nothing outside (slot, :, position) touched
+
+
+def assert_bf16_close(out, ref):
+    """Within 2 bf16 ulps everywhere, and bit-equal almost everywhere: both round the same fp32
+    value once, which differs only by the last fp32 bits (reduction order, rsqrt/exp)."""
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=1e-3)
+    assert (out != ref).float().mean().item() <= 1e-2
+
+
+@pytest.mark.parametrize("batch", [1, 64])
+def test_norms_and_silu_qwen_widths(batch):
+    hidden, inter = 3584, 18944
+    gen = torch.Generator(device="cuda").manual_seed(batch)
+    x, res = (torch.randn(batch, hidden, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(2))
+    w = (torch.rand(hidden, generator=gen, device="cuda") + 0.5).to(torch.bfloat16)
+    assert_bf16_close(K.rms_norm(x, w, 1e-6), K.rms_norm(x, w, 1e-6, use_triton=False))
+    normed, res_out = K.add_rms_norm(x, res, w, 1e-6)
+    normed_ref, res_ref = K.add_rms_norm(x, res, w, 1e-6, use_triton=False)
+    assert torch.equal(res_out, res_ref)
+    assert_bf16_close(normed, normed_ref)
+    gate_up = torch.randn(batch, 2 * inter, generator=gen, device="cuda").to(torch.bfloat16)
+    assert_bf16_close(K.silu_mul(gate_up), K.silu_mul(gate_up, use_triton=False))
+
+
+def test_cuda_graph_replay_with_new_lengths_slots_positions():
+    hq, hkv, d = QWEN
+    batch, num_slots, max_seq = 8, 12, 2048
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    k_pool, v_pool = (torch.randn(num_slots, hkv, max_seq, d, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(2))
+    static = {
+        "q": torch.empty(batch, hq, d, device="cuda", dtype=torch.bfloat16),
+        "k": torch.empty(batch, hkv, d, device="cuda", dtype=torch.bfloat16),
+        "v": torch.empty(batch, hkv, d, device="cuda", dtype=torch.bfloat16),
+        "cos": torch.empty(batch, d, device="cuda"),
+        "sin": torch.empty(batch, d, device="cuda"),
+        "slots": torch.empty(batch, device="cuda", dtype=torch.int32),
+        "positions": torch.empty(batch, device="cuda", dtype=torch.int32),
+        "lengths": torch.empty(batch, device="cuda", dtype=torch.int32),
+    }
+
+    def fill(seed):
+        q, k, v, cos, sin, slots, _ = rope_inputs(batch, hq, hkv, d, torch.bfloat16, num_slots, max_seq, seed)
+        lengths = torch.randint(1, max_seq + 1, (batch,), generator=torch.Generator().manual_seed(seed))
+        lengths[-1] = 1  # a padded row on the scratch slot
+        slots[-1] = num_slots - 1
+        new = {"q": q, "k": k, "v": v, "cos": cos, "sin": sin, "slots": slots,
+               "positions": lengths - 1, "lengths": lengths}
+        for name, t in new.items():
+            static[name].copy_(t)
+
+    def step(kp, vp):
+        s = static
+        q_rot = K.rope_store(s["q"], s["k"], s["v"], s["cos"], s["sin"], kp, vp, s["slots"], s["positions"])
+        return K.decode_attention(q_rot, kp, vp, s["slots"], s["lengths"], d**-0.5)
+
+    fill(0)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and warm up outside the capture
+        for _ in range(2):
+            step(k_pool, v_pool)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_static = step(k_pool, v_pool)
+    for seed in (1, 2, 3):
+        fill(seed)
+        k_eager, v_eager = k_pool.clone(), v_pool.clone()
+        graph.replay()
+        out_eager = step(k_eager, v_eager)
+        torch.cuda.synchronize()
+        assert torch.equal(out_static, out_eager)
+        assert torch.equal(k_pool, k_eager) and torch.equal(v_pool, v_eager)
+
+
+def test_pool_over_2_31_elements_uses_int64_offsets():
+    # 600 slots x 4 x 8192 x 128 bf16 = 2.5e9 elements (5 GB) per pool; rows in the last slots.
+    hq, hkv, d = QWEN
+    num_slots, max_seq = 600, 8192
+    assert num_slots * hkv * max_seq * d > 2**31
+    k_pool = torch.empty(num_slots, hkv, max_seq, d, device="cuda", dtype=torch.bfloat16)
+    v_pool = torch.empty_like(k_pool)
+    slots = torch.tensor([599, 598], device="cuda")
+    lengths = torch.tensor([8192, 1000], device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    for slot, length in ((599, 8192), (598, 1000)):
+        k_pool[slot, :, :length] = torch.randn(hkv, length, d, generator=gen, device="cuda").to(torch.bfloat16)
+        v_pool[slot, :, :length] = torch.randn(hkv, length, d, generator=gen, device="cuda").to(torch.bfloat16)
+    q, k, v, cos, sin, _, _ = rope_inputs(2, hq, hkv, d, torch.bfloat16, num_slots, max_seq, 13)
+    positions = (lengths - 1).to(torch.int32)
+    k_ref, v_ref = k_pool[598:].clone(), v_pool[598:].clone()
+    q_expect = K.rope_store(q, k, v, cos, sin, k_ref, v_ref, slots - 598, positions, use_triton=False)
+    q_rot = K.rope_store(q, k, v, cos, sin, k_pool, v_pool, slots, positions)
+    torch.testing.assert_close(q_rot, q_expect, **ROPE_TOL)
+    torch.testing.assert_close(k_pool[599, :, 8191], k_ref[1, :, 8191], **ROPE_TOL)
+    torch.testing.assert_close(k_pool[598, :, 999], k_ref[0, :, 999], **ROPE_TOL)
+    assert torch.equal(v_pool[599, :, 8191], v[0]) and torch.equal(v_pool[598, :, 999], v[1])
+    out = K.decode_attention(q_rot, k_pool, v_pool, slots, lengths, d**-0.5)
+    view = DecodeCase(q_rot, k_pool[598:600], v_pool[598:600], slots - 598, lengths, scratch_slot=0)
+    assert row_rel_err(out, attention_gold(view)) <= ATT_TOL[torch.bfloat16]

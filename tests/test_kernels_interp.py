@@ -1,0 +1,160 @@
+"""Triton kernels vs the torch references under the Triton interpreter, on small CPU tensors.
+
+Why: CI and the developer machines have no GPU; the interpreter runs the same kernel code
+(indexing, masks, split-K merge, early exits) on CPU. Run with
+`TRITON_INTERPRET=1 python -m pytest tests/test_kernels_interp.py`; skipped otherwise (the
+variable must be set before triton is imported) or when triton is missing (CI).
+Interpreter caveats (Triton 3.6): fp32 -> bf16 conversion truncates instead of rounding to
+nearest, and tl.dot on bf16 is wrong (the attention kernel upcasts its dots for CPU tensors),
+so bf16 checks here use >= 1-ulp tolerances; fp32/fp16 checks are tight.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("set TRITON_INTERPRET=1 to run the Triton interpreter tests", allow_module_level=True)
+pytest.importorskip("triton")
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the interpreter's numpy use
+
+from kvtransfer import kernels as K  # noqa: E402
+from kvtransfer.kernels._testdata import attention_gold, decode_case  # noqa: E402
+from kvtransfer.kernels.triton_attention import choose_num_splits  # noqa: E402
+
+# max |err| / max |gold| allowed per dtype (bf16 doubled for the interpreter's truncation)
+ATT_TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+def _att(case, **kw):
+    return K.decode_attention(case.q, case.k_pool, case.v_pool, case.slots, case.lengths, case.scale, **kw)
+
+
+def _rel_err(out, gold):
+    return ((out.float() - gold).abs().max() / gold.abs().max()).item()
+
+
+@pytest.mark.parametrize(
+    "heads",
+    [(4, 2, 16), (9, 3, 64), (28, 4, 32), (4, 4, 16), (40, 2, 16), (6, 2, 80)],
+    ids=["tiny-G2", "smollm2-G3", "qwen-G7", "mha-G1", "G20-two-head-blocks", "D80-not-pow2"],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_matches_reference(heads, dtype):
+    hq, hkv, d = heads
+    case = decode_case([150, 1, 64, 65, 200], hq, hkv, d, max_seq=200, dtype=dtype, seed=2, pad_rows=2, q_scale=2.0)
+    gold = attention_gold(case)
+    ref = _att(case, use_triton=False)
+    out = _att(case, use_triton=True)
+    assert out.shape == case.q.shape and out.dtype == dtype
+    assert torch.isfinite(out).all()
+    real = slice(0, 5)  # padded rows: any finite output
+    assert _rel_err(out[real], gold[real]) <= ATT_TOL[dtype]
+    assert _rel_err(ref[real], gold[real]) <= ATT_TOL[dtype] * 2
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 64, 256])
+def test_decode_attention_any_split_count(num_splits):
+    case = decode_case([130, 1, 64, 129], 4, 2, 16, max_seq=130, dtype=torch.float32, seed=3)
+    out = _att(case, use_triton=True, num_splits=num_splits)
+    assert _rel_err(out, attention_gold(case)) <= 1e-5
+
+
+def test_decode_attention_fp16_int32_indices_and_strided_q():
+    case = decode_case([33, 90, 2], 9, 3, 64, max_seq=96, dtype=torch.float16, seed=4, index_dtype=torch.int32)
+    qkv = torch.randn(3, 9 + 6, 64).to(torch.float16)  # q as a view of a fused projection
+    qkv[:, :9] = case.q
+    case.q = qkv[:, :9]
+    assert not case.q.is_contiguous()
+    out = _att(case, use_triton=True)
+    assert _rel_err(out, attention_gold(case)) <= ATT_TOL[torch.float16]
+
+
+def test_decode_attention_edge_lengths():
+    # Length 0 -> zeros (reference: empty softmax -> zeros); length > max_seq -> clamped.
+    case = decode_case([10, 10], 4, 2, 16, max_seq=16, dtype=torch.float32, garbage=None)
+    case.lengths = torch.tensor([0, 99])
+    out = _att(case, use_triton=True)
+    ref = _att(case, use_triton=False)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_choose_num_splits_examples():
+    # The documented H200 examples (132 SMs, Qwen2.5-7B: 4 kv heads, 1 head block).
+    assert choose_num_splits(1, 4, 1, 32768, 132) == 198
+    assert choose_num_splits(8, 4, 1, 32768, 132) == 25
+    assert choose_num_splits(64, 4, 1, 1024, 132) == 4
+    assert choose_num_splits(1, 4, 1, 64, 132) == 1  # short pool: chunks >= BLOCK_N
+    assert choose_num_splits(512, 8, 2, 4096, 132) == 1
+
+
+def _rope_case(dtype, batch=4, hq=9, hkv=3, d=64, num_slots=6, max_seq=24, seed=5):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(batch, h, d, generator=gen).to(dtype) for h in (hq, hkv, hkv))
+    ang = torch.randn(batch, d // 2, generator=gen) * 3
+    emb = torch.cat((ang, ang), dim=-1)
+    cos, sin = emb.cos() * 1.1, emb.sin() * 1.1  # attention scaling folded in
+    pools = [torch.randn(num_slots, hkv, max_seq, d, generator=gen).to(dtype) for _ in range(2)]
+    slots = torch.tensor([3, 0, 5, 5][:batch])
+    positions = torch.tensor([23, 0, 7, 0][:batch], dtype=torch.int32)
+    return q, k, v, cos, sin, pools, slots, positions
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_rope_store_matches_reference(dtype):
+    q, k, v, cos, sin, pools, slots, positions = _rope_case(dtype)
+    ref_pools = [p.clone() for p in pools]
+    tri_pools = [p.clone() for p in pools]
+    q_ref = K.rope_store(q, k, v, cos, sin, *ref_pools, slots, positions, use_triton=False)
+    q_tri = K.rope_store(q, k, v, cos, sin, *tri_pools, slots, positions, use_triton=True)
+    # ~1 ulp of the terms (|x| < ~5): HF rounds each product and the sum, the kernel once.
+    tol = {torch.float32: 1e-6, torch.float16: 4e-3, torch.bfloat16: 4e-2}[dtype]
+    torch.testing.assert_close(q_tri, q_ref, rtol=1e-2, atol=tol)
+    torch.testing.assert_close(tri_pools[0], ref_pools[0], rtol=1e-2, atol=tol)
+    assert torch.equal(tri_pools[1], ref_pools[1])  # v is copied, not computed
+    changed = (tri_pools[0] != pools[0]).any(dim=(1, 3))  # (S, T): only the written positions
+    expect = torch.zeros_like(changed)
+    expect[slots.long(), positions.long()] = True
+    assert torch.equal(changed, expect)
+
+
+def test_rope_store_skips_out_of_range_positions():
+    q, k, v, cos, sin, pools, slots, positions = _rope_case(torch.float32)
+    before = [p.clone() for p in pools]
+    positions = torch.tensor([24, -1, 7, 0], dtype=torch.int32)  # rows 0, 1 out of range
+    K.rope_store(q, k, v, cos, sin, *pools, slots, positions, use_triton=True)
+    for p, b in zip(pools, before):
+        assert torch.equal(p[3], b[3]) and torch.equal(p[0], b[0])
+        assert not torch.equal(p[5], b[5])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("hidden", [64, 100, 3584])
+def test_norms_and_silu_match_reference(dtype, hidden):
+    gen = torch.Generator().manual_seed(6)
+    x, res = (torch.randn(3, hidden, generator=gen).to(dtype) for _ in range(2))
+    w = (torch.rand(hidden, generator=gen) + 0.5).to(dtype)
+    tol = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1.6e-2}[dtype]
+    torch.testing.assert_close(K.rms_norm(x, w, 1e-6, use_triton=True), K.rms_norm(x, w, 1e-6), rtol=tol, atol=tol)
+    n_tri, r_tri = K.add_rms_norm(x, res, w, 1e-6, use_triton=True)
+    n_ref, r_ref = K.add_rms_norm(x, res, w, 1e-6)
+    torch.testing.assert_close(n_tri, n_ref, rtol=tol, atol=tol)
+    if dtype == torch.bfloat16:  # interpreter truncates to bf16
+        torch.testing.assert_close(r_tri, r_ref, rtol=1e-2, atol=1e-2)
+    else:
+        assert torch.equal(r_tri, r_ref)
+    gate_up = torch.randn(3, 2 * hidden, generator=gen).to(dtype)
+    torch.testing.assert_close(K.silu_mul(gate_up, use_triton=True), K.silu_mul(gate_up), rtol=tol, atol=tol)
+
+
+def test_rms_norm_fp32_weight_promotes_like_hf():
+    x = torch.randn(2, 64).to(torch.bfloat16)
+    w = torch.rand(64) + 0.5
+    out = K.rms_norm(x, w, 1e-5, use_triton=True)
+    ref = K.rms_norm(x, w, 1e-5)
+    assert out.dtype == ref.dtype == torch.float32
+    torch.testing.assert_close(out, ref, rtol=8e-3, atol=8e-3)  # h is rounded (truncated) to bf16
