@@ -181,7 +181,8 @@ def assert_no_leaks(pair: Pair, timeout: float = 15.0) -> dict:
     want = {("decode", "kvt_inflight_requests"): 0, ("decode", "kvt_expected_frames"): 0,
             ("decode", "kvt_receivers_inflight"): 0, ("decode", "kvt_buffer_bytes"): 0,
             ("decode", "kvt_receive_loops"): 1, ("prefill", "kvt_inflight_requests"): 0,
-            ("prefill", "kvt_buffer_bytes"): 0, ("decode", "kvt_peer_up"): 1, ("prefill", "kvt_peer_up"): 1}
+            ("prefill", "kvt_buffer_bytes"): 0, ("decode", "kvt_peer_up"): 1, ("prefill", "kvt_peer_up"): 1,
+            ("decode", "kvt_kv_pool_slots_used"): 0, ("decode", "kvt_decode_running"): 0}
     deadline = time.monotonic() + timeout
     while True:
         got = {}

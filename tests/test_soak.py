@@ -26,7 +26,7 @@ from proto import kvtransfer_pb2_grpc as pbg
 
 CLIENTS = 64
 LENGTHS = [1, 6, 17, 33, 64, 130, 257, 500]
-MODES = [pb.MODE_AUTO, pb.MODE_LAYERWISE, pb.MODE_BULK]
+MODES = [pb.MODE_AUTO, pb.MODE_LAYERWISE, pb.MODE_BULK, pb.MODE_COLOCATED]
 
 
 def rss_kib(pid: int) -> int:
@@ -52,7 +52,7 @@ class RssSampler(threading.Thread):
 
 
 async def clients(addr: str, pool: list, seconds: float) -> dict:
-    stats = {"ok": 0, "exhausted": 0, "lost": [], "latency_ms": []}
+    stats = {"ok": 0, "exhausted": 0, "cancelled": 0, "lost": [], "latency_ms": []}
     stop = time.monotonic() + seconds
     async with grpc.aio.insecure_channel(addr) as channel:
         stub = pbg.DecodeStub(channel)
@@ -63,6 +63,13 @@ async def clients(addr: str, pool: list, seconds: float) -> dict:
                 ids, n, mode, want = pool[i % len(pool)]
                 i += CLIENTS
                 t0 = time.monotonic()
+                if i % 7 == 0:  # every 7th request: the client cancels after its first token
+                    call = stub.Generate(pb.GenerateRequest(token_ids=ids, max_new_tokens=200, mode=mode), timeout=60)
+                    async for _ in call:
+                        break
+                    call.cancel()
+                    stats["cancelled"] += 1
+                    continue
                 try:
                     got = [m.token_id async for m in stub.Generate(
                         pb.GenerateRequest(token_ids=ids, max_new_tokens=n, mode=mode), timeout=60)]
@@ -89,7 +96,7 @@ def test_soak(tmp_path, tiny_fp32, record_property):
         new = 2 + k % 5
         tokens = engine_generate(tiny_fp32, ids, new)[0]
         pool.append((ids, new, MODES[k % len(MODES)], tokens))
-    with Pair(tmp_path, "gloo") as pair:
+    with Pair(tmp_path, "gloo", decode_args=["--max-batch", str(CLIENTS)]) as pair:
         pair.start()
         rss = RssSampler({"prefill": pair.prefill.proc.pid, "decode": pair.decode.proc.pid})
         t0 = time.monotonic()
@@ -106,9 +113,9 @@ def test_soak(tmp_path, tiny_fp32, record_property):
             assert abs(last / first - 1) <= 0.05, f"{name} RSS {first:.0f} -> {last:.0f} KiB"
         lat = sorted(stats["latency_ms"])
         d = pair.metrics("decode")
-        assert value(d, "kvt_requests_total", outcome="OK") == stats["ok"]
-        assert_no_leaks(pair)
-        figures = {"seconds": seconds, "clients": CLIENTS, "ok": stats["ok"], "rps": round(stats["ok"] / seconds, 1),
+        assert value(d, "kvt_requests_total", outcome="OK") == stats["ok"] and stats["cancelled"] > 0
+        assert_no_leaks(pair)  # includes every KV pool slot given back
+        figures = {"seconds": seconds, "clients": CLIENTS, "ok": stats["ok"], "cancelled": stats["cancelled"], "rps": round(stats["ok"] / seconds, 1),
                    "p50_ms": round(lat[len(lat) // 2], 1), "p99_ms": round(lat[int(len(lat) * 0.99)], 1),
                    "rss_change": flat, "rss_mib": {k: round(v / 1024) for k, v in rss.samples[-1][1].items()}}
         record_property("soak", figures)
