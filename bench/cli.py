@@ -185,7 +185,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                 request_rate=args.request_rate, input_len=args.input_len,
                                 input_len_range=args.input_len_range, output_len=args.output_len,
                                 vocab_size=args.vocab_size, model=args.model, mode=args.mode, warmup=args.warmup,
-                                seed=args.seed, timeout_s=args.timeout, max_duration_s=args.max_duration)
+                                seed=args.seed, timeout_s=args.timeout, max_duration_s=args.max_duration,
+                                server_metrics=args.server_metrics)
         token = args.auth_token or (Path(args.auth_token_file).read_text().strip() if args.auth_token_file else "")
     except (ValueError, OSError) as e:
         args.parser.error(str(e))
@@ -216,6 +217,8 @@ def register_serve(sub) -> None:
     p = sub.add_parser("serve", help="load against a running decode server (vllm bench serve metrics)",
                        description=serve.__doc__.split("\n\n")[1].replace("\n", " "))
     p.add_argument("--addr", default="127.0.0.1:50051", help="the decode server (loopback only)")
+    p.add_argument("--server-metrics", default="", help="the decode server's /metrics URL (its --metrics-port): "
+                   "report its batch size over the run")
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--concurrency", type=int, help="most requests in flight (default: no limit)")
     p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals/s (default inf)")

@@ -138,6 +138,10 @@ def serve_tables(result: dict) -> list[Table]:
                  ["request throughput (req/s)", num(result["request_throughput"])],
                  ["output token throughput (tok/s)", num(result["output_throughput"])],
                  ["total token throughput (tok/s)", num(result["total_token_throughput"])]]
+    if sb := result.get("server_batch"):
+        head.rows += [["server: decode steps", str(sb["steps"])],
+                      ["server: mean batch per step", num(sb["mean_batch_per_step"])],
+                      ["server: running requests p50 / max", f"{num(sb['running_p50'])} / {num(sb['running_max'])}"]]
     lat = Table("Latency (ms)", ["metric", "mean", "median", "std", "p90", "p99"])
     for m, label in (("ttft", "TTFT"), ("tpot", "TPOT (excl. 1st token)"), ("itl", "ITL"), ("e2el", "E2EL")):
         lat.rows.append([label] + [num(result[f"{k}_{m}_ms"]) for k in ("mean", "median", "std", "p90", "p99")])

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 import grpc
 import numpy as np
 
+from bench.serve_metrics import BatchWatch
 from decode_server.client import MODES
 from kvtransfer.models import load_config
 from proto import kvtransfer_pb2 as pb
@@ -60,6 +61,7 @@ class ServeConfig:
     warmup: int = 1                    # sequential requests before the clock starts (not counted)
     seed: int = 0
     timeout_s: float = 120.0           # per request
+    server_metrics: str = ""           # the decode server's /metrics URL: report its batch size over the run
     max_duration_s: float = 600.0      # the whole run
 
     def __post_init__(self):
@@ -115,7 +117,8 @@ def summary(xs: list[float], name: str) -> dict:
     return out | {f"p{p}_{name}_ms": (float(np.percentile(a, p)) if a.size else None) for p in PERCENTILES}
 
 
-async def _run(cfg: ServeConfig, prompts: list[list[int]], step: Step, metadata) -> tuple[list[dict], float, list]:
+async def _run(cfg: ServeConfig, prompts: list[list[int]], step: Step, metadata, watch=None
+               ) -> tuple[list[dict], float, list]:
     async with grpc.aio.insecure_channel(cfg.addr) as channel:
         stub = pbg.DecodeStub(channel)
         for i in range(cfg.warmup):
@@ -139,6 +142,7 @@ async def _run(cfg: ServeConfig, prompts: list[list[int]], step: Step, metadata)
                 return res
 
         tasks = []
+        sampler = asyncio.create_task(watch.sample(start)) if watch else None
         for i, ids in enumerate(prompts):
             if gaps is not None and i:
                 await asyncio.sleep(gaps[i])
@@ -146,19 +150,22 @@ async def _run(cfg: ServeConfig, prompts: list[list[int]], step: Step, metadata)
                 break  # the rest are not sent
             tasks.append(asyncio.create_task(limited(ids)))
         results = await asyncio.gather(*tasks)
+        if sampler is not None:
+            sampler.cancel()
         return results, time.perf_counter() - start, []
 
 
 def run_serve(cfg: ServeConfig, step: Step = lambda _: None, metadata=None) -> dict:
     """`metadata`: call metadata such as the bearer token (kept out of the result)."""
     prompts = make_prompts(cfg)
+    watch = BatchWatch(cfg.server_metrics) if cfg.server_metrics else None
     try:
         import uvloop
         runner = asyncio.Runner(loop_factory=uvloop.new_event_loop)
     except ImportError:
         runner = asyncio.Runner()
     with runner:
-        results, duration, failures = runner.run(_run(cfg, prompts, step, metadata))
+        results, duration, failures = runner.run(_run(cfg, prompts, step, metadata, watch))
     sent = [r for r in results if r is not None]
     done = [r for r in sent if r["code"] is None]
     codes = Counter(r["code"] for r in sent if r["code"])
@@ -188,6 +195,8 @@ def run_serve(cfg: ServeConfig, step: Step = lambda _: None, metadata=None) -> d
               "input_lens": [r["input_len"] for r in done], "output_lens": [len(r["times"]) for r in done]}
     for name, xs in zip(METRICS, (ttft, tpot, itl, e2el)):
         result |= summary(xs, name)
+    if watch is not None:
+        result["server_batch"] = watch.report()
     return result
 
 

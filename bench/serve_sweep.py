@@ -1,0 +1,101 @@
+"""Serve sweep: the batching decode server against `--max-batch 1`, colocated and as a pair, in one run.
+
+Why a driver: the acceptance figure is a ratio of two servers' throughput on the same machine in
+the same run, at several concurrencies; starting each server (model load, CUDA-graph capture) and
+pointing `kvtransfer-bench serve` at it by hand invites mixing runs. For each arm (colocated, or a
+pair over --transport) and each --max-batch (the batching server, then the baseline), this starts
+fresh servers with a metrics port, runs `serve` at each concurrency with num_prompts =
+max(min_prompts, prompts_per_slot x concurrency), and writes every result plus a summary.
+
+    python -m bench.serve_sweep --model qwen2.5-7b --transport cuda_ipc --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from bench.launch import colocated_server, free_port, server_pair
+from bench.serve import ServeConfig, run_serve
+
+
+def arm_servers(arm: str, args, max_batch: int, log_dir: str, metrics_port: int):
+    decode = ["--max-batch", str(max_batch), "--max-seq-len", str(args.max_seq_len), "--metrics-port",
+              str(metrics_port), "--admission-wait-s", "600", "--request-timeout-s", "1200",
+              "--max-inflight", "1024", "--log-level", "WARNING"]
+    if arm == "colocated":
+        return colocated_server(log_dir, args.model, args.dtype, args.device, args=decode)
+    common = ["--transport", args.transport, "--log-level", "WARNING"]
+    return server_pair(log_dir, args.model, args.dtype, args.device, args.device, common_args=common,
+                       decode_args=decode[:-2])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="qwen2.5-7b")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--device", default="cuda:0")
+    p.add_argument("--transport", default="cuda_ipc", help="the pair's data plane")
+    p.add_argument("--arms", default="colocated,pair")
+    p.add_argument("--max-batch", type=int, default=64)
+    p.add_argument("--max-seq-len", type=int, default=2048)
+    p.add_argument("--concurrency", default="1,8,32,64")
+    p.add_argument("--baseline-concurrency", default="1,32", help="concurrencies run against --max-batch 1")
+    p.add_argument("--input-len", type=int, default=1024)
+    p.add_argument("--input-len-range", type=float, default=0.5)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--prompts-per-slot", type=int, default=2)
+    p.add_argument("--min-prompts", type=int, default=8)
+    p.add_argument("--out", required=True)
+    p.add_argument("--log-dir", default="", help="server logs (default: OUT/logs)")
+    args = p.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    runs, failures = [], []
+    for arm in args.arms.split(","):
+        for max_batch, conc in ((args.max_batch, args.concurrency), (1, args.baseline_concurrency)):
+            port = free_port()
+            t0 = time.perf_counter()
+            try:
+                logs = os.path.join(args.log_dir or os.path.join(args.out, "logs"), f"{arm}-{max_batch}")
+                with arm_servers(arm, args, max_batch, logs, port) as run:
+                    started = time.perf_counter() - t0
+                    for c in map(int, conc.split(",")):
+                        cfg = ServeConfig(addr=run.addr, num_prompts=max(args.min_prompts, args.prompts_per_slot * c),
+                                          concurrency=c, input_len=args.input_len,
+                                          input_len_range=args.input_len_range, output_len=args.output_len,
+                                          model=args.model, mode="auto", timeout_s=1200, max_duration_s=1200,
+                                          server_metrics=f"http://127.0.0.1:{port}/metrics")
+                        r = run_serve(cfg)
+                        r.update(arm=arm, server_max_batch=max_batch, server_start_s=started)
+                        runs.append(r)
+                        failures += [f"{arm} max-batch {max_batch} c={c}: {f}" for f in r["failures"]]
+                        print(json.dumps({k: r.get(k) for k in ("arm", "server_max_batch", "max_concurrency",
+                              "completed", "output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms",
+                              "p99_itl_ms")} | {"mean_batch": (r.get("server_batch") or {}).get("mean_batch_per_step")}),
+                              file=sys.stderr, flush=True)
+            except Exception as e:  # a server that did not start: recorded, the other arms still run
+                failures.append(f"{arm} max-batch {max_batch}: {e}")
+    summary = []
+    for arm in args.arms.split(","):
+        base = {r["max_concurrency"]: r for r in runs if r["arm"] == arm and r["server_max_batch"] == 1}
+        for r in (r for r in runs if r["arm"] == arm and r["server_max_batch"] == args.max_batch):
+            b = base.get(r["max_concurrency"]) or (base[max(base)] if base else None)  # else the largest baseline
+            summary.append({"arm": arm, "concurrency": r["max_concurrency"], "output_tok_s": r["output_throughput"],
+                            "baseline_max_batch_1_tok_s": b["output_throughput"] if b else None,
+                            "speedup_vs_max_batch_1": (r["output_throughput"] / b["output_throughput"]
+                                                       if b and b["output_throughput"] else None),
+                            "mean_batch": (r.get("server_batch") or {}).get("mean_batch_per_step"),
+                            **{k: r[k] for k in ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms")}})
+    result = {"kind": "serve_sweep", "ok": not failures, "failures": failures, "config": vars(args),
+              "summary": summary, "runs": runs}
+    with open(os.path.join(args.out, "result.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print(json.dumps({"ok": result["ok"], "failures": failures, "summary": summary}))
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,27 @@
+"""The serve sweep on CPU (tiny): every arm and baseline runs, the batching server batches, the summary adds up."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from servers import ROOT
+
+
+def test_serve_sweep_smoke(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "bench.serve_sweep", "--model", "tiny", "--dtype", "float32",
+                        "--device", "cpu", "--transport", "gloo", "--max-batch", "4", "--max-seq-len", "256",
+                        "--concurrency", "1,4", "--baseline-concurrency", "4", "--input-len", "16",
+                        "--output-len", "12", "--min-prompts", "4", "--out", str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["ok"] and len(result["runs"]) == 6
+    rows = {(s["arm"], s["concurrency"]): s for s in result["summary"]}
+    assert set(rows) == {("colocated", 1), ("colocated", 4), ("pair", 1), ("pair", 4)}
+    for arm in ("colocated", "pair"):
+        assert rows[(arm, 4)]["mean_batch"] > 1  # the batching server advanced several requests per step
+        assert rows[(arm, 4)]["speedup_vs_max_batch_1"] is not None
+    base = [r for r in result["runs"] if r["server_max_batch"] == 1]
+    assert all(r["server_batch"]["running_max"] <= 1 for r in base)
