@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,7 @@ from kvtransfer.reference import logits_digest, prefill
 from kvtransfer.serving import LoadedModel
 from kvtransfer.streaming import cache_digest
 
+from .chunk_attention import chunk_attention_on
 from .graphs import Step
 from .pool import KVPool, Lease
 from .runner import StepRunner
@@ -64,7 +66,7 @@ class DecodeEngine:
 
         Whole (prefill_chunk 0, or a prompt no longer than a chunk): one `next()`, exactly the prefill worker's
         forward. Chunked (Sarathi-Serve): one chunk per `next()`, so the scheduler runs a decode step between two
-        chunks; each chunk attends over the cache so far. Chunked logits and cache then equal the whole prefill's
+        chunks; each later chunk attends over the cache so far (lower-right causal, chunk_attention.py). Chunked logits and cache then equal the whole prefill's
         only within a tolerance (other kernel shapes; tests/test_chunked_prefill.py). The job holds the lease
         while it writes, so a request that gives up meanwhile cannot free the slot under it.
         """
@@ -82,7 +84,8 @@ class DecodeEngine:
                 views[i][1][:, :, start:end].copy_(v[:, :, start:end])
             while start < n:
                 end = min(n, start + chunk)
-                cache, logits = prefill(self.m.model, ids[:, start:end], on_layer=land, cache=cache)
+                with chunk_attention_on(self.m.model) if start else nullcontext():
+                    cache, logits = prefill(self.m.model, ids[:, start:end], on_layer=land, cache=cache)
                 start = end
                 if start < n:
                     yield
