@@ -16,6 +16,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from .transport.layout import kv_pair_view  # noqa: F401  (re-exported: the streaming cache's layout)
+
 # (layer_idx, keys, values), keys/values: (batch, kv_heads, seq, head_dim)
 LayerCallback = Callable[[int, torch.Tensor, torch.Tensor], None]
 
@@ -51,16 +53,6 @@ class StreamingCache(DynamicCache):
         if self.on_layer is not None:
             self.on_layer(layer_idx, keys, values)
         return keys, values
-
-
-def kv_pair_view(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
-    """(2, *k.shape) view over K and V when V directly follows K in one storage, else None."""
-    if (k.is_contiguous() and v.is_contiguous() and k.dtype == v.dtype and k.shape == v.shape
-            and k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
-            and v.data_ptr() == k.data_ptr() + k.nbytes):
-        return torch.empty(0, dtype=k.dtype, device=k.device).set_(
-            k.untyped_storage(), k.storage_offset(), (2, *k.shape))
-    return None
 
 
 def cache_kwarg(model) -> str:
