@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import grpc
 
 from kvtransfer.metrics import Metrics
+from kvtransfer.modes import REQUEST_MODES, Mode
 from kvtransfer.security import server_credentials
 from kvtransfer.serving import InflightLimit, build_server
 from kvtransfer.streaming import cache_digest, cache_layers
@@ -35,7 +36,7 @@ from .remote import PeerFailure, RequestError, remote_prefill
 
 log = logging.getLogger("kvtransfer.decode")
 
-KNOWN_MODES = {pb.MODE_AUTO, pb.MODE_LAYERWISE, pb.MODE_BULK, pb.MODE_COLOCATED}
+KNOWN_MODES = {m.proto for m in REQUEST_MODES}
 
 
 @dataclass
@@ -133,11 +134,11 @@ class DecodeService(pbg.DecodeServicer):
                     await self._abort(context, grpc.StatusCode.DEADLINE_EXCEEDED,
                                       f"{f.message}; no time was left to recompute before the deadline")
                 log.warning("request %d: %s; recomputing the prefill here (--on-failure recompute)", rid, f.message)
-                timing.mode = "recompute"
+                timing.mode = Mode.RECOMPUTE.proto
             else:
                 timing.prefill_ms, timing.mode = r.response.prefill_ms, r.response.mode
                 timing.transfer_bytes = nbytes = self.engine.m.geometry.cache_bytes(len(request.token_ids))
-                self.metrics.moved(nbytes, r.t_ready - r.t_sent, r.response.mode)
+                self.metrics.moved(nbytes, r.t_ready - r.t_sent, Mode.from_proto(r.response.mode))
                 try:
                     cache = await loop.run_in_executor(self.gpu, self.engine.assemble, r.layers)
                 except BaseException:
@@ -147,8 +148,8 @@ class DecodeService(pbg.DecodeServicer):
                                  r.t_ready, r.release)
         cache, first, digest, timing.prefill_ms = await loop.run_in_executor(
             self.gpu, self.engine.local_prefill, list(request.token_ids), want)
-        timing.mode = timing.mode or "colocated"
-        self.metrics.prefill_ms.labels(timing.mode).observe(timing.prefill_ms)
+        timing.mode = timing.mode or Mode.COLOCATED.proto
+        self.metrics.prefill_ms.labels(Mode.from_proto(timing.mode)).observe(timing.prefill_ms)
         t = time.perf_counter()
         return Prefilled(cache, first, digest, timing, t, t)
 
@@ -169,8 +170,9 @@ class DecodeService(pbg.DecodeServicer):
                      if request.return_cache_digest else "")
         timing.first_token_ms = (p.t_first - t_in) * 1e3
         timing.cache_ready_ms = (p.t_ready - t_in) * 1e3
-        self.metrics.ttft_ms.labels(timing.mode).observe(timing.cache_ready_ms)
-        log.info("request %d: %d tokens, %s, cache ready %.1f ms", rid, n, timing.mode, timing.cache_ready_ms)
+        mode = Mode.from_proto(timing.mode)
+        self.metrics.ttft_ms.labels(mode).observe(timing.cache_ready_ms)
+        log.info("request %d: %d tokens, %s, cache ready %.1f ms", rid, n, mode, timing.cache_ready_ms)
         steps = request.max_new_tokens - 1
         if steps == 0:
             timing.total_ms = timing.second_token_ms = (time.perf_counter() - t_in) * 1e3

@@ -19,8 +19,7 @@ import torch
 
 class TransferState(enum.IntEnum):
     FAILED = 0
-    BOOTSTRAPPING = 1
-    WAITING = 2
+    WAITING = 2  # opened/accepted, nothing moved yet
     TRANSFERRING = 3
     SUCCESS = 4
 
@@ -118,6 +117,7 @@ class SenderLink(ABC):
     """Prefill side of one connection; `open` starts one request's transfer."""
 
     survives_failed_request: ClassVar[bool]  # after one request fails, the link still carries the next
+    abort_reaches_sender: ClassVar[bool]  # its receiver's abort fails the sender (False: the frame drains)
 
     @abstractmethod
     def open(self, header: TransferHeader) -> KVSender: ...

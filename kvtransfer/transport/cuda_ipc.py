@@ -63,6 +63,7 @@ class SenderLink(base.SenderLink):
     """Prefill side of one connection: maps the receiver's slots once, then one request at a time."""
 
     survives_failed_request = False  # conservative: a broken control channel ends the link
+    abort_reaches_sender = True
 
     def __init__(self, device, address: str, connect_timeout: float = 60.0, slot_timeout: float = 30.0, ops=None):
         self.ops = ops if ops is not None else CudaOps(device)

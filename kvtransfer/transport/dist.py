@@ -83,8 +83,9 @@ def this_group():
     return dist.group.WORLD
 
 
-def sender_link(device, options: DistOptions, address: str = "", peer: int = 1) -> "SenderLink":
-    """Rank 0's link in the joined two-rank group (the decode side is rank 1)."""
+def sender_link(device, options: DistOptions, address: str = "", peer: int = 1,
+                connect_timeout_s: float = 0.0) -> "SenderLink":
+    """Rank 0's link in the joined two-rank group (the decode side is rank 1; joined already: no connecting)."""
     return SenderLink(device, peer=peer, layers_per_message=options.layers_per_message, group=this_group())
 
 
@@ -95,6 +96,7 @@ def receiver_link(device, options: DistOptions, address: str = "", max_bytes: in
 
 class SenderLink(base.SenderLink):
     survives_failed_request = False  # a timeout or a dead peer leaves the ordered stream out of step
+    abort_reaches_sender = False  # no back channel
 
     def __init__(self, device: torch.device, peer: int = 1, layers_per_message: int = 1, group=None):
         if layers_per_message < 1:
@@ -128,7 +130,11 @@ class DistSender(KVSender):
 
     def _isend(self, t: torch.Tensor) -> None:
         self._keep.append(t)
-        self._works.append(dist.isend(t, dst=self.link.peer, group=self.link.group))
+        try:
+            self._works.append(dist.isend(t, dst=self.link.peer, group=self.link.group))
+        except RuntimeError as e:  # gloo: "Connection closed by peer"
+            self._state = TransferState.FAILED
+            raise TransferError("peer", f"send failed: {e}") from e
 
     def send_layer(self, layer_idx, key, value):
         if self.closed:

@@ -13,18 +13,13 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from dataclasses import dataclass
 
 from . import base
 from .base import KVReceiver, KVSender, TransferError, TransferHeader, TransferState
 from .frames import Placement, check_header, check_layer, destination_for
+from .options import FakeOptions
 
 _OK, _ABORT = "ok", "abort"
-
-
-@dataclass(frozen=True)
-class FakeOptions:
-    drop_after_layers: int | None = None  # fault injection: layers after this many never arrive
 
 
 class FakeWire:
@@ -32,10 +27,27 @@ class FakeWire:
 
     def __init__(self):
         self.requests: queue.Queue = queue.Queue()
+        self.closed = threading.Event()  # the receiving side closed (or died): senders fail "peer"
+
+
+_WIRES: dict[str, FakeWire] = {}  # address -> wire, so the registry can build both ends in one process
+
+
+def receiver_link(device, options: FakeOptions, address: str, max_bytes: int, max_layers: int) -> "ReceiverLink":
+    _WIRES[address] = wire = FakeWire()
+    return ReceiverLink(wire, device, max_bytes)
+
+
+def sender_link(device, options: FakeOptions, address: str, connect_timeout_s: float = 0.0) -> "SenderLink":
+    if address not in _WIRES:
+        raise TransferError("peer", f"no fake receiver at {address!r}")
+    drop = None if options.drop_after_layers < 0 else options.drop_after_layers
+    return SenderLink(_WIRES[address], drop)
 
 
 class SenderLink(base.SenderLink):
     survives_failed_request = True
+    abort_reaches_sender = True
 
     def __init__(self, wire: FakeWire, drop_after_layers: int | None = None):
         self.wire = wire
@@ -56,6 +68,8 @@ class ReceiverLink(base.ReceiverLink):
         self.wire, self.device, self.max_bytes = wire, device, max_bytes
 
     def accept(self, timeout=None, destinations=None) -> "FakeReceiver":
+        if self.wire.closed.is_set():
+            raise TransferError("peer", "receiver link closed")
         try:
             header, messages, gave_up = self.wire.requests.get(timeout=timeout)
         except queue.Empty:
@@ -69,7 +83,7 @@ class ReceiverLink(base.ReceiverLink):
         return FakeReceiver(header, messages, gave_up, Placement(header, self.device, dest), error)
 
     def close(self) -> None:
-        pass
+        self.wire.closed.set()
 
 
 class FakeSender(KVSender):
@@ -80,9 +94,15 @@ class FakeSender(KVSender):
         self._next = 0
         self._drop_after = drop_after_layers
         self._state = TransferState.WAITING
+        self._wire = wire
+        if wire.closed.is_set():
+            raise TransferError("peer", "the receiver link is closed")
         wire.requests.put((header, self._messages, self._gave_up))
 
     def _check_receiver(self) -> None:
+        if self._wire.closed.is_set() and self._state != TransferState.SUCCESS:
+            self._state = TransferState.FAILED
+            raise TransferError("peer", "the receiver link closed")
         if self._gave_up.is_set() and self._state != TransferState.SUCCESS:
             self._state = TransferState.FAILED
             raise TransferError("aborted", f"the receiver gave up on request {self.header.request_id}")

@@ -63,6 +63,7 @@ class SenderLink(base.SenderLink):
     """
 
     survives_failed_request = True
+    abort_reaches_sender = True
 
     def __init__(self, address: str, channels: int = 4, chunk_bytes: int = 4 << 20,
                  checksum: Checksum = Checksum.XXH3_64, corrupt_layer: int | None = None,

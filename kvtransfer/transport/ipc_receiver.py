@@ -153,6 +153,7 @@ class IpcReceiver(KVReceiver):
         self.block = slot_view(link.storages[slot], header)  # (layers, 2, batch, kv_heads, seq, head_dim)
         # a provider's destination: copied from the slot per layer; None: the slot views are the cache
         self._placement = None if dest is None else Placement(header, link.device, dest, staging=self.block)
+        self._views = [(self.block[i, 0], self.block[i, 1]) for i in range(header.num_layers)]
         self._lease = weakref.finalize(self.block, link.release, slot, header.request_id, False)
         self._lease.atexit = False
         self._events = link.layer_events[slot]
@@ -219,7 +220,7 @@ class IpcReceiver(KVReceiver):
 
     def _out(self, i: int):
         if self._placement is None:
-            return self.block[i, 0], self.block[i, 1]
+            return self._views[i]
         return self._placement.layer(i)  # one device-local copy, on the current stream
 
     def finish(self, timeout=None):
