@@ -36,7 +36,7 @@ def _links(backend: str, rank: int, address: str, options, dev):
         address = ""
     if rank == 0:
         return registry.sender_link(backend, dev, options, address=address, connect_timeout_s=30)
-    return registry.receiver_link(backend, dev, options, address=address, max_bytes=1 << 30,
+    return registry.receiver_link(backend, dev, options, address=address, max_bytes=16 << 20,
                                   max_layers=contract.LAYERS)
 
 
@@ -66,11 +66,13 @@ def run_in_threads(backend: str, scenario: str, options=None, address: str = "")
     assert not errors, errors[0]
 
 
-def _child(backend: str, rank: int, address: str, scenario: str, options, device: str, q, done) -> None:
+def _child(backend: str, rank: int, address: str, scenario: str, options, devices, q, done) -> None:
     """One side: build its link, run its half, report, then stay alive until the parent has both reports
     (a sender's data may still be in flight), exit hard."""
     try:
-        dev = torch.device(device)
+        dev = torch.device(devices[rank])
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
         link = _links(backend, rank, address, options, dev)
 
         def die(_link):
@@ -88,13 +90,15 @@ def _child(backend: str, rank: int, address: str, scenario: str, options, device
         os._exit(0)
 
 
-def run_two_processes(backend: str, scenario: str, options=None, device: str = "cpu", timeout: float = 90) -> None:
+def run_two_processes(backend: str, scenario: str, options=None, device: str = "cpu", timeout: float = 90,
+                      devices: tuple[str, str] | None = None) -> None:
+    """devices: (sender's, receiver's), default both `device`."""
     ctx = mp.get_context("spawn")
     q, done = ctx.Queue(), ctx.Event()
     port = free_port()
     address = f"tcp://127.0.0.1:{port}" if registry.backend(backend).rendezvous is registry.Rendezvous.PROCESS_GROUP \
         else f"127.0.0.1:{port}"
-    procs = [ctx.Process(target=_child, args=(backend, rank, address, scenario, options, device, q, done))
+    procs = [ctx.Process(target=_child, args=(backend, rank, address, scenario, options, devices or (device, device), q, done))
              for rank in (0, 1)]
     for p in procs:
         p.start()

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import contract
-from kvtransfer.transport import TransferError, TransferState
+from kvtransfer.status import CAUSE_STATUS
+from kvtransfer.transport import Cause, TransferError, TransferState
 from kvtransfer.transport import grpc_frames as wire
 from kvtransfer.transport.grpc_backend import Checksum, ReceiverLink, SenderLink
 from proto import kvdata_pb2 as pb
@@ -130,7 +131,7 @@ def test_insane_header_is_refused(receiver, field, value):
         push = ch.stream_unary(wire.PUSH_PATH)
         with pytest.raises(grpc.RpcError) as info:
             push(iter([bytes((wire.KIND_HEADER,)) + m.SerializeToString()]), timeout=10)
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.code() == CAUSE_STATUS[Cause.PROTOCOL]  # the one cause -> status table
     contract.expect_error(lambda: r_link.accept(timeout=5), "protocol")
 
 
@@ -219,7 +220,7 @@ def test_cuda_send_layer_never_waits_for_compute(receiver):
 
 
 def test_loopback_probe():
-    from kvtransfer.transport.grpc_backend import measure_loopback
+    from bench.grpc_probe import measure_loopback
     out = measure_loopback(4 << 20, channels=2, chunk_bytes=256 << 10, layers=4, repeats=1)
     assert out["bytes"] == 4 << 20
     for key in ("grpc", "socket"):
