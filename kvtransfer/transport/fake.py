@@ -14,6 +14,8 @@ import queue
 import threading
 import time
 
+import torch
+
 from . import base
 from .base import KVReceiver, KVSender, TransferError, TransferHeader, TransferState
 from .frames import Placement, check_header, check_layer, destination_for
@@ -65,7 +67,7 @@ class ReceiverLink(base.ReceiverLink):
     abort_reaches_sender = True
 
     def __init__(self, wire: FakeWire, device="cpu", max_bytes: int = 64 << 30):
-        self.wire, self.device, self.max_bytes = wire, device, max_bytes
+        self.wire, self.device, self.max_bytes = wire, torch.device(device), max_bytes
 
     def accept(self, timeout=None, destinations=None) -> "FakeReceiver":
         if self.wire.closed.is_set():

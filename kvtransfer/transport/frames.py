@@ -66,7 +66,7 @@ def check_layer(header: TransferHeader, expected_idx: int, idx: int, k: torch.Te
 
 def check_destination(h: TransferHeader, device: torch.device, dest: Destination) -> list:
     """A provider's destination must hold exactly the header's layers, shapes and dtype, on `device`."""
-    dest = list(dest)
+    dest, device = list(dest), torch.device(device)
     if len(dest) != h.num_layers:
         raise TransferError("protocol", f"request {h.request_id}: destination has {len(dest)} layers, "
                             f"the frame {h.num_layers}")

@@ -94,11 +94,14 @@ def options_from(config, transport: str):
     chosen = backend("gloo" if transport == "auto" else transport)
     mine = {f for f, _ in chosen.flags}
     defaults = {f.name: f.default for f in fields(config)}
+    owners: dict[str, list[str]] = {}
     for other in BACKENDS.values():
         for field, _ in other.flags:
-            if field not in mine and field in defaults and getattr(config, field) != defaults[field]:
-                raise ValueError(f"--{field.replace('_', '-')} is a {other.name} option; this server runs "
-                                 f"--transport {transport}")
+            owners.setdefault(field, []).append(other.name.value)
+    for field, names in owners.items():
+        if field not in mine and field in defaults and getattr(config, field) != defaults[field]:
+            raise ValueError(f"--{field.replace('_', '-')} is a {'/'.join(names)} option; this server runs "
+                             f"--transport {transport}")
     return chosen.options(**{o: getattr(config, f) for f, o in chosen.flags if f in defaults})
 
 
