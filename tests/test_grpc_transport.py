@@ -232,3 +232,26 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("checksum", ["none", "xxh3"])
+def test_the_servers_checksum_setting_reaches_the_link(receiver, checksum):
+    """--checksum on the prefill server -> its options -> the registry's link: off, a flipped byte arrives
+    unnoticed; on, it is DATA_LOSS."""
+    import dataclasses
+
+    from kvtransfer.transport import registry
+    from prefill_server.config import PrefillConfig
+    r_link = receiver()
+    options = registry.options_from(PrefillConfig(transport="grpc", checksum=checksum), "grpc")
+    s_link = registry.sender_link("grpc", "cpu", dataclasses.replace(options, corrupt_layer=1), address=r_link.address)
+    h = contract.header(31, 5)
+    t, errors = send_in_thread(s_link, h)
+    r = r_link.accept(timeout=10)
+    if checksum == "none":
+        got = r.finish(timeout=10)
+        assert not torch.equal(got[1][0], contract.layers_for(h)[1][0])  # the corruption got through
+    else:
+        contract.expect_error(lambda: r.finish(timeout=10), "data_loss")
+    t.join(10)
+    s_link.close()

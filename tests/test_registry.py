@@ -104,3 +104,23 @@ def test_receive_loop_fills_the_registered_destination():
     t.join(10)
     loop.retire("test over")
     r_link.close()
+
+
+def test_a_frame_that_does_not_match_its_request_is_dropped():
+    """The header-vs-geometry check: a frame of another length than its request expects fails that request
+    (protocol) and never touches the memory the request registered."""
+    r_link = registry.receiver_link("fake", "cpu", address="fake://mismatch", max_bytes=1 << 30)
+    s_link = registry.sender_link("fake", "cpu", address="fake://mismatch")
+    geom = CacheGeometry(num_layers=contract.LAYERS, kv_heads=contract.HEADS, head_dim=contract.DIM,
+                         dtype=torch.float32)
+    loop = ReceiveLoop(r_link, geom, torch.device("cpu"), finish_timeout_s=10)
+    loop.start()
+    pool = contract.Pool("cpu")
+    exp = loop.expect(23, 7, destination=pool(contract.header(23, 7)))
+    contract.send_all(s_link, contract.header(23, 6), "cpu")  # one token short
+    with pytest.raises(Exception) as info:
+        exp.future.result(timeout=10)
+    assert getattr(info.value, "cause", None) == "protocol" and "expected 1 x 7 tokens" in str(info.value)
+    assert bool((pool.pool == pool.SENTINEL).all()), "a mismatched frame wrote into the registered destination"
+    assert loop.dropped == 1
+    loop.retire("test over")
