@@ -42,7 +42,6 @@ class TransferError(RuntimeError):
 @dataclass(frozen=True)
 class TransferHeader:
     """Sent before any layer, so the receiver sizes (or finds) the right memory for the right request."""
-
     request_id: int
     seq_len: int
     num_layers: int
@@ -77,58 +76,49 @@ def fresh_destination(header: TransferHeader, device) -> list[tuple[torch.Tensor
 
 class KVSender(ABC):
     """Prefill side of one request. `send_layer` must not block the compute stream."""
-
     header: TransferHeader
 
     @abstractmethod
     def send_layer(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> None: ...
-
     @abstractmethod
     def finish(self, timeout: float | None = None) -> None:
         """Block until every layer has left (or raise TransferError)."""
 
     @abstractmethod
     def abort(self, reason: str) -> None: ...
-
     @abstractmethod
     def status(self) -> TransferState: ...
 
 
 class KVReceiver(ABC):
     """Decode side of one request: layers land in the destination its link's `accept` was given."""
-
     header: TransferHeader
 
     @abstractmethod
     def wait_for_layer(self, layer_idx: int, timeout: float | None = None) -> tuple[torch.Tensor, torch.Tensor]: ...
-
     @abstractmethod
     def finish(self, timeout: float | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Block until every layer has landed; return them in layer order (or raise TransferError)."""
 
     @abstractmethod
     def abort(self, reason: str) -> None: ...
-
     @abstractmethod
     def status(self) -> TransferState: ...
 
 
 class SenderLink(ABC):
     """Prefill side of one connection; `open` starts one request's transfer."""
-
     survives_failed_request: ClassVar[bool]  # after one request fails, the link still carries the next
     abort_reaches_sender: ClassVar[bool]  # its receiver's abort fails the sender (False: the frame drains)
 
     @abstractmethod
     def open(self, header: TransferHeader) -> KVSender: ...
-
     @abstractmethod
     def close(self) -> None: ...
 
 
 class ReceiverLink(ABC):
     """Decode side of one connection; `accept` yields the next request's receiver, its header checked."""
-
     survives_failed_request: ClassVar[bool]
     abort_reaches_sender: ClassVar[bool]  # a receiver's abort fails its sender (False: the frame is drained)
     address: str = ""  # what the prefill side connects to ("" for process-group links)
