@@ -16,8 +16,6 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from .transport.layout import kv_pair_view  # noqa: F401  (re-exported: the streaming cache's layout)
-
 # (layer_idx, keys, values), keys/values: (batch, kv_heads, seq, head_dim)
 LayerCallback = Callable[[int, torch.Tensor, torch.Tensor], None]
 
