@@ -134,7 +134,7 @@ def run_link(cfg: LinkConfig, step: Step = lambda _: None) -> dict:
                 failures.append(f"{key} loopback: the receiver counted a different number of bytes")
 
     def backend() -> None:  # kvtransfer's own gRPC transport, framing and all, beside its own socket run
-        from kvtransfer.transport.grpc_backend import measure_loopback
+        from .grpc_probe import measure_loopback
         res = measure_loopback(whole, cfg.channels, cfg.chunk_bytes, layers=layers, repeats=cfg.runs)
         links["grpc_backend"] = res["grpc"] | {
             "available": True, "bytes": res["bytes"], "channels": res["channels"], "pattern": f"{layers} layers",

@@ -4,7 +4,7 @@ Why: the gRPC data plane is judged against what the same machine can move at all
 (DESIGN.md: gRPC >= 80% of a raw TCP socket measured in the same run). This is the gRPC
 *library's* ceiling (a generic handler, identity serializers, no protobuf copy, client
 streaming in chunks), beside which `bench link` puts kvtransfer's own transport probe
-(kvtransfer.transport.grpc_backend.measure_loopback). The receiver runs in its own
+(bench.grpc_probe.measure_loopback). The receiver runs in its own
 process (`python -m bench.loopback serve`): sender and receiver do not share one
 interpreter lock, as in a real pair. A run ends when the receiver acknowledged the byte
 count; a wrong count fails the run.

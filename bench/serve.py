@@ -29,6 +29,7 @@ import numpy as np
 from bench.serve_metrics import BatchWatch
 from decode_server.client import MODES
 from kvtransfer.models import load_config
+from kvtransfer.modes import Mode
 from proto import kvtransfer_pb2 as pb
 from proto import kvtransfer_pb2_grpc as pbg
 
@@ -100,7 +101,7 @@ async def one_request(stub, ids: list[int], cfg: ServeConfig, timeout: float, me
         async for msg in stub.Generate(req, timeout=timeout, metadata=metadata):
             out["times"].append(time.perf_counter() - t0)
             if msg.HasField("timing"):
-                out["mode"] = msg.timing.mode
+                out["mode"] = Mode.from_proto(msg.timing.mode).value
     except grpc.aio.AioRpcError as e:
         out["code"], out["error"] = e.code().name, e.details() or ""
     if out["code"] is None and len(out["times"]) != cfg.output_len:

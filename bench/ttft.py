@@ -23,6 +23,7 @@ from .launch import colocated_server, server_pair
 from .p2p import cache_patterns, measure_p2p
 
 Step = Callable[[str], None]
+CHECKS = ("cache_equal", "tokens_equal", "logits_equal", "tokens_equal_timed")  # every one counts in `ok`
 
 
 @dataclass(frozen=True)
@@ -85,12 +86,20 @@ def verify_pass(cfg: TtftConfig, prompts: dict[int, list[int]], step: Step) -> d
         for n, ids in prompts.items():
             for mode in cfg.modes:
                 got = asyncio.run(_calls(pair.addr, ids, cfg.decode_tokens, mode, 1, True))[0]
-                checks[f"{n}/{mode}"] = {
-                    "cache_equal": got["cache_digest"] == ref[n]["cache_digest"],
-                    "tokens_equal": got["tokens"] == ref[n]["tokens"],
-                    "logits_equal": got["logits_digests"] == ref[n]["logits_digests"]}
+                checks[f"{n}/{mode}"] = compare(got, ref[n], cfg.decode_tokens)
                 step(f"verify {mode} {n}")
     return checks
+
+
+def compare(got: dict, ref: dict, tokens: int) -> dict:
+    """Equality checks of a disaggregated answer against the colocated one. A check with nothing to compare
+    (a digest missing on either side, fewer tokens than asked for) fails: it proves nothing."""
+    def present(d: dict) -> bool:
+        return bool(d["cache_digest"]) and len(d["logits_digests"]) == tokens and all(d["logits_digests"])
+    both = present(got) and present(ref)
+    return {"cache_equal": both and got["cache_digest"] == ref["cache_digest"],
+            "tokens_equal": len(got["tokens"]) == tokens and got["tokens"] == ref["tokens"],
+            "logits_equal": both and got["logits_digests"] == ref["logits_digests"]}
 
 
 def run_ttft(cfg: TtftConfig, step: Step = lambda _: None) -> dict:
@@ -125,21 +134,22 @@ def run_ttft(cfg: TtftConfig, step: Step = lambda _: None) -> dict:
                 "prefill_colo": stats(c, "prefill_ms"), "prefill_disagg": stats(d, "prefill_ms"),
                 "prefill_slowdown_pct": 100 * (median_of(d, "prefill_ms") / median_of(c, "prefill_ms") - 1),
                 "second_token_colo": stats(c, "second_token_ms"), "second_token_disagg": stats(d, "second_token_ms"),
-                "tokens_equal_timed": all(x["tokens"] == c[0]["tokens"] for x in d),
+                "tokens_equal_timed": bool(d) and all(x["tokens"] == c[0]["tokens"] and x["tokens"] for x in d),
                 **checks.get(f"{n}/{mode}", {}),
             })
-    ok = all(all(v.values()) for v in checks.values()) if cfg.verify else True
+    failures = [f"{r['length']}/{r['mode']}: {k}" for r in rows for k in CHECKS if k in r and not r[k]]
+    ok = not failures and (not cfg.verify or len(checks) == len(cfg.lengths) * len(cfg.modes))
     links = raw_links(cfg, geom)
     step("raw link")
-    return {"kind": "ttft", "ok": ok, "config": asdict(cfg), "bytes_per_token": geom.bytes_per_token,
-            "verified": cfg.verify, "rows": rows, "links": links}
+    return {"kind": "ttft", "ok": ok, "failures": failures, "config": asdict(cfg),
+            "bytes_per_token": geom.bytes_per_token, "verified": cfg.verify, "rows": rows, "links": links}
 
 
 def raw_links(cfg: TtftConfig, geom: CacheGeometry) -> dict:
     """The limit of the data plane the pair used, measured in the same run, at the largest cache size."""
     nbytes = geom.cache_bytes(max(cfg.lengths))
     if cfg.transport == "grpc":
-        from kvtransfer.transport.grpc_probe import measure_loopback
+        from .grpc_probe import measure_loopback
         dev = "cuda" if cfg.prefill_device.startswith("cuda") else "cpu"
         r = measure_loopback(nbytes, channels=4, repeats=max(cfg.runs, 3), device=dev)
         return {f"grpc transport ({dev} source)": dict(r["grpc"], pattern=f"{nbytes / 2**20:.0f} MiB, 4 channels"),

@@ -7,9 +7,9 @@ import logging
 from grpc_health.v1 import health_pb2
 
 from kvtransfer.compat import local_compat
-from kvtransfer.security import ClientSecurity, resolve_token, server_credentials
+from kvtransfer.security import ClientSecurity, resolve_token
 from kvtransfer.serving import load, peer_channel_options, pick_device, run_main, start_metrics
-from kvtransfer.transport.links import resolve
+from kvtransfer.transport import registry
 
 from .config import DecodeConfig
 from .engine import DecodeEngine, EngineOptions
@@ -31,15 +31,14 @@ async def serve(config: DecodeConfig) -> None:
                                                 config.prefill_chunk), on_step=metrics.batch_size.observe)
     pairing = None
     if not config.colocated:
-        transport = resolve(config.transport, device)
+        backend = registry.resolve(config.transport, device.type)
         log.info("model loaded on %s; pairing with the prefill worker at %s (%s, --on-failure %s)", device,
-                 config.prefill_addr, transport, config.on_failure)
+                 config.prefill_addr, backend.name, config.on_failure)
         channel = peer.channel(config.prefill_addr,
                                options=peer_channel_options(config.max_message_bytes, config.peer_keepalive_s))
-        pairing = DecodePairing(config, loaded, transport,
+        pairing = DecodePairing(config, loaded, backend,
                                 local_compat(config.spec, loaded.model, loaded.geometry, config.deterministic),
-                                channel, peer.metadata(), metrics,
-                                server_credentials(config.data_tls_cert, config.data_tls_key, config.data_tls_ca))
+                                channel, peer.metadata(), metrics)
         await pairing.start()  # a refused or silent peer ends the process here, with the reason
     service = DecodeService(config, engine, pairing, metrics, peer.metadata())
     server, port = await create_server(config, service, token=token)

@@ -14,6 +14,7 @@ import time
 
 import grpc
 
+from kvtransfer.modes import Mode
 from kvtransfer.security import ClientSecurity, check_tls_flags, check_token_flags, resolve_token
 from proto import kvtransfer_pb2 as pb
 from proto import kvtransfer_pb2_grpc as pbg
@@ -43,7 +44,13 @@ async def generate(addr: str, token_ids: list[int], max_new_tokens: int, mode: s
                 timing = msg.timing
     return {"tokens": tokens, "logits_digests": digests if digest else [], "client_ttft_ms": ttft,
             "cache_digest": cache,
-            "timing": {f.name: getattr(timing, f.name) for f in pb.Timing.DESCRIPTOR.fields} if timing else {}}
+            "timing": _timing(timing) if timing else {}}
+
+
+def _timing(timing: pb.Timing) -> dict:
+    out = {f.name: getattr(timing, f.name) for f in pb.Timing.DESCRIPTOR.fields}
+    out["mode"] = Mode.from_proto(timing.mode).value
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 from kvtransfer.configargs import one_line
 from kvtransfer.models import ModelSpec
-from kvtransfer.transport.links import TRANSPORTS
 from kvtransfer.security import check_tls_flags, check_token_flags
 from kvtransfer.serving import CONTROL_MESSAGE_LIMIT, check_message_limit, check_metrics_flags
+from kvtransfer.transport.registry import options_from
 
 ON_FAILURE = ("fail", "recompute")
 
@@ -33,6 +33,8 @@ class DecodeConfig:
     data_tls_key: str = ""                # grpc data plane: private key of --data-tls-cert
     data_tls_ca: str = ""                 # grpc data plane: require prefill client certificates signed by this CA
     ipc_slots: int = 2                    # cuda_ipc: receive slots of --max-prompt-tokens each
+    grpc_listener_workers: int = 64       # grpc: concurrent data streams (>= the peer's channels x requests in flight)
+    dist_op_timeout_s: float = 0.0        # nccl/gloo: one group operation's timeout (0: a week on NCCL, --dist-timeout-s on gloo)
     dist_init: str = "env://"
     max_prompt_tokens: int = 32768
     max_new_tokens: int = 4096            # per request
@@ -68,10 +70,7 @@ class DecodeConfig:
 
     def __post_init__(self):
         ModelSpec(self.model, self.dtype, self.seed)
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"--transport {self.transport!r}: choose one of {', '.join(TRANSPORTS)}")
-        if self.ipc_slots < 1:
-            raise ValueError("--ipc-slots must be >= 1")
+        options_from(self, self.transport)  # the backend's options; refuses another backend's flags
         for name in ("max_prompt_tokens", "max_new_tokens", "max_inflight", "max_receive_bytes",
                      "max_message_bytes", "max_batch", "stream_buffer_tokens"):
             if getattr(self, name) < 1:

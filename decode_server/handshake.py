@@ -23,12 +23,12 @@ class HandshakeRefused(SystemExit):
     pass
 
 
-async def handshake(stub: pbg.PrefillStub, compat: pb.Compat, transport: str, timeout_s: float,
+async def handshake(stub: pbg.PrefillStub, compat: pb.Compat, transport, timeout_s: float,
                     max_receive_bytes: int = 0, metadata=None, data_address: str = "",
                     instance_id: int = 0) -> pb.HandshakeResponse:
     """Wait up to `timeout_s` for the prefill peer to answer; raises HandshakeRefused."""
     deadline = time.monotonic() + timeout_s
-    request = pb.HandshakeRequest(compat=compat, transport=transport, max_receive_bytes=max_receive_bytes,
+    request = pb.HandshakeRequest(compat=compat, transport=transport.proto, max_receive_bytes=max_receive_bytes,
                                   data_address=data_address, instance_id=instance_id)
     while True:
         try:

@@ -24,7 +24,8 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvtransfer.transport.links import ADDRESSED, PROCESS_GROUP, inflight_receivers, receiver_link
+from kvtransfer.transport import registry
+from kvtransfer.transport.registry import Rendezvous
 from proto import kvtransfer_pb2 as pb
 from proto import kvtransfer_pb2_grpc as pbg
 
@@ -37,12 +38,14 @@ DECODE_SERVICE = pb.DESCRIPTOR.services_by_name["Decode"].full_name
 
 
 class DecodePairing:
-    def __init__(self, config, loaded, transport: str, compat: pb.Compat, channel, metadata, metrics,
-                 data_credentials=None):
-        self.config, self.m, self.transport, self.compat = config, loaded, transport, compat
+    def __init__(self, config, loaded, backend, compat: pb.Compat, channel, metadata, metrics):
+        self.config, self.m, self.backend, self.compat = config, loaded, backend, compat
+        self.transport = backend.name
+        self.options = registry.options_from(config, backend.name)
+        self.addressed = backend.rendezvous is Rendezvous.ADDRESS
         self.stub = pbg.PrefillStub(channel)
         self.health_stub = health_pb2_grpc.HealthStub(channel)
-        self.metadata, self.metrics, self.data_credentials = metadata, metrics, data_credentials
+        self.metadata, self.metrics = metadata, metrics
         self.instance_id = secrets.randbits(63) | 1
         self.ledger = BufferLedger()
         self.link = self.loop = None
@@ -83,7 +86,7 @@ class DecodePairing:
                 delay = min(delay * 2, 5.0)
 
     async def _pair(self) -> None:
-        if self.transport in ADDRESSED and (self.loop is None or self.loop.error is not None):
+        if self.addressed and (self.loop is None or self.loop.error is not None):
             if self.link is not None:
                 self.link.close()
             self.link = self._new_link()
@@ -91,11 +94,11 @@ class DecodePairing:
             self._start_loop(self.link, "kv-receive")
         resp = await handshake(self.stub, self.compat, self.transport, self.config.handshake_timeout_s,
                                self.config.max_receive_bytes, self.metadata,
-                               getattr(self.link, "address", "") if self.transport in ADDRESSED else "",
+                               self.link.address if self.addressed else "",
                                self.instance_id)
         if self.prefill_instance and resp.instance_id != self.prefill_instance:
             log.warning("the prefill worker restarted (instance %x -> %x)", self.prefill_instance, resp.instance_id)
-        if self.transport in PROCESS_GROUP:
+        if not self.addressed:
             await self._join(resp)
         self.prefill_instance, self.epoch = resp.instance_id, resp.epoch
         self.metrics.pairings.inc()
@@ -108,13 +111,15 @@ class DecodePairing:
         log.info("joining process group epoch %d as rank 1 (%s)", resp.epoch, self.transport)
         store = await asyncio.to_thread(open_store, c.dist_init, 1, c.dist_timeout_s)
         await asyncio.to_thread(join_pair, 1, store, pairing_prefix(resp.instance_id, resp.epoch), self.m.device,
-                                c.dist_timeout_s)
+                                c.dist_timeout_s, c.dist_op_timeout_s)
         self._start_loop(self._new_link(), f"kv-receive-{resp.epoch}")
 
     def _new_link(self):
         c, g = self.config, self.m.geometry
-        return receiver_link(self.transport, self.m.device, c.max_receive_bytes, c.data_listen,
-                             g.cache_bytes(c.max_prompt_tokens), c.ipc_slots, g.num_layers, self.data_credentials)
+        # no valid frame is larger than a --max-prompt-tokens cache (cuda_ipc: the size of one receive slot)
+        max_bytes = min(c.max_receive_bytes, g.cache_bytes(c.max_prompt_tokens))
+        return registry.receiver_link(self.transport, self.m.device, self.options, address=c.data_listen,
+                                      max_bytes=max_bytes, max_layers=g.num_layers)
 
     def _start_loop(self, link, name: str) -> None:
         aloop = asyncio.get_running_loop()
@@ -156,7 +161,7 @@ class DecodePairing:
         await self._set_up(False, reason)
         log.warning("prefill peer down: %s; failing waiting requests (--on-failure %s) and pairing again", reason,
                     self.config.on_failure)
-        if self.transport in PROCESS_GROUP:
+        if not self.addressed:
             await self._drop_group(reason)
         elif self.loop is not None:
             self.loop.fail_pending(f"prefill peer down: {reason}")
@@ -180,8 +185,8 @@ class DecodePairing:
 
     def receivers(self) -> int:
         """Data-plane receivers holding buffers: the gRPC listener's, or the one each process-group loop is in."""
-        if self.transport in ADDRESSED:
-            return inflight_receivers(self.link)
+        if self.addressed:
+            return self.link.inflight() if self.link is not None else 0
         return sum(lp.receiving() for lp in self._loops())
 
     def why_down(self) -> str:

@@ -2,8 +2,10 @@
 
 Why one thread: the data plane is one ordered stream per peer, so frames are accepted in
 the order the prefill worker sent them, whatever order the requests were made in. Each
-frame's header names its request; buffers are sized from that header and handed to the
-request that expected exactly that id and length, never to another.
+frame's header names its request; the loop's destination provider hands the link the
+memory that request registered (`expect(..., destination=)`, e.g. its slice of the KV
+pool) when the header matches it exactly, and fresh tensors otherwise (the warm-up frame,
+a frame nobody waits for, a mismatched one: drained and dropped).
 
 Why the bookkeeping: a pairing can end at any moment (peer killed, link down). Then every
 request still waiting is failed at once (`fail_pending`, or `retire` for a loop whose
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtransfer.geometry import CacheGeometry
-from kvtransfer.transport import TransferError
+from kvtransfer.transport import Cause, Destination, TransferError, TransferHeader, fresh_destination
 
 log = logging.getLogger("kvtransfer.decode.receiver")
 
@@ -34,8 +36,8 @@ WARMUP_REQUEST_ID = 0
 class Expected:
     seq_len: int
     future: Future  # -> list[(k, v)] on the device, or TransferError
-    destination: object = None  # per layer (k, v): where the cache lands (views of a pool slot)
-    lease: object = None  # the slot's lease, held while a frame lands in it
+    destination: Destination | None = None  # where its layers land (None: fresh tensors)
+    lease: object = None  # held while a frame lands in `destination` (a KV pool slot's Lease; None: nothing)
     t_ready: float = 0.0  # perf_counter when the whole cache was on the device
     nbytes: int = 0  # receive-buffer bytes handed over with the result; `release` gives them back
 
@@ -61,8 +63,9 @@ class ReceiveLoop:
         self._expected: dict[int, Expected] = {}
         self._lock = threading.Lock()
         self._current = None  # the receiver being finished (aborted by fail_pending on links that survive it)
+        self._landing = None  # the lease of the slot the current frame lands in (held until it stops landing)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self.survives = getattr(link, "survives_errors", False)
+        self.survives = type(link).survives_failed_request
         self.frames = 0
         self.warmups = 0
         self.dropped = 0
@@ -76,7 +79,11 @@ class ReceiveLoop:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def expect(self, request_id: int, seq_len: int, destination=None, lease=None) -> Expected:
+    def expect(self, request_id: int, seq_len: int, destination: Destination | None = None, lease=None) -> Expected:
+        """Register a request before its frame can arrive; its layers land in `destination` (None: fresh),
+        per layer (k, v) of (1, kv_heads, seq_len, head_dim) in the geometry's dtype, on this device. `lease`
+        (with hold()/release()) is held from the moment the frame starts landing there until it stops, so a
+        request that gives up meanwhile cannot have its slot handed to another request under the late frame."""
         e = Expected(seq_len, Future(), destination, lease)
         e.future.set_running_or_notify_cancel()  # a waiter that gives up cannot cancel it under this thread
         with self._lock:
@@ -142,8 +149,32 @@ class ReceiveLoop:
             if self.on_stop is not None:
                 self.on_stop()
 
+    def _destination(self, h: TransferHeader) -> Destination:
+        """The link's destination provider: the registered destination of the request the header matches."""
+        with self._lock:
+            exp = self._expected.get(h.request_id)
+            if exp is None or exp.destination is None or self._problem(h, exp) is not None:
+                return fresh_destination(h, self.device)
+            if exp.lease is not None:
+                exp.lease.hold()
+                self._landing = exp.lease
+        return exp.destination
+
+    def _problem(self, h: TransferHeader, exp: Expected) -> str | None:
+        g = self.geometry
+        if (h.seq_len, h.num_layers, h.kv_heads, h.head_dim, h.dtype, h.batch) != (
+                exp.seq_len, g.num_layers, g.kv_heads, g.head_dim, g.dtype, 1):
+            return (f"frame for request {h.request_id} is {h.batch} x {h.seq_len} tokens x {h.num_layers} layers "
+                    f"x {h.kv_heads} heads x {h.head_dim} {h.dtype}; expected 1 x {exp.seq_len} tokens of "
+                    f"{g.num_layers} x {g.kv_heads} x {g.head_dim} {g.dtype}")
+        return None
+
     def _one(self) -> None:
-        r = self.link.accept(timeout=None)
+        try:
+            r = self.link.accept(timeout=None, destinations=self._destination)
+        except BaseException:
+            self._let_go()
+            raise
         h = r.header
         self.frames += 1
         nbytes = h.layer_bytes() * h.num_layers
@@ -152,38 +183,38 @@ class ReceiveLoop:
         with self._lock:
             exp = self._expected.get(h.request_id)
             self._current = r
-            lease = exp.lease if exp is not None else None
-            if lease is not None:
-                lease.hold()  # the slot stays ours until this frame stops landing, even if its request gives up
         try:
             handed = self._finish(r, exp, nbytes)
         finally:
             with self._lock:
                 self._current = None
-            if lease is not None:
-                lease.release()
+            self._let_go()
             if not handed:
                 self.ledger.add(-nbytes)
 
+    def _let_go(self) -> None:
+        """The current frame stopped landing: release the slot lease its destination held, if any."""
+        with self._lock:
+            landing, self._landing = self._landing, None
+        if landing is not None:
+            landing.release()
+
     def _finish(self, r, exp: Expected | None, nbytes: int) -> bool:
         """Receive the frame and hand it to its request; False when it was dropped (its bytes are freed)."""
-        h, g = r.header, self.geometry
+        h = r.header
         problem = None
         if h.request_id == WARMUP_REQUEST_ID:
             self.warmups += 1
         elif exp is None:
             problem = f"no request {h.request_id} is waiting (cancelled or unknown)"
-        elif (h.seq_len, h.num_layers, h.kv_heads, h.head_dim, h.dtype) != (
-                exp.seq_len, g.num_layers, g.kv_heads, g.head_dim, g.dtype):
-            problem = (f"frame for request {h.request_id} is {h.seq_len} tokens x {h.num_layers} layers "
-                       f"x {h.kv_heads} heads x {h.head_dim} {h.dtype}; expected {exp.seq_len} tokens of "
-                       f"{g.num_layers} x {g.kv_heads} x {g.head_dim} {g.dtype}")
+        else:
+            problem = self._problem(h, exp)
         try:
             layers = r.finish(timeout=self.finish_timeout_s)
         except TransferError as e:
             if exp is not None:
                 self._settle(h.request_id, exp, error=e)
-            if e.cause not in ("aborted", "data_loss"):
+            if e.cause not in (Cause.ABORTED, Cause.DATA_LOSS):
                 raise  # timeout / peer: an ordered stream is out of step (the loop decides whether to stop)
             return False
         if h.request_id == WARMUP_REQUEST_ID:
@@ -194,13 +225,8 @@ class ReceiveLoop:
             if exp is not None:
                 self._settle(h.request_id, exp, error=TransferError("protocol", problem))
             return False
-        if exp.destination is not None:  # interim: one device-local copy per layer into the pool slot
-            for (dk, dv), (k, v) in zip(exp.destination, layers):
-                dk.copy_(k)
-                dv.copy_(v)
-            if self.device.type == "cuda":
-                torch.cuda.current_stream(self.device).synchronize()
-            layers = exp.destination
+        if self.device.type == "cuda" and exp.destination is not None:
+            torch.cuda.synchronize(self.device)  # landed before the decode thread's stream reads the slot
         exp.t_ready = time.perf_counter()
         return self._settle(h.request_id, exp, layers=layers, nbytes=nbytes)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from kvtransfer.serving import transfer_status
+from kvtransfer.status import transfer_status
 from kvtransfer.transport import TransferError
 from proto import kvtransfer_pb2 as pb
 

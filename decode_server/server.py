@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import grpc
 
 from kvtransfer.metrics import Metrics
+from kvtransfer.modes import REQUEST_MODES, Mode
 from kvtransfer.security import server_credentials
 from kvtransfer.serving import InflightLimit, build_server
 from proto import kvtransfer_pb2 as pb
@@ -34,7 +35,7 @@ from .streams import TokenStream, acquire_slot
 
 log = logging.getLogger("kvtransfer.decode")
 
-KNOWN_MODES = {pb.MODE_AUTO, pb.MODE_LAYERWISE, pb.MODE_BULK, pb.MODE_COLOCATED}
+KNOWN_MODES = {m.proto for m in REQUEST_MODES}
 END_STATUS = {EndCause.REQUEST_ENDED: grpc.StatusCode.CANCELLED, EndCause.SLOW_READER: grpc.StatusCode.RESOURCE_EXHAUSTED,
               EndCause.STEP_FAILED: grpc.StatusCode.INTERNAL, EndCause.SHUTDOWN: grpc.StatusCode.UNAVAILABLE}
 
@@ -146,18 +147,18 @@ class DecodeService(pbg.DecodeServicer):
                     await self._abort(context, grpc.StatusCode.DEADLINE_EXCEEDED,
                                       f"{f.message}; no time was left to recompute before the deadline")
                 log.warning("request %d: %s; recomputing the prefill here (--on-failure recompute)", rid, f.message)
-                timing.mode = "recompute"
+                timing.mode = Mode.RECOMPUTE.proto
             else:
                 r.release()  # the cache is in the slot now: the receive side holds nothing for it
                 timing.prefill_ms, timing.mode = r.response.prefill_ms, r.response.mode
                 timing.transfer_bytes = nbytes = self.engine.m.geometry.cache_bytes(len(request.token_ids))
-                self.metrics.moved(nbytes, r.t_ready - r.t_sent, r.response.mode)
+                self.metrics.moved(nbytes, r.t_ready - r.t_sent, Mode.from_proto(r.response.mode))
                 return Prefilled(r.response.first_token, r.response.first_logits_digest, timing, r.t_first, r.t_ready)
         job = self.engine.prefill(list(request.token_ids), lease, want)
         local = await self._within(context, job, deadline, "the prefill did not finish before the deadline")
         timing.prefill_ms = local.prefill_ms
-        timing.mode = timing.mode or "colocated"
-        self.metrics.prefill_ms.labels(timing.mode).observe(timing.prefill_ms)
+        timing.mode = timing.mode or Mode.COLOCATED.proto
+        self.metrics.prefill_ms.labels(Mode.from_proto(timing.mode)).observe(timing.prefill_ms)
         t = time.perf_counter()
         return Prefilled(local.first, local.digest, timing, t, t)
 
@@ -179,8 +180,9 @@ class DecodeService(pbg.DecodeServicer):
                      if request.return_cache_digest else "")
         timing.first_token_ms = (p.t_first - t_in) * 1e3
         timing.cache_ready_ms = (p.t_ready - t_in) * 1e3
-        self.metrics.ttft_ms.labels(timing.mode).observe(timing.cache_ready_ms)
-        log.info("request %d: %d tokens, %s, cache ready %.1f ms", rid, n, timing.mode, timing.cache_ready_ms)
+        mode = Mode.from_proto(timing.mode)
+        self.metrics.ttft_ms.labels(mode).observe(timing.cache_ready_ms)
+        log.info("request %d: %d tokens, %s, cache ready %.1f ms", rid, n, mode, timing.cache_ready_ms)
         steps = request.max_new_tokens - 1
         stop = request.stop_on_eos and p.first in self.engine.eos
         if steps == 0 or stop:

@@ -218,16 +218,6 @@ def configure_logging(level: str = "INFO") -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
 
 
-TRANSFER_STATUS = {"aborted": grpc.StatusCode.UNAVAILABLE, "timeout": grpc.StatusCode.DEADLINE_EXCEEDED,
-                   "peer": grpc.StatusCode.UNAVAILABLE, "protocol": grpc.StatusCode.INTERNAL,
-                   "data_loss": grpc.StatusCode.DATA_LOSS}
-
-
-def transfer_status(e) -> grpc.StatusCode:
-    """The gRPC status a failed transfer (TransferError) ends its request with."""
-    return TRANSFER_STATUS.get(e.cause, grpc.StatusCode.INTERNAL)
-
-
 def run_main(config_cls, argv, description: str, serve, logger: logging.Logger) -> None:
     """A server's `main`: flags -> config (validated), logging, one uvloop loop running `serve(config)`.
 

@@ -53,16 +53,6 @@ class StreamingCache(DynamicCache):
         return keys, values
 
 
-def kv_pair_view(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
-    """(2, *k.shape) view over K and V when V directly follows K in one storage, else None."""
-    if (k.is_contiguous() and v.is_contiguous() and k.dtype == v.dtype and k.shape == v.shape
-            and k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
-            and v.data_ptr() == k.data_ptr() + k.nbytes):
-        return torch.empty(0, dtype=k.dtype, device=k.device).set_(
-            k.untyped_storage(), k.storage_offset(), (2, *k.shape))
-    return None
-
-
 def cache_kwarg(model) -> str:
     """Name of the forward() argument that takes the cache: `cache` (5.2x+) or `past_key_values`."""
     params = inspect.signature(model.forward).parameters

@@ -8,10 +8,9 @@ import logging
 from grpc_health.v1 import health_pb2
 
 from kvtransfer.compat import local_compat
-from kvtransfer.security import channel_credentials, resolve_token
+from kvtransfer.security import resolve_token
 from kvtransfer.serving import load, pick_device, run_main, start_metrics
-from kvtransfer.transport.links import PROCESS_GROUP, resolve, sender_link
-from kvtransfer.transport.rendezvous import open_store
+from kvtransfer.transport import registry
 
 from .config import PrefillConfig
 from .faults import StallFault
@@ -25,28 +24,28 @@ async def serve(config: PrefillConfig) -> None:
     token = resolve_token(config.auth_token, config.auth_token_file)
     device = pick_device(config.device)
     loaded = load(config.spec, device, config.deterministic)
-    transport = resolve(config.transport, device)
+    backend = registry.resolve(config.transport, device.type)
+    options = registry.options_from(config, backend.name)
     metrics = start_metrics("prefill", config.metrics_port, config.metrics_addr)
 
-    data_credentials = channel_credentials(config.data_tls_ca, config.data_tls_cert, config.data_tls_key, "data-tls")
-
     def connect(address: str = ""):
-        return sender_link(transport, device, address, config.layers_per_message, config.grpc_channels,
-                           config.checksum, config.send_timeout_s, data_credentials)
+        return registry.sender_link(backend.name, device, options, address=address,
+                                    connect_timeout_s=config.send_timeout_s)
 
     fault = (StallFault(config.fail_after_layers, config.fail_stall_s, config.fail_requests)
              if config.fail_after_layers >= 0 else None)
     worker = PrefillWorker(loaded, None, config.send_timeout_s, fault)
     store = None
-    if transport in PROCESS_GROUP:  # one store for the process's lifetime; each pairing joins a fresh group on it
+    if backend.rendezvous is registry.Rendezvous.PROCESS_GROUP:  # one store for the process's lifetime
+        from kvtransfer.transport.rendezvous import open_store
         try:
             store = await asyncio.to_thread(open_store, config.dist_init, 0, config.dist_timeout_s)
         except RuntimeError as e:  # torch's DistNetworkError: the port is taken or the host is not ours
             raise ValueError(f"cannot host the rendezvous store at --dist-init {config.dist_init}: {e}") from None
         log.info("model loaded on %s; rendezvous store at %s, waiting for the decode peer (%s)", device,
-                 config.dist_init, transport)
+                 config.dist_init, backend.name)
     service = PrefillService(config, worker, local_compat(config.spec, loaded.model, loaded.geometry,
-                                                          config.deterministic), transport, connect, metrics, store)
+                                                          config.deterministic), backend, connect, metrics, store)
     server, port = await create_server(config, service, token=token)
     await server.start()
     await service.pairing.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)  # SERVING once paired

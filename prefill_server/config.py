@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 from kvtransfer.configargs import one_line
 from kvtransfer.models import ModelSpec
-from kvtransfer.transport.links import TRANSPORTS
 from kvtransfer.security import check_tls_flags, check_token_flags
+from kvtransfer.transport.registry import options_from
 from kvtransfer.serving import CONTROL_MESSAGE_LIMIT, check_message_limit, check_metrics_flags
 
 
@@ -24,12 +24,16 @@ class PrefillConfig:
     device: str = "auto"                  # auto, cpu, cuda, cuda:N
     transport: str = "auto"               # auto (nccl on cuda, gloo on cpu), nccl, gloo, grpc, cuda_ipc
     grpc_channels: int = 4                # grpc: parallel connections per transfer
+    grpc_chunk_bytes: int = 4 << 20       # grpc: payload bytes per message
+    grpc_abort_cancel_s: float = 5.0      # grpc: after an abort, cancel streams that have not ended by then
     data_tls_ca: str = ""                 # grpc data plane: use TLS, verify the decode side's certificate with this CA
     data_tls_cert: str = ""               # grpc data plane: client certificate (when the decode side requires mTLS)
     data_tls_key: str = ""                # grpc data plane: private key of --data-tls-cert
     checksum: str = "xxh3"                # grpc: per-layer checksum verified on receive (xxh3 or none)
     dist_init: str = "env://"             # torch.distributed rendezvous, e.g. tcp://10.0.0.1:29500
-    layers_per_message: int = 1           # group layers into one send
+    layers_per_message: int = 1           # nccl/gloo: group layers into one send
+    dist_op_timeout_s: float = 0.0        # nccl/gloo: one group operation's timeout (0: a week on NCCL, --dist-timeout-s on gloo)
+    ipc_slot_timeout_s: float = 30.0      # cuda_ipc: how long a transfer waits for a free receive slot
     layerwise_min_tokens: int = -1        # MODE_AUTO: prompts this long stream layer-wise, shorter bulk; -1: measured per transport (policy.py)
     max_prompt_tokens: int = 32768
     max_inflight: int = 64                # Prefill calls admitted at once (run one by one); beyond: RESOURCE_EXHAUSTED
@@ -52,14 +56,7 @@ class PrefillConfig:
 
     def __post_init__(self):
         ModelSpec(self.model, self.dtype, self.seed)  # validates model and dtype
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"--transport {self.transport!r}: choose one of {', '.join(TRANSPORTS)}")
-        if self.checksum not in ("xxh3", "none"):
-            raise ValueError(f"--checksum {self.checksum!r}: choose xxh3 or none")
-        if not 1 <= self.grpc_channels <= 64:
-            raise ValueError("--grpc-channels must be 1..64")
-        if self.layers_per_message < 1:
-            raise ValueError("--layers-per-message must be >= 1")
+        options_from(self, self.transport)  # the backend's options; refuses another backend's flags
         for name in ("max_prompt_tokens", "max_inflight", "max_message_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")

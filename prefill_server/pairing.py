@@ -22,16 +22,18 @@ import secrets
 
 import grpc
 
-from kvtransfer.transport import TransferError
-from kvtransfer.transport.links import PROCESS_GROUP
+from kvtransfer.transport import Cause, TransferError
+from kvtransfer.transport.registry import Rendezvous
 from proto import kvtransfer_pb2 as pb
 
 log = logging.getLogger("kvtransfer.prefill")
 
 
 class PrefillPairing:
-    def __init__(self, config, worker, transport: str, connect, gpu, metrics, store=None):
-        self.config, self.worker, self.transport, self.connect = config, worker, transport, connect
+    def __init__(self, config, worker, backend, connect, gpu, metrics, store=None):
+        self.config, self.worker, self.backend, self.connect = config, worker, backend, connect
+        self.transport = backend.name
+        self.process_group = backend.rendezvous is Rendezvous.PROCESS_GROUP
         self.gpu, self.metrics, self.store = gpu, metrics, store  # store: process-group rendezvous (rendezvous.py)
         self.instance_id = secrets.randbits(63) | 1
         self.epoch = 0
@@ -47,7 +49,7 @@ class PrefillPairing:
                  self.transport)
         await self._set_up(False)
         resp = pb.HandshakeResponse(instance_id=self.instance_id, epoch=epoch)
-        if self.transport in PROCESS_GROUP:
+        if self.process_group:
             self.loop.run_in_executor(self.gpu, self._rejoin, epoch).add_done_callback(_log_failure)
             return resp
         try:
@@ -71,7 +73,7 @@ class PrefillPairing:
         log.info("joining process group epoch %d as rank 0 (%s)", epoch, self.transport)
         try:
             join_pair(0, self.store, pairing_prefix(self.instance_id, epoch), self.worker.m.device,
-                      self.config.dist_timeout_s)
+                      self.config.dist_timeout_s, self.config.dist_op_timeout_s)
             self.worker.link = self.connect()
             self.worker.warmup(self.config.warmup_tokens)
         except (TransferError, RuntimeError) as e:  # torch.distributed reports a failed rendezvous as RuntimeError
@@ -105,7 +107,8 @@ class PrefillPairing:
         try:
             return self.worker.run(*args)
         except TransferError as e:
-            if self.transport in PROCESS_GROUP and e.cause in ("peer", "timeout") and self.worker.link is link:
+            if (self.process_group and e.cause in (Cause.PEER, Cause.TIMEOUT) and self.worker.link is link
+                    and not type(link).survives_failed_request):
                 from kvtransfer.transport.rendezvous import leave_pair
                 log.warning("data plane lost (%s); unpaired until the decode peer handshakes again", e)
                 self.worker.link = None

@@ -15,10 +15,12 @@ import grpc
 
 from kvtransfer.compat import mismatch
 from kvtransfer.metrics import Metrics
+from kvtransfer.modes import Mode
 from kvtransfer.security import server_credentials
-from kvtransfer.serving import InflightLimit, build_server, gpu_executor, transfer_status
+from kvtransfer.serving import InflightLimit, build_server, gpu_executor
+from kvtransfer.status import transfer_status
 from kvtransfer.transport import TransferError
-from kvtransfer.transport.links import PROCESS_GROUP
+from kvtransfer.transport.registry import Rendezvous, Transport
 from proto import kvtransfer_pb2 as pb
 from proto import kvtransfer_pb2_grpc as pbg
 
@@ -29,16 +31,17 @@ from .worker import WARMUP_REQUEST_ID, PrefillWorker
 
 log = logging.getLogger("kvtransfer.prefill")
 
-MODES = {pb.MODE_LAYERWISE: "layerwise", pb.MODE_BULK: "bulk"}
+MODES = {pb.MODE_LAYERWISE: Mode.LAYERWISE, pb.MODE_BULK: Mode.BULK}
 MAX_REQUEST_ID = (1 << 63) - 1  # the data-plane header carries it as int64
 
 
 class PrefillService(pbg.PrefillServicer):
-    def __init__(self, config: PrefillConfig, worker: PrefillWorker, compat: pb.Compat, transport: str,
+    def __init__(self, config: PrefillConfig, worker: PrefillWorker, compat: pb.Compat, backend,
                  connect, metrics: Metrics | None = None, store=None):
-        """connect(address="") builds the data-plane link (to the announced address for grpc/cuda_ipc);
-        store: the process-group rendezvous store (nccl/gloo)."""
-        self.config, self.worker, self.compat, self.transport = config, worker, compat, transport
+        """backend: the registry's descriptor of the data plane; connect(address="") builds its link (to the
+        announced address for Rendezvous.ADDRESS); store: the process-group rendezvous store."""
+        self.config, self.worker, self.compat, self.backend = config, worker, compat, backend
+        self.transport = backend.name
         self.gpu = gpu_executor(worker.m.device, "prefill-gpu")
         self.vocab = worker.m.model.config.vocab_size
         self.admit = InflightLimit(config.max_inflight)
@@ -46,28 +49,29 @@ class PrefillService(pbg.PrefillServicer):
         self.metrics = metrics or Metrics("prefill")
         self.metrics.inflight.set_function(lambda: self.admit.count)
         self.metrics.buffer_bytes.set_function(lambda: worker.sending_bytes)
-        self.pairing = PrefillPairing(config, worker, transport, connect, self.gpu, self.metrics, store)
+        self.pairing = PrefillPairing(config, worker, backend, connect, self.gpu, self.metrics, store)
 
     async def Handshake(self, request, context):
         problem = mismatch(self.compat, request.compat)
-        if problem is None and request.transport != self.transport:
-            problem = (f"transport: here {self.transport!r}, peer {request.transport!r}; "
+        if problem is None and request.transport != self.transport.proto:
+            peer = Transport.from_proto(request.transport)
+            problem = (f"transport: here {self.transport.value!r}, peer {peer.value if peer else 'unspecified'!r}; "
                        "start both workers with the same --transport")
         if problem:
             log.warning("handshake refused: %s", problem)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
-        if self.transport not in PROCESS_GROUP and not request.data_address:
+        if self.backend.rendezvous is Rendezvous.ADDRESS and not request.data_address:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"transport {self.transport} needs the decode side's data address in the handshake")
         self.peer_max_receive_bytes = request.max_receive_bytes
         resp = await self.pairing.handshake(request, context)
         resp.compat.CopyFrom(self.compat)
-        resp.transport = self.transport
+        resp.transport = self.transport.proto
         return resp
 
-    def resolve_mode(self, mode: int, n: int) -> str:
+    def resolve_mode(self, mode: int, n: int) -> Mode:
         if mode == pb.MODE_AUTO:
-            return policy.choose(self.transport, self.config.layerwise_min_tokens, n)
+            return Mode(policy.choose(self.transport, self.config.layerwise_min_tokens, n))
         return MODES[mode]
 
     async def _validate(self, request, context) -> None:
@@ -123,7 +127,7 @@ class PrefillService(pbg.PrefillServicer):
         self.metrics.moved(self.worker.m.geometry.cache_bytes(n), r.send_done_ms / 1e3, r.mode)
         self.metrics.finished("OK")
         return pb.PrefillResponse(first_token=r.first_token, first_logits_digest=r.first_logits_digest,
-                                  prefill_ms=r.prefill_ms, send_done_ms=r.send_done_ms, mode=r.mode)
+                                  prefill_ms=r.prefill_ms, send_done_ms=r.send_done_ms, mode=Mode(r.mode).proto)
 
 
 async def create_server(config: PrefillConfig, service: PrefillService, address: str | None = None,

@@ -24,21 +24,25 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12proto/kvdata.proto\x12\x12kvtransfer.data.v1\"\x9c\x02\n\x0b\x46rameHeader\x12\x0f\n\x07link_id\x18\x01 \x01(\x06\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x12\n\nrequest_id\x18\x03 \x01(\x03\x12\x0f\n\x07seq_len\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x10\n\x08kv_heads\x18\x06 \x01(\r\x12\x10\n\x08head_dim\x18\x07 \x01(\r\x12\r\n\x05\x62\x61tch\x18\x08 \x01(\r\x12(\n\x05\x64type\x18\t \x01(\x0e\x32\x19.kvtransfer.data.v1.DType\x12.\n\x08\x63hecksum\x18\n \x01(\x0e\x32\x1c.kvtransfer.data.v1.Checksum\x12\x13\n\x0bnum_streams\x18\x0b \x01(\r\x12\x14\n\x0cstream_index\x18\x0c \x01(\r\"H\n\x07Trailer\x12-\n\x06status\x18\x01 \x01(\x0e\x32\x1d.kvtransfer.data.v1.EndStatus\x12\x0e\n\x06reason\x18\x02 \x01(\t*X\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x02\x12\x11\n\rDTYPE_FLOAT16\x10\x03*3\n\x08\x43hecksum\x12\x11\n\rCHECKSUM_NONE\x10\x00\x12\x14\n\x10\x43HECKSUM_XXH3_64\x10\x01*=\n\tEndStatus\x12\x13\n\x0f\x45ND_UNSPECIFIED\x10\x00\x12\n\n\x06\x45ND_OK\x10\x01\x12\x0f\n\x0b\x45ND_ABORTED\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12proto/kvdata.proto\x12\x12kvtransfer.data.v1\"\x9c\x02\n\x0b\x46rameHeader\x12\x0f\n\x07link_id\x18\x01 \x01(\x06\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x12\n\nrequest_id\x18\x03 \x01(\x03\x12\x0f\n\x07seq_len\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x10\n\x08kv_heads\x18\x06 \x01(\r\x12\x10\n\x08head_dim\x18\x07 \x01(\r\x12\r\n\x05\x62\x61tch\x18\x08 \x01(\r\x12(\n\x05\x64type\x18\t \x01(\x0e\x32\x19.kvtransfer.data.v1.DType\x12.\n\x08\x63hecksum\x18\n \x01(\x0e\x32\x1c.kvtransfer.data.v1.Checksum\x12\x13\n\x0bnum_streams\x18\x0b \x01(\r\x12\x14\n\x0cstream_index\x18\x0c \x01(\r\"H\n\x07Trailer\x12-\n\x06status\x18\x01 \x01(\x0e\x32\x1d.kvtransfer.data.v1.EndStatus\x12\x0e\n\x06reason\x18\x02 \x01(\t\"3\n\x07\x46\x61ilure\x12(\n\x05\x63\x61use\x18\x01 \x01(\x0e\x32\x19.kvtransfer.data.v1.Cause*X\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x02\x12\x11\n\rDTYPE_FLOAT16\x10\x03*3\n\x08\x43hecksum\x12\x11\n\rCHECKSUM_NONE\x10\x00\x12\x14\n\x10\x43HECKSUM_XXH3_64\x10\x01*=\n\tEndStatus\x12\x13\n\x0f\x45ND_UNSPECIFIED\x10\x00\x12\n\n\x06\x45ND_OK\x10\x01\x12\x0f\n\x0b\x45ND_ABORTED\x10\x02*}\n\x05\x43\x61use\x12\x15\n\x11\x43\x41USE_UNSPECIFIED\x10\x00\x12\x11\n\rCAUSE_ABORTED\x10\x01\x12\x11\n\rCAUSE_TIMEOUT\x10\x02\x12\x0e\n\nCAUSE_PEER\x10\x03\x12\x12\n\x0e\x43\x41USE_PROTOCOL\x10\x04\x12\x13\n\x0f\x43\x41USE_DATA_LOSS\x10\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.kvdata_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=403
-  _globals['_DTYPE']._serialized_end=491
-  _globals['_CHECKSUM']._serialized_start=493
-  _globals['_CHECKSUM']._serialized_end=544
-  _globals['_ENDSTATUS']._serialized_start=546
-  _globals['_ENDSTATUS']._serialized_end=607
+  _globals['_DTYPE']._serialized_start=456
+  _globals['_DTYPE']._serialized_end=544
+  _globals['_CHECKSUM']._serialized_start=546
+  _globals['_CHECKSUM']._serialized_end=597
+  _globals['_ENDSTATUS']._serialized_start=599
+  _globals['_ENDSTATUS']._serialized_end=660
+  _globals['_CAUSE']._serialized_start=662
+  _globals['_CAUSE']._serialized_end=787
   _globals['_FRAMEHEADER']._serialized_start=43
   _globals['_FRAMEHEADER']._serialized_end=327
   _globals['_TRAILER']._serialized_start=329
   _globals['_TRAILER']._serialized_end=401
+  _globals['_FAILURE']._serialized_start=403
+  _globals['_FAILURE']._serialized_end=454
 # @@protoc_insertion_point(module_scope)

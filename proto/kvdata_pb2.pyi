@@ -22,6 +22,15 @@ class EndStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     END_UNSPECIFIED: _ClassVar[EndStatus]
     END_OK: _ClassVar[EndStatus]
     END_ABORTED: _ClassVar[EndStatus]
+
+class Cause(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CAUSE_UNSPECIFIED: _ClassVar[Cause]
+    CAUSE_ABORTED: _ClassVar[Cause]
+    CAUSE_TIMEOUT: _ClassVar[Cause]
+    CAUSE_PEER: _ClassVar[Cause]
+    CAUSE_PROTOCOL: _ClassVar[Cause]
+    CAUSE_DATA_LOSS: _ClassVar[Cause]
 DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT32: DType
 DTYPE_BFLOAT16: DType
@@ -31,6 +40,12 @@ CHECKSUM_XXH3_64: Checksum
 END_UNSPECIFIED: EndStatus
 END_OK: EndStatus
 END_ABORTED: EndStatus
+CAUSE_UNSPECIFIED: Cause
+CAUSE_ABORTED: Cause
+CAUSE_TIMEOUT: Cause
+CAUSE_PEER: Cause
+CAUSE_PROTOCOL: Cause
+CAUSE_DATA_LOSS: Cause
 
 class FrameHeader(_message.Message):
     __slots__ = ("link_id", "seq", "request_id", "seq_len", "num_layers", "kv_heads", "head_dim", "batch", "dtype", "checksum", "num_streams", "stream_index")
@@ -67,3 +82,9 @@ class Trailer(_message.Message):
     status: EndStatus
     reason: str
     def __init__(self, status: _Optional[_Union[EndStatus, str]] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class Failure(_message.Message):
+    __slots__ = ("cause",)
+    CAUSE_FIELD_NUMBER: _ClassVar[int]
+    cause: Cause
+    def __init__(self, cause: _Optional[_Union[Cause, str]] = ...) -> None: ...

@@ -13,10 +13,25 @@ class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MODE_LAYERWISE: _ClassVar[Mode]
     MODE_BULK: _ClassVar[Mode]
     MODE_COLOCATED: _ClassVar[Mode]
+    MODE_RECOMPUTE: _ClassVar[Mode]
+
+class Transport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TRANSPORT_UNSPECIFIED: _ClassVar[Transport]
+    TRANSPORT_NCCL: _ClassVar[Transport]
+    TRANSPORT_GLOO: _ClassVar[Transport]
+    TRANSPORT_GRPC: _ClassVar[Transport]
+    TRANSPORT_CUDA_IPC: _ClassVar[Transport]
 MODE_AUTO: Mode
 MODE_LAYERWISE: Mode
 MODE_BULK: Mode
 MODE_COLOCATED: Mode
+MODE_RECOMPUTE: Mode
+TRANSPORT_UNSPECIFIED: Transport
+TRANSPORT_NCCL: Transport
+TRANSPORT_GLOO: Transport
+TRANSPORT_GRPC: Transport
+TRANSPORT_CUDA_IPC: Transport
 
 class GenerateRequest(_message.Message):
     __slots__ = ("token_ids", "max_new_tokens", "mode", "return_logits_digest", "return_cache_digest", "stop_on_eos")
@@ -35,22 +50,22 @@ class GenerateRequest(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ..., return_logits_digest: _Optional[bool] = ..., return_cache_digest: _Optional[bool] = ..., stop_on_eos: _Optional[bool] = ...) -> None: ...
 
 class Timing(_message.Message):
-    __slots__ = ("prefill_ms", "cache_ready_ms", "first_token_ms", "second_token_ms", "transfer_bytes", "mode", "total_ms")
+    __slots__ = ("prefill_ms", "cache_ready_ms", "first_token_ms", "second_token_ms", "transfer_bytes", "total_ms", "mode")
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     CACHE_READY_MS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_MS_FIELD_NUMBER: _ClassVar[int]
     SECOND_TOKEN_MS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
-    MODE_FIELD_NUMBER: _ClassVar[int]
     TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
     prefill_ms: float
     cache_ready_ms: float
     first_token_ms: float
     second_token_ms: float
     transfer_bytes: float
-    mode: str
     total_ms: float
-    def __init__(self, prefill_ms: _Optional[float] = ..., cache_ready_ms: _Optional[float] = ..., first_token_ms: _Optional[float] = ..., second_token_ms: _Optional[float] = ..., transfer_bytes: _Optional[float] = ..., mode: _Optional[str] = ..., total_ms: _Optional[float] = ...) -> None: ...
+    mode: Mode
+    def __init__(self, prefill_ms: _Optional[float] = ..., cache_ready_ms: _Optional[float] = ..., first_token_ms: _Optional[float] = ..., second_token_ms: _Optional[float] = ..., transfer_bytes: _Optional[float] = ..., total_ms: _Optional[float] = ..., mode: _Optional[_Union[Mode, str]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_id", "index", "logits_digest", "timing", "cache_digest")
@@ -98,11 +113,11 @@ class HandshakeRequest(_message.Message):
     DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     compat: Compat
-    transport: str
+    transport: Transport
     max_receive_bytes: int
     data_address: str
     instance_id: int
-    def __init__(self, compat: _Optional[_Union[Compat, _Mapping]] = ..., transport: _Optional[str] = ..., max_receive_bytes: _Optional[int] = ..., data_address: _Optional[str] = ..., instance_id: _Optional[int] = ...) -> None: ...
+    def __init__(self, compat: _Optional[_Union[Compat, _Mapping]] = ..., transport: _Optional[_Union[Transport, str]] = ..., max_receive_bytes: _Optional[int] = ..., data_address: _Optional[str] = ..., instance_id: _Optional[int] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
     __slots__ = ("compat", "transport", "instance_id", "epoch")
@@ -111,10 +126,10 @@ class HandshakeResponse(_message.Message):
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     compat: Compat
-    transport: str
+    transport: Transport
     instance_id: int
     epoch: int
-    def __init__(self, compat: _Optional[_Union[Compat, _Mapping]] = ..., transport: _Optional[str] = ..., instance_id: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+    def __init__(self, compat: _Optional[_Union[Compat, _Mapping]] = ..., transport: _Optional[_Union[Transport, str]] = ..., instance_id: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "mode", "return_logits_digest")
@@ -139,5 +154,5 @@ class PrefillResponse(_message.Message):
     first_logits_digest: str
     prefill_ms: float
     send_done_ms: float
-    mode: str
-    def __init__(self, first_token: _Optional[int] = ..., first_logits_digest: _Optional[str] = ..., prefill_ms: _Optional[float] = ..., send_done_ms: _Optional[float] = ..., mode: _Optional[str] = ...) -> None: ...
+    mode: Mode
+    def __init__(self, first_token: _Optional[int] = ..., first_logits_digest: _Optional[str] = ..., prefill_ms: _Optional[float] = ..., send_done_ms: _Optional[float] = ..., mode: _Optional[_Union[Mode, str]] = ...) -> None: ...

@@ -1,8 +1,12 @@
 """The transport contract: scenarios every backend must pass unchanged.
 
 Each scenario has a send half (runs against a SenderLink) and a receive half (runs against
-a ReceiverLink and asserts). Harnesses in test_transport_contract.py run the halves in two
-threads (in-process backends) or two real processes (gloo, gRPC, ...).
+a ReceiverLink and asserts). Harnesses (tests/harness.py) build both links through the
+registry, with non-default options, and run the halves in two threads (in-process backends)
+or two real processes (gloo, gRPC). Every layer's contents are checked, through
+`wait_for_layer` as it lands (the sender paces its layers, so a receiver that hands out a
+layer before it arrived shows stale bytes), and in a destination provider's pool (views of
+a bigger tensor: every byte outside them must stay untouched).
 """
 
 from __future__ import annotations
@@ -12,6 +16,9 @@ import time
 import torch
 
 from kvtransfer.transport import TransferError, TransferHeader, TransferState
+
+DIE = None  # set by a harness: how a receive half dies (two processes: exit hard; in-process: close the link)
+PACE_S = 0.05  # between paced layers
 
 LAYERS, HEADS, DIM = 4, 2, 8
 
@@ -28,10 +35,14 @@ def layers_for(h: TransferHeader) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(block[i, 0], block[i, 1]) for i in range(h.num_layers)]
 
 
-def send_all(link, h: TransferHeader, device) -> None:
+def send_all(link, h: TransferHeader, device, pace: float = 0.0) -> None:
     s = link.open(h)
+    assert s.status() == TransferState.WAITING
     for i, (k, v) in enumerate(layers_for(h)):
+        if pace and i:
+            time.sleep(pace)
         s.send_layer(i, k.to(device), v.to(device))
+        assert s.status() == TransferState.TRANSFERRING
     s.finish(timeout=30)
     assert s.status() == TransferState.SUCCESS
 
@@ -40,18 +51,33 @@ def recv_check(link, h: TransferHeader, timeout: float = 30) -> None:
     check_received(link.accept(timeout=timeout), h, timeout)
 
 
-def check_received(r, h: TransferHeader, timeout: float = 30) -> None:
-    assert r.header.request_id == h.request_id and r.header.seq_len == h.seq_len, r.header
-    assert r.header.dtype == h.dtype
-    k0, v0 = r.wait_for_layer(0, timeout=timeout)
+def same(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return got.shape == want.shape and got.dtype == want.dtype and torch.equal(
+        got.cpu().contiguous().view(torch.uint8), want.contiguous().view(torch.uint8))
+
+
+def check_layer(r, h: TransferHeader, i: int, timeout: float = 30):
+    """wait_for_layer(i) returns layer i's bytes, right away (before later layers are in)."""
+    k, v = r.wait_for_layer(i, timeout=timeout)
+    wk, wv = layers_for(h)[i]
+    assert same(k, wk) and same(v, wv), f"request {h.request_id}: layer {i} from wait_for_layer differs"
+    return k, v
+
+
+def check_received(r, h: TransferHeader, timeout: float = 30, every_layer: bool = False) -> list:
+    """The header, every layer through wait_for_layer (all of them, or 0 only), then finish: the same tensors."""
+    assert r.header == h, (r.header, h)
+    assert r.status() == TransferState.TRANSFERRING
+    seen = [check_layer(r, h, i, timeout) for i in (range(h.num_layers) if every_layer else [0])]
     got = r.finish(timeout=timeout)
     assert r.status() == TransferState.SUCCESS
     want = layers_for(h)
     assert len(got) == len(want)
-    for (gk, gv), (wk, wv) in zip(got, want):
-        assert torch.equal(gk.cpu().view(torch.uint8), wk.view(torch.uint8))
-        assert torch.equal(gv.cpu().view(torch.uint8), wv.view(torch.uint8))
-    assert torch.equal(k0.cpu(), want[0][0]) and torch.equal(v0.cpu(), want[0][1])
+    for i, ((gk, gv), (wk, wv)) in enumerate(zip(got, want)):
+        assert same(gk, wk) and same(gv, wv), f"request {h.request_id}: layer {i} differs"
+    for (k, v), (gk, gv) in zip(seen, got):
+        assert k is gk and v is gv, "finish returns the tensors wait_for_layer returned"
+    return got
 
 
 def expect_error(fn, cause: str) -> TransferError:
@@ -124,7 +150,8 @@ def s_misuse(link, dev):
     expect_error(lambda: s.send_layer(0, bad, bad), "protocol")
     expect_error(lambda: s.send_layer(0, good[0][0].to(dev).double(), good[0][1].to(dev).double()), "protocol")
     s.send_layer(0, good[0][0].to(dev), good[0][1].to(dev))
-    expect_error(lambda: s.finish(timeout=5), "protocol")
+    expect_error(lambda: s.send_layer(0, good[0][0].to(dev), good[0][1].to(dev)), "protocol")  # duplicate
+    expect_error(lambda: s.finish(timeout=5), "protocol")  # layers missing
     s.abort("misuse")
     send_all(link, header(5, 4), dev)
 
@@ -151,43 +178,144 @@ def r_silent_peer(link, dev):
     assert r.status() == TransferState.FAILED
 
 
+def s_every_layer(link, dev):
+    """Layers paced PACE_S apart: a receiver must hand out layer i only once layer i is in."""
+    for rid in (7, 8):
+        send_all(link, header(rid, 9), dev, pace=PACE_S)
+
+
+def r_every_layer(link, dev):
+    for rid in (7, 8):
+        check_received(link.accept(timeout=30), header(rid, 9), every_layer=True)
+
+
+class Pool:
+    """A provider over a KV pool laid out per layer and K/V as (slots, kv_heads, max_seq, head_dim): request
+    i gets slot i % slots, positions [3, 3 + seq): non-contiguous views. Everything else must stay SENTINEL."""
+    SENTINEL = -7.25
+
+    def __init__(self, dev, dtype=torch.float32, slots: int = 3, max_seq: int = 80):
+        self.pool = torch.full((LAYERS, 2, slots, HEADS, max_seq, DIM), self.SENTINEL, dtype=dtype, device=dev)
+        self.slots, self.handed = slots, {}
+
+    def __call__(self, h: TransferHeader):
+        slot = h.request_id % self.slots
+        views = [(self.pool[i, 0, slot:slot + 1, :, 3:3 + h.seq_len], self.pool[i, 1, slot:slot + 1, :, 3:3 + h.seq_len])
+                 for i in range(h.num_layers)]
+        self.handed[h.request_id] = views
+        return views
+
+    def check(self, h: TransferHeader, got) -> None:
+        views = self.handed[h.request_id]
+        for (k, v), (vk, vv) in zip(got, views):
+            assert k is vk and v is vv, "the receiver returns the provider's tensors themselves"
+        slot = h.request_id % self.slots
+        outside = torch.ones(self.pool.shape, dtype=torch.bool, device=self.pool.device)
+        outside[:, :, slot, :, 3:3 + h.seq_len] = False
+        assert bool((self.pool[outside] == self.SENTINEL).all()), "bytes outside the destination views changed"
+        self.pool[:, :, slot].fill_(self.SENTINEL)  # the next request in this slot starts clean
+
+
+def s_pool(link, dev):
+    for rid, n in ((10, 5), (11, 64), (12, 1)):
+        send_all(link, header(rid, n), dev, pace=PACE_S if rid == 10 else 0.0)
+
+
+def r_pool(link, dev):
+    pool = Pool(dev)
+    for rid, n in ((10, 5), (11, 64), (12, 1)):
+        h = header(rid, n)
+        r = link.accept(timeout=30, destinations=pool)
+        pool.check(h, check_received(r, h, every_layer=rid == 10))
+
+
+def s_provider_fails(link, dev):
+    """The receiver's provider refuses request 13: its receiver fails, the link carries request 14."""
+    h = header(13, 6)
+    s = link.open(h)
+    try:
+        for i, (k, v) in enumerate(layers_for(h)):
+            s.send_layer(i, k.to(dev), v.to(dev))
+        s.finish(timeout=30)
+    except TransferError:
+        pass  # backends with a back channel tell the sender; the others drain the frame
+    send_all(link, header(14, 3), dev)
+
+
+def r_provider_fails(link, dev):
+    def refuse(h):
+        raise TransferError("protocol", f"no room for request {h.request_id}")
+    r = link.accept(timeout=30, destinations=refuse)
+    assert r.header.request_id == 13
+    expect_error(lambda: r.finish(timeout=30), "protocol")
+    assert r.status() == TransferState.FAILED
+    recv_check(link, header(14, 3))
+
+
+def s_receiver_abort(link, dev):
+    """The receiver aborts after layer 0: with a back channel the sender fails `aborted` within ~1 s."""
+    h = header(15, 8)
+    s = link.open(h)
+    layers = layers_for(h)
+    s.send_layer(0, layers[0][0].to(dev), layers[0][1].to(dev))
+    t0, failed = time.monotonic(), None
+    try:
+        for i in range(1, LAYERS):
+            time.sleep(0.4)
+            s.send_layer(i, layers[i][0].to(dev), layers[i][1].to(dev))
+        s.finish(timeout=30)
+    except TransferError as e:
+        failed = e
+    if type(link).abort_reaches_sender:
+        assert failed is not None and failed.cause == "aborted", f"the receiver's abort did not reach the sender: {failed}"
+        assert time.monotonic() - t0 < 2.5, f"the sender heard of the abort after {time.monotonic() - t0:.1f} s"
+        assert s.status() == TransferState.FAILED
+    send_all(link, header(16, 4), dev)
+
+
+def r_receiver_abort(link, dev):
+    r = link.accept(timeout=30)
+    check_layer(r, header(15, 8), 0)
+    r.abort("the request gave up")
+    assert r.status() == TransferState.FAILED
+    expect_error(lambda: r.finish(timeout=5), "aborted")
+    recv_check(link, header(16, 4))
+
+
+def s_dead_receiver(link, dev):
+    """The receiving side dies mid-frame: the sender fails (peer, aborted or timeout) within a few seconds."""
+    h = header(17, 8)
+    s = link.open(h)
+    t0 = time.monotonic()
+    try:
+        for i, (k, v) in enumerate(layers_for(h)):
+            s.send_layer(i, k.to(dev), v.to(dev))
+            time.sleep(0.3)
+        s.finish(timeout=5)
+    except TransferError as e:
+        assert e.cause in ("peer", "aborted", "timeout"), e
+        assert time.monotonic() - t0 < 8, f"the dead receiver was noticed after {time.monotonic() - t0:.1f} s"
+        return
+    raise AssertionError("a transfer to a dead receiver succeeded")
+
+
+def r_dead_receiver(link, dev):
+    r = link.accept(timeout=30)
+    check_layer(r, header(17, 8), 0)
+    DIE(link)
+
+
 SCENARIOS = {
     "roundtrip": (s_roundtrip, r_roundtrip),
     "many": (s_many, r_many),
+    "every_layer": (s_every_layer, r_every_layer),
+    "pool": (s_pool, r_pool),
+    "provider_fails": (s_provider_fails, r_provider_fails),
     "abort_then_ok": (s_abort_then_ok, r_abort_then_ok),
+    "receiver_abort": (s_receiver_abort, r_receiver_abort),
     "misuse": (s_misuse, r_misuse),
     "silent_peer": (s_silent_peer, r_silent_peer),
+    "dead_receiver": (s_dead_receiver, r_dead_receiver),
 }
 
 
-# --- process harness: one real process per side ---
-
-def run_in_process(backend: str, rank: int, address: str, scenario: str, options: dict, q, done) -> None:
-    """Child entry point: build this side's link for `backend`, run its half, report, then stay
-    alive until the parent has both reports (a sender's data may still be in flight), exit hard."""
-    import os
-    import traceback
-    try:
-        dev = torch.device(options.get("device", "cpu"))
-        send, recv = SCENARIOS[scenario]
-        if backend == "gloo":
-            from kvtransfer.transport.dist import ReceiverLink, SenderLink, init_pair
-            init_pair(rank, address, dev, timeout_s=30)
-            link = (SenderLink(dev, peer=1, layers_per_message=options.get("layers_per_message", 1))
-                    if rank == 0 else ReceiverLink(dev, peer=0))
-        elif backend == "grpc":  # the receiver listens on `address`; the sender connects to it
-            from kvtransfer.transport.grpc_backend import Checksum, ReceiverLink, SenderLink
-            hostport = address.removeprefix("tcp://")
-            link = (SenderLink(hostport, channels=options.get("channels", 2),
-                               chunk_bytes=options.get("chunk_bytes", 4 << 20),
-                               checksum=Checksum[options.get("checksum", "XXH3_64")])
-                    if rank == 0 else ReceiverLink(hostport, device=dev))
-        else:
-            raise ValueError(backend)
-        (send if rank == 0 else recv)(link, dev)
-        q.put((rank, None))
-    except BaseException:  # report everything to the parent; the child exits below either way
-        q.put((rank, traceback.format_exc()))
-    finally:
-        done.wait(timeout=60)
-        os._exit(0)

@@ -59,7 +59,7 @@ def test_size_parser():
 
 def test_backend_probe_entry(monkeypatch):
     """The transport's probe is called with the cache's geometry; its figures land under grpc_backend."""
-    from kvtransfer.transport import grpc_backend
+    from bench import grpc_probe
     calls = []
 
     def probe(bytes_total, channels, chunk_bytes, layers, repeats):
@@ -68,7 +68,7 @@ def test_backend_probe_entry(monkeypatch):
         return {"bytes": bytes_total, "channels": channels, "grpc": stats | {"gbps": 0.25},
                 "socket": stats | {"gbps": 0.5}, "grpc_vs_socket": 0.5}
 
-    monkeypatch.setattr(grpc_backend, "measure_loopback", probe)
+    monkeypatch.setattr(grpc_probe, "measure_loopback", probe)
     r = link.run_link(link.LinkConfig(bytes=1 << 20, layers=7, chunk_bytes=1 << 18, probes=("backend",)))
     assert r["ok"] and calls == [(1 << 20, 1, 1 << 18, 7, 5)]
     g = r["links"]["grpc_backend"]

@@ -27,3 +27,39 @@ def test_ttft_cli_json(tmp_path):
         assert "second_token_disagg" in r and "prefill_slowdown_pct" in r
     assert result["links"]["p2p whole cache"]["gbps"] > 0
     assert os.path.exists(tmp_path / "result.json") and os.path.exists(tmp_path / "report.md")
+
+
+def test_ttft_fails_when_the_server_returns_no_digests(monkeypatch, capsys):
+    """A verification with nothing to compare is a failure: servers that return empty digests (and the same
+    tokens) make `kvtransfer-bench ttft` exit non-zero, naming the checks that failed."""
+    import contextlib
+    import types
+
+    from bench import cli, ttft
+
+    @contextlib.contextmanager
+    def fake_server(*args, **kwargs):
+        yield types.SimpleNamespace(addr="unused")
+
+    async def no_digests(addr, ids, n, mode="auto", digest=False, timeout=120.0, cache_digest=False, **kw):
+        timing = {"first_token_ms": 1.0, "cache_ready_ms": 2.0, "prefill_ms": 1.0, "second_token_ms": 3.0}
+        return {"tokens": list(range(n)), "logits_digests": [""] * n if digest else [], "cache_digest": "",
+                "timing": timing}
+
+    monkeypatch.setattr(ttft, "colocated_server", fake_server)
+    monkeypatch.setattr(ttft, "server_pair", fake_server)
+    monkeypatch.setattr(ttft, "generate", no_digests)
+    monkeypatch.setattr(ttft, "raw_links", lambda cfg, geom: {})
+    code = cli.main(["ttft", "--lengths", "8", "--runs", "1", "--warmup", "0", "--decode-tokens", "3"])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code != 0 and not result["ok"]
+    assert {"8/layerwise: cache_equal", "8/layerwise: logits_equal"} <= set(result["failures"])
+    assert "8/bulk: tokens_equal" not in result["failures"]  # the tokens did match
+
+
+def test_compare_counts_every_check():
+    from bench.ttft import compare
+    good = {"cache_digest": "c", "logits_digests": ["a", "b"], "tokens": [1, 2]}
+    assert all(compare(good, dict(good), 2).values())
+    assert not compare(dict(good, tokens=[1]), dict(good, tokens=[1]), 2)["tokens_equal"]  # fewer than asked
+    assert not compare(dict(good, logits_digests=["a", ""]), good, 2)["logits_equal"]

@@ -24,6 +24,8 @@ import pytest
 import torch
 
 import contract
+from harness import run_in_threads
+from kvtransfer.transport.options import IpcOptions
 from kvtransfer.transport import TransferError, TransferHeader, TransferState
 from kvtransfer.transport.cuda_ipc import LocalOps, ReceiverLink, SenderLink
 
@@ -46,34 +48,9 @@ def sock_dir():
     shutil.rmtree(d, ignore_errors=True)
 
 
-def run_local(scenario: str, address: str, slots: int) -> None:
-    send, recv = contract.SCENARIOS[scenario]
-    r = ReceiverLink("cpu", address, slot_bytes=SLOT_BYTES, slots=slots, max_layers=contract.LAYERS, ops=LocalOps())
-    errors = []
-
-    def sender():
-        try:
-            send(SenderLink("cpu", r.address, connect_timeout=10, ops=LocalOps()), "cpu")
-        except BaseException:  # surfaced by the assert below
-            errors.append(traceback.format_exc())
-
-    t = threading.Thread(target=sender)
-    t.start()
-    recv(r, "cpu")
-    t.join(timeout=30)
-    assert not errors, errors[0]
-    assert r.held.held() == {}, "every slot goes back once its cache is dropped"
-    r.close()
-
-
-@pytest.mark.parametrize("slots", [1, 2])
-@pytest.mark.parametrize("scenario", sorted(contract.SCENARIOS))
-def test_local_contract(scenario, slots, sock_dir):
-    run_local(scenario, f"unix:{sock_dir}/s.sock", slots)
-
-
 def test_local_contract_over_tcp():
-    run_local("many", "tcp://127.0.0.1:0", 2)
+    """The contract scenarios run over a Unix socket in test_transport_contract.py; TCP once here."""
+    run_in_threads("cuda_ipc", "many", IpcOptions(slots=2, local_ops=True), address="tcp://127.0.0.1:0")
 
 
 class Pair:
@@ -278,7 +255,9 @@ def run_gpu(scenario: str, devices: tuple[int, int], slots: int = 2, timeout: fl
 @pytest.mark.parametrize("devices", PAIRS)
 @pytest.mark.parametrize("scenario", sorted(contract.SCENARIOS))
 def test_gpu_contract(scenario, devices):
-    run_gpu(scenario, devices)
+    from harness import run_two_processes
+    run_two_processes("cuda_ipc", scenario, IpcOptions(slots=2), devices=tuple(f"cuda:{d}" for d in devices),
+                      timeout=120)
 
 
 @pytest.mark.gpu

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import contract
-from kvtransfer.transport import TransferError, TransferState
+from kvtransfer.status import CAUSE_STATUS
+from kvtransfer.transport import Cause, TransferError, TransferState
 from kvtransfer.transport import grpc_frames as wire
 from kvtransfer.transport.grpc_backend import Checksum, ReceiverLink, SenderLink
 from proto import kvdata_pb2 as pb
@@ -130,7 +131,7 @@ def test_insane_header_is_refused(receiver, field, value):
         push = ch.stream_unary(wire.PUSH_PATH)
         with pytest.raises(grpc.RpcError) as info:
             push(iter([bytes((wire.KIND_HEADER,)) + m.SerializeToString()]), timeout=10)
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.code() == CAUSE_STATUS[Cause.PROTOCOL]  # the one cause -> status table
     contract.expect_error(lambda: r_link.accept(timeout=5), "protocol")
 
 
@@ -219,7 +220,7 @@ def test_cuda_send_layer_never_waits_for_compute(receiver):
 
 
 def test_loopback_probe():
-    from kvtransfer.transport.grpc_backend import measure_loopback
+    from bench.grpc_probe import measure_loopback
     out = measure_loopback(4 << 20, channels=2, chunk_bytes=256 << 10, layers=4, repeats=1)
     assert out["bytes"] == 4 << 20
     for key in ("grpc", "socket"):
@@ -231,3 +232,26 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("checksum", ["none", "xxh3"])
+def test_the_servers_checksum_setting_reaches_the_link(receiver, checksum):
+    """--checksum on the prefill server -> its options -> the registry's link: off, a flipped byte arrives
+    unnoticed; on, it is DATA_LOSS."""
+    import dataclasses
+
+    from kvtransfer.transport import registry
+    from prefill_server.config import PrefillConfig
+    r_link = receiver()
+    options = registry.options_from(PrefillConfig(transport="grpc", checksum=checksum), "grpc")
+    s_link = registry.sender_link("grpc", "cpu", dataclasses.replace(options, corrupt_layer=1), address=r_link.address)
+    h = contract.header(31, 5)
+    t, errors = send_in_thread(s_link, h)
+    r = r_link.accept(timeout=10)
+    if checksum == "none":
+        got = r.finish(timeout=10)
+        assert not torch.equal(got[1][0], contract.layers_for(h)[1][0])  # the corruption got through
+    else:
+        contract.expect_error(lambda: r.finish(timeout=10), "data_loss")
+    t.join(10)
+    s_link.close()

@@ -16,9 +16,9 @@ from kvtransfer.streaming import (
     assemble_cache,
     cache_layers,
     caches_equal,
-    kv_pair_view,
     same_bytes,
 )
+from kvtransfer.transport.layout import kv_pair_view
 
 STEPS = 8
 

@@ -1,91 +1,56 @@
-"""Runs the contract scenarios (tests/contract.py) against every backend available here."""
+"""Runs the contract scenarios (tests/contract.py) against every backend available here.
+
+Links are built through the registry with non-default options: gRPC with the checksum on
+and off, several channels and small chunks; gloo with several layers per message.
+"""
 
 from __future__ import annotations
-
-import multiprocessing as mp
-import queue
-import socket
-import threading
 
 import pytest
 import torch
 
 import contract
-from kvtransfer.transport import fake
+from harness import run_in_threads, run_two_processes
+from kvtransfer.transport.options import DistOptions, GrpcOptions, IpcOptions
+
+SCENARIOS = sorted(contract.SCENARIOS)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.mark.parametrize("scenario", sorted(contract.SCENARIOS))
+@pytest.mark.parametrize("scenario", SCENARIOS)
 def test_fake(scenario):
-    send, recv = contract.SCENARIOS[scenario]
-    s_link, r_link = fake.pair()
-    errors = []
-
-    def sender():
-        try:
-            send(s_link, "cpu")
-        except BaseException as e:  # surfaced by the assert below
-            errors.append(e)
-
-    t = threading.Thread(target=sender)
-    t.start()
-    recv(r_link, "cpu")
-    t.join(timeout=30)
-    assert not errors, errors
+    run_in_threads("fake", scenario)
 
 
-def run_two_processes(backend: str, scenario: str, options: dict | None = None, timeout: float = 90) -> None:
-    ctx = mp.get_context("spawn")
-    q, done = ctx.Queue(), ctx.Event()
-    address = f"tcp://127.0.0.1:{free_port()}"
-    procs = [ctx.Process(target=contract.run_in_process, args=(backend, rank, address, scenario, options or {}, q, done))
-             for rank in (0, 1)]
-    for p in procs:
-        p.start()
-    results = {}
-    try:
-        for _ in procs:
-            rank, err = q.get(timeout=timeout)
-            results[rank] = err
-    except queue.Empty:
-        pytest.fail(f"{backend}/{scenario}: a side did not finish in {timeout} s; got {results}")
-    finally:
-        done.set()
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    for rank, err in sorted(results.items()):
-        assert err is None, f"rank {rank} ({'sender' if rank == 0 else 'receiver'}) failed:\n{err}"
+@pytest.mark.parametrize("slots", [1, 2])
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_cuda_ipc_local(scenario, slots):
+    """cuda_ipc's protocol with its in-process CPU stand-in (LocalOps) over a real Unix socket."""
+    run_in_threads("cuda_ipc", scenario, IpcOptions(slots=slots, slot_timeout_s=10, local_ops=True))
 
 
-@pytest.mark.parametrize("scenario", sorted(contract.SCENARIOS))
+@pytest.mark.parametrize("scenario", SCENARIOS)
 def test_gloo(scenario):
-    run_two_processes("gloo", scenario)
+    run_two_processes("gloo", scenario, DistOptions(layers_per_message=1))
 
 
-@pytest.mark.parametrize("per_msg", [3, 4])
-def test_gloo_grouped_layers(per_msg):
-    run_two_processes("gloo", "many", {"layers_per_message": per_msg})
+@pytest.mark.parametrize("scenario,per_msg", [("every_layer", 3), ("pool", 3), ("receiver_abort", 3), ("many", 4)])
+def test_gloo_grouped_layers(scenario, per_msg):
+    run_two_processes("gloo", scenario, DistOptions(layers_per_message=per_msg))
 
 
-@pytest.mark.parametrize("scenario", sorted(contract.SCENARIOS))
+@pytest.mark.parametrize("scenario", SCENARIOS)
 def test_grpc(scenario):
-    run_two_processes("grpc", scenario)
+    run_two_processes("grpc", scenario, GrpcOptions(channels=2, checksum="xxh3"))
 
 
-def test_grpc_many_channels_small_chunks():
-    run_two_processes("grpc", "many", {"channels": 3, "chunk_bytes": 1024})
+@pytest.mark.parametrize("scenario", ["many", "every_layer", "pool"])
+def test_grpc_no_checksum_many_channels_small_chunks(scenario):
+    run_two_processes("grpc", scenario, GrpcOptions(channels=3, chunk_bytes=1024, checksum="none"))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("scenario", sorted(contract.SCENARIOS))
+@pytest.mark.parametrize("scenario", SCENARIOS)
 def test_grpc_cuda(scenario):
     """Both sides on the GPU: staged D2H on the sender, pinned landing + H2D on the receiver."""
-    run_two_processes("grpc", scenario, {"device": "cuda"})
+    run_two_processes("grpc", scenario, GrpcOptions(channels=2), device="cuda")

@@ -1,31 +1,13 @@
-"""Transport backends, registered by name and imported lazily.
+"""Transport backends behind one interface (base.py), built by name through one registry (registry.py).
 
-Why lazy: the gRPC path never imports NCCL code and the CPU path never touches CUDA.
-Each backend module provides `SenderLink`/`ReceiverLink` classes: a link is one
-connection to a peer; `SenderLink.open(header)` starts one request's transfer and
-`ReceiverLink.accept()` yields the next request's receiver (its header read first).
+Why lazy: the gRPC path never imports NCCL code and the CPU path never touches CUDA; no
+transport module imports transformers (layout.py holds the memory views they share).
 """
 
 from __future__ import annotations
 
-import importlib
-from types import ModuleType
+from .base import (Cause, Destination, DestinationProvider, KVReceiver, KVSender, ReceiverLink, SenderLink,
+                   TransferError, TransferHeader, TransferState, fresh_destination)
 
-from .base import KVReceiver, KVSender, TransferError, TransferHeader, TransferState
-
-BACKENDS = {
-    "fake": "kvtransfer.transport.fake",
-    "nccl": "kvtransfer.transport.dist",  # torch.distributed; NCCL on CUDA
-    "gloo": "kvtransfer.transport.dist",  # torch.distributed; gloo on CPU
-    "grpc": "kvtransfer.transport.grpc_backend",
-    "cuda_ipc": "kvtransfer.transport.cuda_ipc",
-}
-
-
-def load_backend(name: str) -> ModuleType:
-    if name not in BACKENDS:
-        raise ValueError(f"unknown transport {name!r}; choose one of {', '.join(BACKENDS)}")
-    return importlib.import_module(BACKENDS[name])
-
-
-__all__ = ["BACKENDS", "KVReceiver", "KVSender", "TransferError", "TransferHeader", "TransferState", "load_backend"]
+__all__ = ["Cause", "Destination", "DestinationProvider", "KVReceiver", "KVSender", "ReceiverLink", "SenderLink",
+           "TransferError", "TransferHeader", "TransferState", "fresh_destination"]

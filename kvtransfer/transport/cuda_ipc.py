@@ -26,8 +26,11 @@ import time
 import torch
 
 from ..geometry import DTYPE_CODES
-from ..streaming import kv_pair_view
-from .base import KVSender, TransferError, TransferHeader, TransferState, check_layer
+from . import base
+from .base import KVSender, TransferError, TransferHeader, TransferState
+from .frames import check_layer
+from .layout import kv_pair_view
+from .options import IpcOptions
 from .ipc_channel import Channel, check_hello, connect, expect
 from .ipc_messages import (MAGIC, ROLE_RECEIVER, ROLE_SENDER, TRAILER_ABORTED, TRAILER_OK, VERSION, Events, Header,
                            Hello, Pool, Ready, Release, Slot, Trailer, encode, encode_landed)
@@ -35,14 +38,32 @@ from .ipc_device import CudaOps, LocalOps, slot_view
 from .ipc_pool import SlotPool, check_fits
 from .ipc_receiver import IpcReceiver, ReceiverLink
 
-__all__ = ["IpcReceiver", "IpcSender", "LocalOps", "ReceiverLink", "SenderLink"]
+__all__ = ["IpcReceiver", "IpcSender", "LocalOps", "ReceiverLink", "SenderLink", "receiver_link", "sender_link"]
 
 log = logging.getLogger("kvtransfer.transport.cuda_ipc")
 _POLL_S = 20e-6  # host polling interval while finish() waits for the last layer's event
 
 
-class SenderLink:
+def sender_link(device, options: IpcOptions, address: str, connect_timeout_s: float = 60.0) -> "SenderLink":
+    return SenderLink(device, address, connect_timeout=connect_timeout_s, slot_timeout=options.slot_timeout_s,
+                      ops=LocalOps(device) if options.local_ops else None)
+
+
+def receiver_link(device, options: IpcOptions, address: str, max_bytes: int, max_layers: int,
+                  slot_bytes: int | None = None) -> ReceiverLink:
+    """slot_bytes: one slot's size (the largest cache it takes), at most max_bytes."""
+    address = address or "tcp://127.0.0.1:0"
+    if not address.startswith(("unix:", "tcp://")):
+        address = f"tcp://{address}"
+    return ReceiverLink(device, address, slot_bytes=min(slot_bytes or max_bytes, max_bytes), slots=options.slots,
+                        max_layers=max_layers, ops=LocalOps(device) if options.local_ops else None)
+
+
+class SenderLink(base.SenderLink):
     """Prefill side of one connection: maps the receiver's slots once, then one request at a time."""
+
+    survives_failed_request = False  # conservative: a broken control channel ends the link
+    abort_reaches_sender = True
 
     def __init__(self, device, address: str, connect_timeout: float = 60.0, slot_timeout: float = 30.0, ops=None):
         self.ops = ops if ops is not None else CudaOps(device)

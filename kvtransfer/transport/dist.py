@@ -3,9 +3,12 @@
 Why this shape: one ordered point-to-point stream per prefill/decode pair. Each request
 is a frame: a fixed-size header (request id, shapes, layers per message), the layers
 (K and V adjacent, `layers_per_message` layers per message), and a one-element trailer
-that says OK or ABORTED. The receiver sizes its buffers from the header, so concurrent
-requests can never land in each other's buffers, and an abort stays in-band: the sender
-pads the frame and the stream stays in step for the next request.
+that says OK or ABORTED. The receiver finds its memory from the header (the destination
+provider; process groups receive into contiguous memory only, so a scattered destination
+is filled from a staging block, one device-local copy per layer), so concurrent requests
+can never land in each other's buffers, and an abort stays in-band: the sender pads the
+frame and the stream stays in step for the next request. There is no back channel: a
+receiver that gives up drains the rest of its frame.
 
 `isend` waits for the *current* stream at call time and then runs on the group's own
 stream, so calling it from the cache hook orders it after layer i's compute without a
@@ -20,10 +23,14 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..streaming import kv_pair_view
-from .base import KVReceiver, KVSender, TransferError, TransferHeader, TransferState, check_layer
+from . import base
+from .base import KVReceiver, KVSender, TransferError, TransferHeader, TransferState
+from .frames import Placement, check_layer, destination_for, header_fields, make_header
+from .layout import kv_pair_view, run_or_stack
+from .options import DistOptions
 
 TRAILER_OK, TRAILER_ABORTED = 1, 2
+HEADER_INTS = 8  # header_fields (7) + layers per message
 
 
 def init_pair(rank: int, init_method: str, device: torch.device, timeout_s: float = 60.0) -> None:
@@ -70,7 +77,27 @@ def _messages(header: TransferHeader, group: int) -> list[range]:
     return [range(a, min(a + group, header.num_layers)) for a in range(0, header.num_layers, group)]
 
 
-class SenderLink:
+def this_group():
+    """The current default group itself, not "whatever group is default when used": a thread of an old
+    pairing that wakes up after a re-pairing must fail, not receive from (or send to) the new group."""
+    return dist.group.WORLD
+
+
+def sender_link(device, options: DistOptions, address: str = "", peer: int = 1,
+                connect_timeout_s: float = 0.0) -> "SenderLink":
+    """Rank 0's link in the joined two-rank group (the decode side is rank 1; joined already: no connecting)."""
+    return SenderLink(device, peer=peer, layers_per_message=options.layers_per_message, group=this_group())
+
+
+def receiver_link(device, options: DistOptions, address: str = "", max_bytes: int = 64 << 30,
+                  max_layers: int = 4096, peer: int = 0) -> "ReceiverLink":
+    return ReceiverLink(device, peer=peer, max_bytes=max_bytes, group=this_group(), max_layers=max_layers)
+
+
+class SenderLink(base.SenderLink):
+    survives_failed_request = False  # a timeout or a dead peer leaves the ordered stream out of step
+    abort_reaches_sender = False  # no back channel
+
     def __init__(self, device: torch.device, peer: int = 1, layers_per_message: int = 1, group=None):
         if layers_per_message < 1:
             raise ValueError("layers_per_message must be >= 1")
@@ -98,13 +125,16 @@ class DistSender(KVSender):
         self._msgs = _messages(header, link.per_msg)
         self._pending: list[torch.Tensor] = []  # (2, b, h, s, d) per layer of the open message
         self._state = TransferState.WAITING
-        wire = header.to_tensor()
-        wire[7] = link.per_msg
+        wire = torch.tensor([*header_fields(header), link.per_msg], dtype=torch.int64)
         self._isend(wire.to(link.device))
 
     def _isend(self, t: torch.Tensor) -> None:
         self._keep.append(t)
-        self._works.append(dist.isend(t, dst=self.link.peer, group=self.link.group))
+        try:
+            self._works.append(dist.isend(t, dst=self.link.peer, group=self.link.group))
+        except RuntimeError as e:  # gloo: "Connection closed by peer"
+            self._state = TransferState.FAILED
+            raise TransferError("peer", f"send failed: {e}") from e
 
     def send_layer(self, layer_idx, key, value):
         if self.closed:
@@ -118,7 +148,7 @@ class DistSender(KVSender):
         self._pending.append(kv)
         if len(self._pending) == len(self._msgs[0]):
             self._msgs.pop(0)
-            self._isend(_contiguous_run(self._pending))
+            self._isend(run_or_stack(self._pending))
             self._pending = []
 
     def finish(self, timeout=None):
@@ -153,44 +183,37 @@ class DistSender(KVSender):
         return self._state
 
 
-def _contiguous_run(kvs: list[torch.Tensor]) -> torch.Tensor:
-    """One (n, 2, b, h, s, d) tensor for n consecutive layers: a view when adjacent, else a copy."""
-    first = kvs[0]
-    if all(t.data_ptr() == first.data_ptr() + i * first.nbytes and t.is_contiguous()
-           and t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() for i, t in enumerate(kvs)):
-        return torch.empty(0, dtype=first.dtype, device=first.device).set_(
-            first.untyped_storage(), first.storage_offset(), (len(kvs), *first.shape))
-    return torch.stack(kvs)
+class ReceiverLink(base.ReceiverLink):
+    survives_failed_request = False
+    abort_reaches_sender = False  # no back channel: the rest of the frame is drained
 
-
-class ReceiverLink:
-    def __init__(self, device: torch.device, peer: int = 0, max_bytes: int = 64 << 30, group=None):
+    def __init__(self, device: torch.device, peer: int = 0, max_bytes: int = 64 << 30, group=None,
+                 max_layers: int = 4096):
         self.device, self.peer, self.group, self.max_bytes = torch.device(device), peer, group, max_bytes
+        self.max_layers = max_layers
 
-    def accept(self, timeout: float | None = None) -> "DistReceiver":
-        wire = torch.empty(8, dtype=torch.int64, device=self.device)
+    def accept(self, timeout=None, destinations=None) -> "DistReceiver":
+        wire = torch.empty(HEADER_INTS, dtype=torch.int64, device=self.device)
         work = dist.irecv(wire, src=self.peer, group=self.group)
         deadline = None if timeout is None else time.monotonic() + timeout
         _wait_all([work], self.device, deadline, "transfer header")
-        header = TransferHeader.from_tensor(wire.cpu())
-        per_msg = int(wire[7])
-        if min(header.seq_len, header.num_layers, header.kv_heads, header.head_dim, header.batch, per_msg) < 1:
-            raise TransferError("protocol", f"transfer header has non-positive fields: {header}")
-        total = header.layer_bytes() * header.num_layers
-        if total > self.max_bytes:
-            raise TransferError("protocol", f"transfer of {total} bytes exceeds the receive limit {self.max_bytes}")
-        return DistReceiver(self, header, per_msg)
+        *fields, per_msg = wire.cpu().tolist()
+        header = make_header(*fields, max_bytes=self.max_bytes, max_layers=self.max_layers)
+        if per_msg < 1:
+            raise TransferError("protocol", f"request {header.request_id}: {per_msg} layers per message")
+        dest, error = destination_for(header, self.device, destinations)
+        return DistReceiver(self, header, per_msg, Placement(header, self.device, dest), error)
 
     def close(self) -> None:
         pass
 
 
 class DistReceiver(KVReceiver):
-    def __init__(self, link: ReceiverLink, header: TransferHeader, per_msg: int):
-        self.link, self.header = link, header
-        # (layers, 2, batch, kv_heads, seq, head_dim): layer i's K and V are block[i, 0], block[i, 1]
-        self.block = torch.empty((header.num_layers, 2, *header.layer_shape()), dtype=header.dtype,
-                                 device=link.device)
+    def __init__(self, link: ReceiverLink, header: TransferHeader, per_msg: int, placement: Placement,
+                 error: TransferError | None):
+        self.link, self.header, self.placement = link, header, placement
+        self.block = placement.block  # (layers, 2, batch, kv_heads, seq, head_dim): received here
+        self._error = error  # the destination provider's: the frame is drained, then this is raised
         self._trailer = torch.zeros(1, dtype=torch.int64, device=link.device)
         self._msg_of: list[int] = []
         self._works = []
@@ -211,10 +234,10 @@ class DistReceiver(KVReceiver):
             work.wait()  # orders the current stream after the receive; no host sync
         else:
             _wait_all([work], self.link.device, deadline, f"layer {layer_idx}")
-        return self.block[layer_idx, 0], self.block[layer_idx, 1]
+        return self.placement.layer(layer_idx)
 
     def finish(self, timeout=None):
-        self._check_alive()
+        self._check_alive(drain=True)
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             _wait_all(self._works, self.link.device, deadline, f"request {self.header.request_id} receive")
@@ -222,15 +245,19 @@ class DistReceiver(KVReceiver):
             self._state = TransferState.FAILED
             raise
         code = int(self._trailer.item())
-        if code != TRAILER_OK:
+        if self._error is not None or code != TRAILER_OK:
             self._state = TransferState.FAILED
-            raise TransferError("aborted", f"sender aborted request {self.header.request_id} (trailer {code})")
+            raise self._error or TransferError("aborted", f"sender aborted request {self.header.request_id} "
+                                               f"(trailer {code})")
         self._state = TransferState.SUCCESS
-        return [(self.block[i, 0], self.block[i, 1]) for i in range(self.header.num_layers)]
+        return [self.placement.layer(i) for i in range(self.header.num_layers)]
 
-    def _check_alive(self):
+    def _check_alive(self, drain: bool = False):
+        """A local abort fails at once; a provider's error after the frame is drained (`finish`)."""
         if self._reason is not None:
             raise TransferError("aborted", f"receiver aborted: {self._reason}")
+        if self._error is not None and not drain:
+            raise self._error
 
     def abort(self, reason):
         # the posted receives stay posted (the stream must stay in step); their data is dropped

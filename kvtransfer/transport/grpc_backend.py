@@ -25,35 +25,56 @@ import time
 
 import grpc
 
-from ..streaming import kv_pair_view
+from . import base
 from . import grpc_frames as wire
-from .base import KVSender, TransferError, TransferHeader, TransferState, check_layer
-from .grpc_frames import Checksum
-from .grpc_listener import ReceiverLink  # noqa: F401  (the registry wants both links here)
-from .grpc_probe import measure_loopback  # noqa: F401  (the bench's `link` command imports it from here)
-from .grpc_staging import D2HStager, byte_view, wait_event
+from .base import KVSender, TransferError, TransferHeader, TransferState
+from .frames import check_layer
+from .grpc_listener import ReceiverLink
+from .grpc_staging import D2HStager, wait_event
+from .layout import byte_view, kv_pair_view
+from .options import CHECKSUMS, Checksum, GrpcOptions
 
 _FINISH = object()
 
 
-class SenderLink:
+def sender_link(device, options: GrpcOptions, address: str, connect_timeout_s: float = 30.0) -> "SenderLink":
+    from ..security import channel_credentials
+    o = options
+    return SenderLink(address, channels=o.channels, chunk_bytes=o.chunk_bytes, checksum=CHECKSUMS[o.checksum],
+                      corrupt_layer=None if o.corrupt_layer < 0 else o.corrupt_layer,
+                      connect_timeout_s=connect_timeout_s, abort_cancel_s=o.abort_cancel_s,
+                      credentials=channel_credentials(o.tls_ca, o.tls_cert, o.tls_key, "data-tls"))
+
+
+def receiver_link(device, options: GrpcOptions, address: str, max_bytes: int, max_layers: int) -> ReceiverLink:
+    from ..security import server_credentials
+    o = options
+    return ReceiverLink(address or "127.0.0.1:0", device, max_bytes=max_bytes, max_workers=o.listener_workers,
+                        credentials=server_credentials(o.tls_cert, o.tls_key, o.tls_ca))
+
+
+class SenderLink(base.SenderLink):
     """Connects `channels` gRPC channels to a ReceiverLink at `address` ("host:port").
 
     A request uses min(channels, its chunk count) streams. `open` may be called from several
     threads; requests are independent. chunk_bytes: payload per message. checksum: per-layer digest the receiver verifies.
     corrupt_layer: fault injection, flips one byte of that layer on the wire (after the digest).
-    credentials: TLS for the data plane (plaintext when None).
+    credentials: TLS for the data plane (plaintext when None). abort_cancel_s: GrpcOptions.
     """
+
+    survives_failed_request = True
+    abort_reaches_sender = True
 
     def __init__(self, address: str, channels: int = 4, chunk_bytes: int = 4 << 20,
                  checksum: Checksum = Checksum.XXH3_64, corrupt_layer: int | None = None,
-                 connect_timeout_s: float = 30.0, credentials: grpc.ChannelCredentials | None = None):
+                 connect_timeout_s: float = 30.0, credentials: grpc.ChannelCredentials | None = None,
+                 abort_cancel_s: float = 5.0):
         if not 1 <= channels <= wire.MAX_STREAMS:
             raise ValueError(f"channels must be 1..{wire.MAX_STREAMS}, got {channels}")
         if not 1 <= chunk_bytes <= wire.MAX_CHUNK_BYTES:
             raise ValueError(f"chunk_bytes must be 1..{wire.MAX_CHUNK_BYTES}, got {chunk_bytes}")
         self.address, self.chunk_bytes, self.checksum = address, chunk_bytes, Checksum(checksum)
-        self.corrupt_layer, self.connect_timeout_s = corrupt_layer, connect_timeout_s
+        self.corrupt_layer, self.connect_timeout_s, self.abort_cancel_s = corrupt_layer, connect_timeout_s, abort_cancel_s
         self.link_id = secrets.randbits(64)
         self._seq = itertools.count()
         self._channels = [grpc.insecure_channel(address, options=wire.CHANNEL_OPTIONS) if credentials is None
@@ -153,7 +174,7 @@ class GrpcSender(KVSender):
         self._ended.set()
         for _ in self._calls:
             self._work.put(None)  # wake every stream: each sends the ABORTED trailer and ends
-        timer = threading.Timer(5.0, self._cancel)  # a receiver that reads nothing more must not hold us
+        timer = threading.Timer(self.link.abort_cancel_s, self._cancel)  # a silent receiver must not hold us
         timer.daemon = True
         timer.start()
 

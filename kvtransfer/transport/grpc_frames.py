@@ -9,7 +9,6 @@ Nothing here is pickled and nothing is parsed out of a string.
 
 from __future__ import annotations
 
-import enum
 import struct
 
 import grpc
@@ -18,8 +17,10 @@ from google.protobuf.message import DecodeError
 
 from proto import kvdata_pb2 as pb
 
-from ..geometry import CODE_DTYPES, DTYPE_CODES
-from .base import TransferError, TransferHeader
+from ..status import CAUSE_STATUS, cause_of_status
+from .base import Cause, TransferError, TransferHeader
+from .frames import MAX_LAYERS, header_fields, make_header
+from .options import Checksum
 
 SERVICE, METHOD = "kvtransfer.data.v1.KVData", "Push"
 PUSH_PATH = f"/{SERVICE}/{METHOD}"  # stream-unary, raw bytes in both directions
@@ -28,7 +29,6 @@ KIND_HEADER, KIND_CHUNK, KIND_END = 1, 2, 3
 CHUNK = struct.Struct("<B3xIQQ")  # kind, layer, byte offset in the layer, layer digest (0: none)
 
 MAX_STREAMS = 64
-MAX_LAYERS = 4096
 MAX_CHUNK_BYTES = 64 << 20
 MAX_MESSAGE_BYTES = MAX_CHUNK_BYTES + 4096  # the receive limit both sides set (default is 4 MiB)
 
@@ -38,13 +38,6 @@ CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
 SERVER_OPTIONS = CHANNEL_OPTIONS[1:]
-
-
-class Checksum(enum.IntEnum):
-    """Per-layer integrity check; values are the wire's `Checksum` enum."""
-
-    NONE = pb.CHECKSUM_NONE
-    XXH3_64 = pb.CHECKSUM_XXH3_64
 
 
 def layer_digest(algo: Checksum, views) -> int:
@@ -58,9 +51,10 @@ def layer_digest(algo: Checksum, views) -> int:
 
 
 def header_message(h: TransferHeader, link_id: int, seq: int, checksum: Checksum, streams: int, index: int) -> bytes:
-    m = pb.FrameHeader(link_id=link_id, seq=seq, request_id=h.request_id, seq_len=h.seq_len,
-                       num_layers=h.num_layers, kv_heads=h.kv_heads, head_dim=h.head_dim, batch=h.batch,
-                       dtype=DTYPE_CODES[h.dtype], checksum=int(checksum), num_streams=streams, stream_index=index)
+    rid, seq_len, layers, heads, dim, dtype, batch = header_fields(h)
+    m = pb.FrameHeader(link_id=link_id, seq=seq, request_id=rid, seq_len=seq_len, num_layers=layers,
+                       kv_heads=heads, head_dim=dim, batch=batch, dtype=dtype, checksum=int(checksum),
+                       num_streams=streams, stream_index=index)
     return bytes((KIND_HEADER,)) + m.SerializeToString()
 
 
@@ -92,48 +86,39 @@ def parse_trailer(msg: bytes) -> pb.Trailer:
 
 
 def check_header(m: pb.FrameHeader, max_bytes: int) -> TransferHeader:
-    """Sanity and size limits on a received header, before anything is allocated for it."""
-    dims = {"seq_len": m.seq_len, "num_layers": m.num_layers, "kv_heads": m.kv_heads,
-            "head_dim": m.head_dim, "batch": m.batch}
-    bad = [f"{k}={v}" for k, v in dims.items() if v < 1]
-    if bad:
-        raise TransferError("protocol", f"request {m.request_id}: header fields must be >= 1 ({', '.join(bad)})")
-    if m.dtype not in CODE_DTYPES:
-        raise TransferError("protocol", f"request {m.request_id}: unknown dtype code {m.dtype}")
+    """The frame spec's validator (frames.make_header) plus this backend's own fields, before any allocation."""
     if m.checksum not in tuple(Checksum):
         raise TransferError("protocol", f"request {m.request_id}: unknown checksum code {m.checksum}")
     if not 1 <= m.num_streams <= MAX_STREAMS or m.stream_index >= m.num_streams:
         raise TransferError("protocol", f"request {m.request_id}: stream {m.stream_index} of {m.num_streams} "
                             f"(1..{MAX_STREAMS} streams)")
-    if m.num_layers > MAX_LAYERS:
-        raise TransferError("protocol", f"request {m.request_id}: {m.num_layers} layers exceed {MAX_LAYERS}")
-    h = TransferHeader(request_id=m.request_id, seq_len=m.seq_len, num_layers=m.num_layers, kv_heads=m.kv_heads,
-                       head_dim=m.head_dim, dtype=CODE_DTYPES[m.dtype], batch=m.batch)
-    total = h.layer_bytes() * h.num_layers
-    if total > max_bytes:
-        raise TransferError("protocol", f"request {m.request_id}: transfer of {total} bytes exceeds the receive "
-                            f"limit max_bytes={max_bytes}")
-    return h
+    return make_header(m.request_id, m.seq_len, m.num_layers, m.kv_heads, m.head_dim, m.dtype, m.batch,
+                       max_bytes, MAX_LAYERS)
 
 
-# --- errors across the wire: the receiver answers with a status code, the sender maps it back ---
+# --- errors across the wire: the receiver ends a stream with the cause's status (kvtransfer.status) and the
+# cause itself in trailing metadata (a typed `Failure`), so the sender gets back exactly the cause ---
 
-_CODE_OF_CAUSE = {"aborted": grpc.StatusCode.ABORTED, "timeout": grpc.StatusCode.DEADLINE_EXCEEDED,
-                  "protocol": grpc.StatusCode.INVALID_ARGUMENT, "data_loss": grpc.StatusCode.DATA_LOSS,
-                  "peer": grpc.StatusCode.UNAVAILABLE}
-_CAUSE_OF_CODE = {grpc.StatusCode.DATA_LOSS: "data_loss", grpc.StatusCode.INVALID_ARGUMENT: "protocol",
-                  grpc.StatusCode.RESOURCE_EXHAUSTED: "protocol", grpc.StatusCode.FAILED_PRECONDITION: "protocol",
-                  grpc.StatusCode.UNIMPLEMENTED: "protocol", grpc.StatusCode.OUT_OF_RANGE: "protocol",
-                  grpc.StatusCode.ABORTED: "aborted", grpc.StatusCode.CANCELLED: "aborted",
-                  grpc.StatusCode.DEADLINE_EXCEEDED: "timeout"}
+FAILURE_KEY = "kvt-failure-bin"
+_CAUSE_PROTO = {c: i + 1 for i, c in enumerate(Cause)}  # kvdata.proto's Cause: CAUSE_ABORTED = 1, ...
 
 
-def status_code(err: TransferError) -> grpc.StatusCode:
-    return _CODE_OF_CAUSE.get(err.cause, grpc.StatusCode.UNKNOWN)
+def abort_stream(context, err: TransferError) -> None:
+    context.set_trailing_metadata(((FAILURE_KEY, pb.Failure(cause=_CAUSE_PROTO[err.cause]).SerializeToString()),))
+    context.abort(CAUSE_STATUS[err.cause], str(err))
 
 
 def error_from_rpc(e: grpc.RpcError, address: str) -> TransferError:
     code, details = e.code(), e.details()
+    cause = None
+    for key, value in (e.trailing_metadata() or ()) if hasattr(e, "trailing_metadata") else ():
+        if key == FAILURE_KEY:
+            f = pb.Failure()
+            try:
+                f.ParseFromString(value)
+                cause = list(Cause)[f.cause - 1] if 1 <= f.cause <= len(Cause) else None
+            except DecodeError:
+                cause = None
     if code == grpc.StatusCode.CANCELLED:
         details = f"the receiver cancelled the request (it aborted or gave up waiting): {details}"
-    return TransferError(_CAUSE_OF_CODE.get(code, "peer"), f"receiver {address}: {code.name}: {details}")
+    return TransferError(cause or cause_of_status(code), f"receiver {address}: {code.name}: {details}")

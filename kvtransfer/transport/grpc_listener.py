@@ -21,8 +21,9 @@ import torch
 
 from proto import kvdata_pb2 as pb
 
+from . import base
 from . import grpc_frames as wire
-from .base import TransferError
+from .base import TransferError, TransferState
 from .grpc_receiver import GrpcReceiver
 
 log = logging.getLogger("kvtransfer.transport.grpc")
@@ -31,12 +32,17 @@ _CLOSED = object()
 _TOMBSTONES = 1024  # ended requests remembered
 
 
-class ReceiverLink:
+class ReceiverLink(base.ReceiverLink):
     """A gRPC server on `address` ("host:port"; port 0 picks one: see `.address`) receiving onto `device`.
 
     max_bytes: largest request accepted (checked before allocating). max_workers bounds concurrent
     streams: it must be >= the sender's channels x requests in flight. credentials: TLS (plaintext when None).
+    Requests arrive (and their chunks land in host memory) before `accept`; `accept` binds the
+    destination, and layers that landed already are placed then.
     """
+
+    survives_failed_request = True  # one request's failure leaves the listener usable
+    abort_reaches_sender = True  # a receiver's abort cancels the request's streams
 
     def __init__(self, address: str = "127.0.0.1:0", device: torch.device | str = "cpu",
                  max_bytes: int = 64 << 30, max_workers: int = 64,
@@ -58,7 +64,7 @@ class ReceiverLink:
         self.address = f"{address.rsplit(':', 1)[0]}:{self.port}"
         self._server.start()
 
-    def accept(self, timeout: float | None = None) -> "GrpcReceiver":
+    def accept(self, timeout=None, destinations=None) -> "GrpcReceiver":
         """The next request in arrival order. A refused header raises its TransferError here; the link stays usable."""
         try:
             item = self._accepted.get(timeout=timeout)
@@ -69,7 +75,13 @@ class ReceiverLink:
             raise TransferError("peer", "receiver link closed")
         if isinstance(item, TransferError):
             raise item
+        item._bind(destinations)
         return item
+
+    def inflight(self) -> int:
+        with self._lock:
+            return sum(isinstance(r, GrpcReceiver) and r.status() not in (TransferState.SUCCESS, TransferState.FAILED)
+                       for r in self._requests.values())
 
     def close(self) -> None:
         with self._lock:
@@ -107,7 +119,7 @@ class ReceiverLink:
         except TransferError as e:
             if rx is not None:
                 rx._fail(e, cancel=False)
-            context.abort(wire.status_code(e), str(e))
+            wire.abort_stream(context, e)
         except grpc.RpcError:  # the sender went away mid-stream
             if rx is not None:
                 rx._fail(TransferError("peer", f"request {rx.header.request_id}: sender connection lost"), cancel=False)

@@ -20,14 +20,14 @@ from proto import kvdata_pb2 as pb
 
 from . import grpc_frames as wire
 from .base import KVReceiver, TransferError, TransferHeader, TransferState
-from .grpc_frames import Checksum
 from .grpc_staging import Landing
+from .options import Checksum
 
 
 class GrpcReceiver(KVReceiver):
     def __init__(self, link, key, header: TransferHeader, m: pb.FrameHeader):
         self.link, self.key, self.header = link, key, header
-        self._landing = Landing(header, link.device)  # (layers, 2, b, h, s, d) block + host bytes
+        self._landing = Landing(header, link.device)  # host bytes; the destination is bound at accept
         self._frame = _frame_fields(m)
         self._streams, self._checksum = m.num_streams, Checksum(m.checksum)
         n = header.num_layers
@@ -40,6 +40,12 @@ class GrpcReceiver(KVReceiver):
         self._error: TransferError | None = None
 
     # --- consumer's side ---
+
+    def _bind(self, destinations) -> None:
+        """accept(): from now on layers land in the provider's destination (a failing provider fails us)."""
+        err = self._landing.bind(destinations)
+        if err is not None:
+            self._fail(err, cancel=True)
 
     def wait_for_layer(self, layer_idx, timeout=None):
         if not 0 <= layer_idx < self.header.num_layers:

@@ -5,33 +5,25 @@ Sender: a side stream waits on an event recorded on the compute stream (the comp
 never waits, the host never syncs in `send_layer`), copies the layer into pinned staging
 and records a second event that the shipping thread waits on. CPU tensors are read in
 place (a zero-copy memoryview), so the CPU path never touches CUDA.
-Receiver: chunks land in pinned host memory, and each completed layer is copied to the
-device on a side stream; consumers order their stream after that copy by event. On CPU
-the chunks land directly in the final (layers, 2, b, h, s, d) block.
+Receiver: chunks land in host memory as they arrive, possibly before `accept` has named
+the destination. On CUDA that is pinned memory and each complete layer of a bound request
+is copied to the device on a side stream (straight into a contiguous destination, else via
+a device staging block and one device-local copy); consumers order their stream after it
+by event. On CPU the chunks land in a (layers, 2, b, h, s, d) block that is the destination
+itself by default; a provider's destination gets one copy per layer as it lands.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 
-import numpy as np
 import torch
 
-from ..streaming import kv_pair_view
-from .base import TransferHeader
-
-
-def byte_array(t: torch.Tensor) -> np.ndarray:
-    """Zero-copy flat uint8 array over a CPU tensor (any dtype, bfloat16 included); copies only if strided."""
-    t = t.detach()
-    if not t.is_contiguous():
-        t = t.contiguous()
-    return t.reshape(-1).view(torch.uint8).numpy()
-
-
-def byte_view(t: torch.Tensor) -> memoryview:
-    return memoryview(byte_array(t))
+from .base import TransferError, TransferHeader
+from .frames import Placement, destination_for
+from .layout import byte_array, kv_block, kv_pair_view
 
 
 def wait_event(ev: torch.cuda.Event, stop: Callable[[], bool]) -> bool:
@@ -76,33 +68,62 @@ class D2HStager:
 
 
 class Landing:
-    """Receiver buffers for one request, sized from its (already checked) header.
+    """Receive memory for one request, sized from its (already checked) header.
 
     `flat` is the writable host bytes (uint8 array), layer i at [i * layer_bytes, (i + 1) * layer_bytes);
-    numpy copies into it release the GIL, so stream handlers copy in parallel.
+    numpy copies into it release the GIL, so stream handlers copy in parallel. `land(i)`: layer i's
+    bytes are all in; `bind(provider)` (at accept) names the destination.
     """
 
     def __init__(self, header: TransferHeader, device: torch.device):
-        self.device = device
+        self.header, self.device = header, device
         self.layer_bytes = header.layer_bytes()
-        shape = (header.num_layers, 2, *header.layer_shape())  # (layers, 2, batch, kv_heads, seq, head_dim)
-        self.block = torch.empty(shape, dtype=header.dtype, device=device)
+        self.placement: Placement | None = None
+        self._landed = [False] * header.num_layers
         self._events: dict[int, torch.cuda.Event] = {}
+        self._lock = threading.Lock()
         if device.type == "cuda":
-            self._host = torch.empty(self.block.nbytes, dtype=torch.uint8, pin_memory=True)
+            self._host = torch.empty(header.total_bytes(), dtype=torch.uint8, pin_memory=True)
             self._h2d = torch.cuda.Stream(device=device)
-            self.block.record_stream(self._h2d)
             self.flat = self._host.numpy()
+        else:  # (layers, 2, batch, kv_heads, seq, head_dim), the chunks' landing place
+            self._own = kv_block(header.num_layers, header.layer_shape(), header.dtype, device)
+            self.flat = byte_array(self._own)
+
+    def bind(self, destinations) -> TransferError | None:
+        h, cpu = self.header, self.device.type != "cuda"
+        if destinations is None and cpu:
+            dest, err = [(self._own[i, 0], self._own[i, 1]) for i in range(h.num_layers)], None
         else:
-            self.flat = byte_array(self.block)
+            dest, err = destination_for(h, self.device, destinations)
+        if err is not None:
+            return err
+        p = Placement(h, self.device, dest, staging=self._own if cpu else None)
+        if not cpu:
+            p.block.record_stream(self._h2d)
+        with self._lock:
+            self.placement = p
+            for i, landed in enumerate(self._landed):
+                if landed:
+                    self._deliver(i)
+        return None
 
     def land(self, i: int) -> None:
-        """Layer i's bytes are all in host memory: move them to the device (async on CUDA)."""
+        """Layer i's bytes are all in host memory: place them once the destination is known."""
+        with self._lock:
+            self._landed[i] = True
+            if self.placement is not None:
+                self._deliver(i)
+
+    def _deliver(self, i: int) -> None:
+        p = self.placement
         if self.device.type != "cuda":
+            p.place(i)
             return
         a, b = i * self.layer_bytes, (i + 1) * self.layer_bytes
         with torch.cuda.stream(self._h2d):
-            self.block[i].view(-1).view(torch.uint8).copy_(self._host[a:b], non_blocking=True)
+            p.block[i].view(-1).view(torch.uint8).copy_(self._host[a:b], non_blocking=True)
+            p.place(i)
             ev = torch.cuda.Event()
             ev.record(self._h2d)
         self._events[i] = ev
@@ -112,4 +133,4 @@ class Landing:
         ev = self._events.get(i)
         if ev is not None:
             torch.cuda.current_stream(self.device).wait_event(ev)
-        return self.block[i, 0], self.block[i, 1]
+        return self.placement.dest[i]

@@ -18,8 +18,9 @@ import threading
 import time
 import weakref
 
-from ..geometry import CODE_DTYPES
+from . import base
 from .base import KVReceiver, TransferError, TransferHeader, TransferState
+from .frames import Placement, destination_for, make_header
 from .ipc_channel import Channel, accept, check_hello, expect, listen
 from .ipc_messages import (MAGIC, ROLE_RECEIVER, ROLE_SENDER, TRAILER_OK, VERSION, Events, Header, Hello, Landed, Pool,
                            Ready, Release, Slot, Trailer)
@@ -29,9 +30,14 @@ from .ipc_pool import HeldSlots, check_fits
 _POLL_S = 20e-6
 
 
-class ReceiverLink:
+class ReceiverLink(base.ReceiverLink):
     """Decode side of one connection: owns `slots` receive slots of `slot_bytes` each on `device`
-    and listens at `address` (unix:/path or tcp://127.0.0.1:PORT; `.address` is the bound one)."""
+    and listens at `address` (unix:/path or tcp://127.0.0.1:PORT; `.address` is the bound one).
+    accept(destinations=None): the cache is a view into its slot (zero copy); with a provider each
+    layer is copied device-locally from the slot into the destination and the slot goes back at finish."""
+
+    survives_failed_request = False
+    abort_reaches_sender = True  # an early release tells the sender its receiver gave up
 
     def __init__(self, device, address: str, slot_bytes: int, slots: int = 2, max_layers: int = 128, ops=None):
         if min(slot_bytes, slots, max_layers) < 1:
@@ -78,7 +84,7 @@ class ReceiverLink:
             raise
         self.chan = chan
 
-    def accept(self, timeout: float | None = None) -> "IpcReceiver":
+    def accept(self, timeout=None, destinations=None) -> "IpcReceiver":
         deadline = None if timeout is None else time.monotonic() + timeout
         if self.error is not None:
             raise TransferError("peer", f"link is broken: {self.error}")
@@ -96,18 +102,17 @@ class ReceiverLink:
                 if m is None:
                     raise TransferError("timeout", f"no transfer arrived within {timeout} s")
         try:
-            if m.dtype_code not in CODE_DTYPES:
-                raise TransferError("protocol", f"request {m.request_id}: unknown dtype code {m.dtype_code}")
-            h = TransferHeader(request_id=m.request_id, seq_len=m.seq_len, num_layers=m.num_layers,
-                               kv_heads=m.kv_heads, head_dim=m.head_dim, dtype=CODE_DTYPES[m.dtype_code],
-                               batch=m.batch)
+            h = make_header(m.request_id, m.seq_len, m.num_layers, m.kv_heads, m.head_dim, m.dtype_code, m.batch,
+                            max_bytes=1 << 62)  # this backend's limits (slot size, events) are check_fits'
+
             check_fits(h, self.slot_bytes, self.max_layers)
             self.held.hold(m.slot, m.request_id)
         except TransferError:
             if 0 <= m.slot < len(self.storages) and m.slot not in self.held.held():
                 self.send(Release(m.request_id, m.slot, True))  # keep the sender's pool in step
             raise
-        r = IpcReceiver(self, h, m.slot)
+        dest, error = (None, None) if destinations is None else destination_for(h, self.device, destinations)
+        r = IpcReceiver(self, h, m.slot, dest, error)
         self._current = weakref.ref(r)
         return r
 
@@ -143,9 +148,12 @@ class ReceiverLink:
 
 
 class IpcReceiver(KVReceiver):
-    def __init__(self, link: ReceiverLink, header: TransferHeader, slot: int):
+    def __init__(self, link: ReceiverLink, header: TransferHeader, slot: int, dest=None, error=None):
         self.link, self.header, self.slot = link, header, slot
         self.block = slot_view(link.storages[slot], header)  # (layers, 2, batch, kv_heads, seq, head_dim)
+        # a provider's destination: copied from the slot per layer; None: the slot views are the cache
+        self._placement = None if dest is None else Placement(header, link.device, dest, staging=self.block)
+        self._views = [(self.block[i, 0], self.block[i, 1]) for i in range(header.num_layers)]
         self._lease = weakref.finalize(self.block, link.release, slot, header.request_id, False)
         self._lease.atexit = False
         self._events = link.layer_events[slot]
@@ -153,6 +161,8 @@ class IpcReceiver(KVReceiver):
         self._trailer: Trailer | None = None
         self._error: TransferError | None = None
         self._state = TransferState.TRANSFERRING
+        if error is not None:
+            self._fail(error)
 
     def _pump(self, until, deadline: float | None) -> bool:
         """Read this request's control messages until `until()`; False when the deadline passes first."""
@@ -206,7 +216,12 @@ class IpcReceiver(KVReceiver):
         elif self._error is not None:
             raise TransferError(self._error.cause, f"request {self.header.request_id} failed: {self._error}")
         self.link.ops.wait(self._events[layer_idx])  # the current stream waits on the GPU, the host does not
-        return self.block[layer_idx, 0], self.block[layer_idx, 1]
+        return self._out(layer_idx)
+
+    def _out(self, i: int):
+        if self._placement is None:
+            return self._views[i]
+        return self._placement.layer(i)  # one device-local copy, on the current stream
 
     def finish(self, timeout=None):
         n = self.header.num_layers
@@ -220,8 +235,13 @@ class IpcReceiver(KVReceiver):
                     raise self._fail(TransferError("timeout", f"request {self.header.request_id}: copies did "
                                                    f"not complete within {timeout} s"))
                 time.sleep(_POLL_S)
+            self.link.ops.wait(self._events[n - 1])
+            out = [self._out(i) for i in range(n)]
             self._state = TransferState.SUCCESS
-        return [(self.block[i, 0], self.block[i, 1]) for i in range(n)]
+            if self._placement is not None:
+                self.release()  # the copies are queued; the release event orders the slot's next use after them
+            return out
+        return [self._out(i) for i in range(n)]
 
     def _fail(self, err: TransferError) -> TransferError:
         if self._error is None:

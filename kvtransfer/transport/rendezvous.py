@@ -51,18 +51,19 @@ def pairing_prefix(instance_id: int, epoch: int) -> str:
     return f"kvt/{instance_id:x}/{epoch}/"
 
 
-def join_pair(rank: int, store: dist.Store, prefix: str, device: torch.device, timeout_s: float) -> None:
+def join_pair(rank: int, store: dist.Store, prefix: str, device: torch.device, timeout_s: float,
+              op_timeout_s: float = 0.0) -> None:
     """Join a fresh two-rank default group (0 prefill, 1 decode) under `prefix`; waits at most `timeout_s`.
 
     NCCL's watchdog timeout is per operation from the moment it is enqueued, and the decode
     side keeps the next frame's header receive posted while idle: with the rendezvous
     timeout there, an idle pair would be torn down by the watchdog. So NCCL operations get
     IDLE_WAIT_S; request deadlines, the peer timeout and the keepalive detect a dead peer,
-    and leaving the pairing aborts the communicator.
+    and leaving the pairing aborts the communicator. `op_timeout_s` (DistOptions) overrides it (0: default).
     """
     backend = "nccl" if device.type == "cuda" else "gloo"
     kw = {"device_id": device} if device.type == "cuda" else {}
-    op_timeout = IDLE_WAIT_S if device.type == "cuda" else timeout_s
+    op_timeout = op_timeout_s or (IDLE_WAIT_S if device.type == "cuda" else timeout_s)
     dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=op_timeout), **kw)
 

@@ -18,9 +18,9 @@ import time
 
 import torch
 
-from .base import TransferError, TransferHeader
-from .grpc_frames import Checksum
-from .grpc_staging import byte_view
+from kvtransfer.transport import TransferError, TransferHeader, registry
+from kvtransfer.transport.layout import byte_view
+from kvtransfer.transport.options import CHECKSUMS, Checksum, GrpcOptions
 
 HEAD_DIM = 128  # float32, one kv head: a layer of `seq` tokens is 2 * seq * 512 bytes
 
@@ -33,8 +33,6 @@ def measure_loopback(bytes_total: int = 1 << 30, channels: int = 4, chunk_bytes:
 
     device "cuda" sources the cache from the GPU, so the gRPC figure includes the staged D2H copy.
     """
-    from .grpc_backend import SenderLink  # the probe is imported by the bench; gRPC only when run
-
     seq = max(bytes_total // layers // (2 * HEAD_DIM * 4), 1)
     block = torch.zeros((layers, 2, 1, 1, seq, HEAD_DIM), dtype=torch.float32, device=device)  # (L, 2, b, h, s, d)
     nbytes = block.nbytes
@@ -46,7 +44,9 @@ def measure_loopback(bytes_total: int = 1 << 30, channels: int = 4, chunk_bytes:
         if not here.poll(120):
             raise TransferError("timeout", "probe receiver did not start within 120 s")
         grpc_addr, tcp_port = here.recv()
-        link = SenderLink(grpc_addr, channels=channels, chunk_bytes=chunk_bytes, checksum=checksum)
+        name = {v: k for k, v in CHECKSUMS.items()}[Checksum(checksum)]
+        link = registry.sender_link("grpc", device, GrpcOptions(channels=channels, chunk_bytes=chunk_bytes,
+                                                                checksum=name), address=grpc_addr)
         try:
             grpc_s = _timed(lambda rid: _send_grpc(link, block, rid), repeats)
         finally:
@@ -101,9 +101,7 @@ def _send_tcp(sock: socket.socket, data: memoryview) -> None:
 # --- child process: both receivers ---
 
 def _receiver_main(conn, nbytes: int) -> None:
-    from .grpc_listener import ReceiverLink
-
-    link = ReceiverLink("127.0.0.1:0", max_bytes=nbytes + (1 << 20))
+    link = registry.receiver_link("grpc", "cpu", GrpcOptions(), address="127.0.0.1:0", max_bytes=nbytes + (1 << 20))
     srv = socket.create_server(("127.0.0.1", 0))
     threading.Thread(target=_tcp_sink, args=(srv, nbytes), daemon=True).start()
     conn.send((link.address, srv.getsockname()[1]))

@@ -1,0 +1,44 @@
+"""The one cause -> status table (kvtransfer/status.py), each row checked against docs/errors.md."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import grpc
+
+from kvtransfer.status import CAUSE_STATUS, cause_of_status, transfer_status
+from kvtransfer.transport import Cause, TransferError
+from proto import kvdata_pb2
+
+DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "errors.md")
+
+
+def documented() -> dict[str, str]:
+    rows = re.findall(r"^\| `(\w+)` \| `([A-Z_]+)` \|", open(DOC).read(), flags=re.M)
+    return {cause: status for cause, status in rows if cause in {c.value for c in Cause}}
+
+
+def test_every_cause_has_the_documented_status():
+    doc = documented()
+    assert set(doc) == {c.value for c in Cause}, "docs/errors.md documents every cause once"
+    for cause in Cause:
+        assert CAUSE_STATUS[cause].name == doc[cause.value], cause
+        assert transfer_status(TransferError(cause, "x")) == CAUSE_STATUS[cause]
+
+
+def test_bare_status_codes_map_back():
+    assert cause_of_status(grpc.StatusCode.CANCELLED) == Cause.ABORTED
+    assert cause_of_status(grpc.StatusCode.DATA_LOSS) == Cause.DATA_LOSS
+    assert cause_of_status(grpc.StatusCode.UNAVAILABLE) == Cause.PEER
+
+
+def test_cause_enum_matches_the_proto():
+    for i, c in enumerate(Cause, start=1):
+        assert kvdata_pb2.Cause.Name(i) == f"CAUSE_{c.name}"
+
+
+def test_transfer_error_refuses_an_unknown_cause():
+    import pytest
+    with pytest.raises(ValueError):
+        TransferError("exploded", "no such cause")
