@@ -71,18 +71,23 @@ def _timed(addr: str, ids, cfg: TtftConfig, mode: str) -> list[dict]:
     return [dict(o["timing"], tokens=o["tokens"]) for o in out]
 
 
+def engine_args(cfg: TtftConfig) -> list[str]:
+    """The decode server's KV pool sized for these prompts: 2 slots of the longest prompt + its tokens."""
+    return ["--max-batch", "2", "--max-seq-len", str(max(cfg.lengths) + cfg.decode_tokens)]
+
+
 def verify_pass(cfg: TtftConfig, prompts: dict[int, list[int]], step: Step) -> dict:
     """Deterministic servers: every length and mode byte-equal cache, identical tokens and logits."""
     det = ["--deterministic"]
     ref = {}
-    with colocated_server(cfg.log_dir, cfg.model, cfg.dtype, cfg.decode_device, det) as colo:
+    with colocated_server(cfg.log_dir, cfg.model, cfg.dtype, cfg.decode_device, [*det, *engine_args(cfg)]) as colo:
         for n, ids in prompts.items():
             ref[n] = asyncio.run(_calls(colo.addr, ids, cfg.decode_tokens, "colocated", 1, True))[0]
             step(f"verify colocated {n}")
     checks = {}
     with server_pair(cfg.log_dir, cfg.model, cfg.dtype, cfg.prefill_device, cfg.decode_device,
                      prefill_args=["--layers-per-message", str(cfg.layers_per_message)],
-                     common_args=[*det, "--transport", cfg.transport]) as pair:
+                     decode_args=engine_args(cfg), common_args=[*det, "--transport", cfg.transport]) as pair:
         for n, ids in prompts.items():
             for mode in cfg.modes:
                 got = asyncio.run(_calls(pair.addr, ids, cfg.decode_tokens, mode, 1, True))[0]
@@ -108,14 +113,14 @@ def run_ttft(cfg: TtftConfig, step: Step = lambda _: None) -> dict:
     prompts = {n: random_prompt(config.vocab_size, n, seed=n).view(-1).tolist() for n in cfg.lengths}
     checks = verify_pass(cfg, prompts, step) if cfg.verify else {}
     colo = {}
-    with colocated_server(cfg.log_dir, cfg.model, cfg.dtype, cfg.decode_device) as srv:
+    with colocated_server(cfg.log_dir, cfg.model, cfg.dtype, cfg.decode_device, engine_args(cfg)) as srv:
         for n, ids in prompts.items():
             colo[n] = _timed(srv.addr, ids, cfg, "colocated")
             step(f"colocated {n}")
     disagg = {}
     with server_pair(cfg.log_dir, cfg.model, cfg.dtype, cfg.prefill_device, cfg.decode_device,
                      prefill_args=["--layers-per-message", str(cfg.layers_per_message)],
-                     common_args=["--transport", cfg.transport]) as pair:
+                     decode_args=engine_args(cfg), common_args=["--transport", cfg.transport]) as pair:
         for n, ids in prompts.items():
             for mode in cfg.modes:
                 disagg[(n, mode)] = _timed(pair.addr, ids, cfg, mode)

@@ -44,19 +44,22 @@ log = logging.getLogger("kvtransfer.transport.cuda_ipc")
 _POLL_S = 20e-6  # host polling interval while finish() waits for the last layer's event
 
 
+def _with_scheme(address: str) -> str:
+    """HOST:PORT means tcp://HOST:PORT (as --data-listen writes it); unix:/path and tcp:// stay as they are."""
+    return address if address.startswith(("unix:", "tcp://")) else f"tcp://{address}"
+
+
 def sender_link(device, options: IpcOptions, address: str, connect_timeout_s: float = 60.0) -> "SenderLink":
-    return SenderLink(device, address, connect_timeout=connect_timeout_s, slot_timeout=options.slot_timeout_s,
+    return SenderLink(device, _with_scheme(address), connect_timeout=connect_timeout_s,
+                      slot_timeout=options.slot_timeout_s,
                       ops=LocalOps(device) if options.local_ops else None)
 
 
 def receiver_link(device, options: IpcOptions, address: str, max_bytes: int, max_layers: int,
                   slot_bytes: int | None = None) -> ReceiverLink:
     """slot_bytes: one slot's size (the largest cache it takes), at most max_bytes."""
-    address = address or "tcp://127.0.0.1:0"
-    if not address.startswith(("unix:", "tcp://")):
-        address = f"tcp://{address}"
-    return ReceiverLink(device, address, slot_bytes=min(slot_bytes or max_bytes, max_bytes), slots=options.slots,
-                        max_layers=max_layers, ops=LocalOps(device) if options.local_ops else None)
+    return ReceiverLink(device, _with_scheme(address or "127.0.0.1:0"), slot_bytes=min(slot_bytes or max_bytes, max_bytes),
+                        slots=options.slots, max_layers=max_layers, ops=LocalOps(device) if options.local_ops else None)
 
 
 class SenderLink(base.SenderLink):
