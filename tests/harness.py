@@ -72,6 +72,7 @@ def _child(backend: str, rank: int, address: str, scenario: str, options, device
     try:
         dev = torch.device(devices[rank])
         if dev.type == "cuda":
+            dev = torch.device("cuda", dev.index or 0)  # "cuda" means the first GPU; set_device needs an index
             torch.cuda.set_device(dev)
         link = _links(backend, rank, address, options, dev)
 

@@ -101,6 +101,9 @@ class Landing:
         p = Placement(h, self.device, dest, staging=self._own if cpu else None)
         if not cpu:
             p.block.record_stream(self._h2d)
+            # the copies run on _h2d: order them after what the current stream did to the destination (its
+            # allocation's fill under deterministic mode, a previous owner's reads of a pool slot)
+            self._h2d.wait_stream(torch.cuda.current_stream(self.device))
         with self._lock:
             self.placement = p
             for i, landed in enumerate(self._landed):
