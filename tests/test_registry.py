@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -123,4 +124,36 @@ def test_a_frame_that_does_not_match_its_request_is_dropped():
     assert getattr(info.value, "cause", None) == "protocol" and "expected 1 x 7 tokens" in str(info.value)
     assert bool((pool.pool == pool.SENTINEL).all()), "a mismatched frame wrote into the registered destination"
     assert loop.dropped == 1
+    loop.retire("test over")
+
+
+def test_a_slot_stays_held_while_a_late_frame_lands_in_it():
+    """The receive loop holds the request's slot lease from the moment its frame starts landing until it stops,
+    so a request that gives up meanwhile cannot have its slot handed to another request under the late frame."""
+    from decode_server.pool import KVPool
+
+    r_link = registry.receiver_link("fake", "cpu", address="fake://late", max_bytes=1 << 30)
+    s_link = registry.sender_link("fake", "cpu", address="fake://late")
+    geom = CacheGeometry(num_layers=contract.LAYERS, kv_heads=contract.HEADS, head_dim=contract.DIM,
+                         dtype=torch.float32)
+    pool = KVPool(geom, torch.device("cpu"), slots=1, max_seq=16)
+    loop = ReceiveLoop(r_link, geom, torch.device("cpu"), finish_timeout_s=10)
+    loop.start()
+    lease = pool.try_lease()
+    h = contract.header(31, 7)
+    exp = loop.expect(31, 7, destination=pool.views(lease.slot, 7), lease=lease)
+    s = s_link.open(h)
+    layers = contract.layers_for(h)
+    s.send_layer(0, *layers[0])  # the frame starts landing
+    deadline = time.monotonic() + 10
+    while loop._landing is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    lease.release()  # the request lets go of its slot (it gave up, or ended) while its frame is mid-landing
+    assert pool.used() == 1, "the slot was freed while a frame was still landing in it"
+    for i in range(1, contract.LAYERS):
+        s.send_layer(i, *layers[i])
+    s.finish(timeout=10)
+    while pool.used() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pool.used() == 0 and exp.future.result(timeout=10)  # let go once the frame stopped landing
     loop.retire("test over")
