@@ -11,39 +11,24 @@ from __future__ import annotations
 
 import gc
 import os
-import statistics
 import sys
-import time
 import traceback
 from collections.abc import Callable
 
 import torch
 
+from .stats import summarize, timed
+
 HEADROOM = 2 << 30  # activations, graph pools, cuBLAS workspace: kept free beside a cell's cache
 Progress = Callable[[str], None]
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def time_calls(fn: Callable[[], object], device: torch.device, runs: int, warmup: int,
                reset: Callable[[], object] | None = None) -> dict:
     """p50/p10/p90 ms of `fn` over `runs` after `warmup`; the device synced before every timer read; `reset`
     (untimed) after each call."""
-    ms = []
-    for i in range(warmup + runs):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        if i >= warmup:
-            ms.append((time.perf_counter() - t0) * 1e3)
-        if reset is not None:
-            reset()
-    dec = statistics.quantiles(ms, n=10, method="inclusive")
-    return dict(p50=statistics.median(ms), p10=dec[0], p90=dec[-1], runs=runs)
+    s = summarize(timed(fn, [device], runs, warmup, after=reset), scale=1e3)
+    return dict(p50=s["median"], p10=s["p10"], p90=s["p90"], runs=runs)
 
 
 def free_memory(device: torch.device) -> None:

@@ -9,18 +9,19 @@ receiver's acknowledgement; TCP time is first byte -> the receiver's byte count 
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing as mp
 import socket
-import statistics
 import struct
 import threading
-import time
 
 import torch
 
 from kvtransfer.transport import TransferError, TransferHeader, registry
 from kvtransfer.transport.layout import byte_view
 from kvtransfer.transport.options import CHECKSUMS, Checksum, GrpcOptions
+
+from .stats import median, spread_ms, timed
 
 HEAD_DIM = 128  # float32, one kv head: a layer of `seq` tokens is 2 * seq * 512 bytes
 
@@ -60,24 +61,17 @@ def measure_loopback(bytes_total: int = 1 << 30, channels: int = 4, chunk_bytes:
         child.join(timeout=10)
     return {"bytes": nbytes, "channels": channels, "chunk_bytes": chunk_bytes, "checksum": Checksum(checksum).name,
             "device": device, "grpc": _stats(grpc_s, nbytes), "socket": _stats(tcp_s, nbytes),
-            "grpc_vs_socket": statistics.median(tcp_s) / statistics.median(grpc_s)}
+            "grpc_vs_socket": median(tcp_s) / median(grpc_s)}
 
 
 def _timed(fn, repeats: int) -> list[float]:
     """Seconds per run; a failed run raises (TransferError), so a finished run moved every byte."""
-    fn(1)  # warm-up: connections, pinned staging, page faults
-    times = []
-    for r in range(repeats):
-        t0 = time.perf_counter()
-        fn(2 + r)
-        times.append(time.perf_counter() - t0)
-    return times
+    rids = itertools.count(1)  # the warm-up (connections, pinned staging, page faults) is request 1
+    return timed(lambda: fn(next(rids)), runs=repeats, warmup=1)
 
 
 def _stats(seconds: list[float], nbytes: int) -> dict:
-    med = statistics.median(seconds)
-    return {"median_ms": med * 1e3, "min_ms": min(seconds) * 1e3, "max_ms": max(seconds) * 1e3,
-            "runs": len(seconds), "gbps": nbytes / med / 1e9, "bytes_ok": True}
+    return spread_ms(seconds) | {"runs": len(seconds), "gbps": nbytes / median(seconds) / 1e9, "bytes_ok": True}
 
 
 def _send_grpc(link, block: torch.Tensor, request_id: int) -> None:

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import math
 
+from .stats import percentile, summarize
+
 Gap = tuple[float, float]
 Window = tuple[float, float]
 
@@ -35,20 +37,10 @@ def overlaps(gap: Gap, window: Window) -> bool:
     return gap[0] < window[1] and gap[1] > window[0]
 
 
-def percentile(xs: list[float], p: float) -> float | None:
-    """Linear-interpolated percentile (numpy's default), None for no data."""
-    if not xs:
-        return None
-    s = sorted(xs)
-    k = (len(s) - 1) * p / 100
-    lo, hi = math.floor(k), math.ceil(k)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
 def summary_ms(itls_s: list[float]) -> dict:
     """{p50, p99, max, n} of ITLs given in seconds, reported in ms (None when empty)."""
-    ms = [x * 1e3 for x in itls_s]
-    return {"p50": percentile(ms, 50), "p99": percentile(ms, 99), "max": max(ms) if ms else None, "n": len(ms)}
+    s = summarize(itls_s, scale=1e3, percentiles=(50, 99))
+    return {k: s[k] for k in ("p50", "p99", "max", "n")}
 
 
 def outside(all_gaps: list[Gap], windows: list[Window]) -> list[Gap]:

@@ -15,16 +15,16 @@ from __future__ import annotations
 import os
 import select
 import socket
-import statistics
 import struct
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+
+from .stats import median, spread_ms, timed
 
 PUSH = "/kvbench.Loopback/Push"  # stream-unary: raw chunks in, an 8-byte count back
 COUNT = struct.Struct("<Q")
@@ -102,15 +102,9 @@ def _parallel(pool: ThreadPoolExecutor | None, jobs: list[Callable[[], int]]) ->
 
 
 def _timed_runs(once: Callable[[], bool], runs: int, warmup: int, nbytes: int) -> dict:
-    secs, ok = [], True
-    for i in range(warmup + runs):
-        t0 = time.perf_counter()
-        ok &= once()
-        if i >= warmup:
-            secs.append(time.perf_counter() - t0)
-    med = statistics.median(secs)
-    return dict(median_ms=med * 1e3, min_ms=min(secs) * 1e3, max_ms=max(secs) * 1e3, runs=runs,
-                gbps=nbytes / med / 1e9, bytes=nbytes, bytes_ok=bool(ok))
+    oks = []
+    secs = timed(lambda: oks.append(once()), runs=runs, warmup=warmup)
+    return spread_ms(secs) | dict(runs=runs, gbps=nbytes / median(secs) / 1e9, bytes=nbytes, bytes_ok=all(oks))
 
 
 def measure_loopback(bytes_total: int, channels: int = 1, chunk_bytes: int = 4 << 20, runs: int = 5,

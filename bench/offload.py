@@ -17,22 +17,22 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
-import statistics
 import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
 import transformers
 
-from kvtransfer.determinism import enable_deterministic, sync
+from kvtransfer.determinism import enable_deterministic
 from kvtransfer.geometry import CacheGeometry
 from kvtransfer.models import ModelSpec, load_model
 from kvtransfer.reference import decode, prefill, random_prompt
 from kvtransfer.streaming import assemble_cache, cache_layers, caches_equal
 from kvtransfer.pagecache import drop_page_cache, read_file, write_file
 from kvtransfer.tiers import TIER_KINDS, Tier, make_tiers
+
+from .stats import clock, spread_ms, timed
 
 Step = Callable[[str], None]  # called once per finished step with a short description
 
@@ -67,26 +67,11 @@ class OffloadConfig:
 
 
 def stats(seconds: list[float]) -> dict:
-    return dict(median_ms=statistics.median(seconds) * 1e3, min_ms=min(seconds) * 1e3,
-                max_ms=max(seconds) * 1e3, runs=len(seconds))
+    return spread_ms(seconds) | dict(runs=len(seconds))
 
 
 def gbps(nbytes: int, ms: float) -> float | None:
     return nbytes / (ms * 1e-3) / 1e9 if ms > 0 else None  # None, not inf: stays valid JSON
-
-
-def timed(fn: Callable[[], object], devices: list[torch.device], before: Callable[[], object] | None = None
-          ) -> tuple[float, object]:
-    """Seconds of one call of `fn`, with every device synced before each timer read."""
-    if before is not None:
-        before()
-    for d in devices:
-        sync(d)
-    t0 = time.perf_counter()
-    out = fn()
-    for d in devices:
-        sync(d)
-    return time.perf_counter() - t0, out
 
 
 @contextlib.contextmanager
@@ -111,9 +96,10 @@ def bench_tier(tier: Tier, layers, model, first, ref, cfg: OffloadConfig) -> dic
     try:
         offs, rels, caches, byte_equal = [], [], [], True
         for i in range(cfg.warmup + cfg.runs):
-            t_off, _ = timed(lambda: tier.offload(layers), tier.devices)
+            t_off, _ = clock(lambda: tier.offload(layers), tier.devices)
             tier.out.fill_(0xFF)  # poison: bytes a reload fails to copy cannot pass the check
-            t_rel, out = timed(tier.reload, tier.devices, before=lambda: caches.append(tier.before_reload()))
+            caches.append(tier.before_reload())
+            t_rel, out = clock(tier.reload, tier.devices)
             byte_equal &= caches_equal(out, layers)
             if i >= cfg.warmup:
                 offs.append(t_off)
@@ -148,7 +134,7 @@ def bench_length(name: str, model, geom: CacheGeometry, length: int, cfg: Offloa
     times, cache = [], None
     for i in range(cfg.warmup + cfg.runs):
         cache = None  # free the previous cache before the next prefill allocates one
-        t, (cache, first) = timed(lambda: prefill(model, ids), [device])
+        t, (cache, first) = clock(lambda: prefill(model, ids), [device])
         if i >= cfg.warmup:
             times.append(t)
     layers = cache_layers(cache)  # per layer (K, V): (1, kv_heads, length, head_dim)
@@ -200,8 +186,8 @@ def measure_links(device: str, nbytes: int, directory: str, runs: int, warmup: i
     try:
         for name, fn in ops.items():
             before = (lambda: caches.append(drop_page_cache(fd, nbytes))) if name == "file_read" else None
-            secs = [timed(fn, devices, before)[0] for _ in range(warmup + runs)][warmup:]
-            out[name] = stats(secs) | dict(gbps=gbps(nbytes, statistics.median(secs) * 1e3))
+            out[name] = stats(timed(fn, devices, runs, warmup, before=before))
+            out[name]["gbps"] = gbps(nbytes, out[name]["median_ms"])
         out["file_read"]["cold"] = all(c["cold"] for c in caches[warmup:])
     finally:
         os.close(fd)

@@ -27,6 +27,7 @@ import grpc
 import numpy as np
 
 from bench.serve_metrics import BatchWatch
+from bench.stats import summarize
 from decode_server.client import MODES
 from kvtransfer.models import load_config
 from kvtransfer.modes import Mode
@@ -112,10 +113,8 @@ async def one_request(stub, ids: list[int], cfg: ServeConfig, timeout: float, me
 
 def summary(xs: list[float], name: str) -> dict:
     """vLLM's keys: mean/median/std/pNN of one metric, in ms (None when nothing completed)."""
-    a = np.asarray(xs, dtype=float) * 1e3
-    out = {f"{k}_{name}_ms": (float(f(a)) if a.size else None)
-           for k, f in (("mean", np.mean), ("median", np.median), ("std", np.std))}
-    return out | {f"p{p}_{name}_ms": (float(np.percentile(a, p)) if a.size else None) for p in PERCENTILES}
+    s = summarize(xs, scale=1e3, percentiles=PERCENTILES)
+    return {f"{k}_{name}_ms": s[k] for k in ("mean", "median", "std", *(f"p{p}" for p in PERCENTILES))}
 
 
 async def _run(cfg: ServeConfig, prompts: list[list[int]], step: Step, metadata, watch=None

@@ -10,7 +10,6 @@ the colocated and disaggregated figures are measured the same way.
 from __future__ import annotations
 
 import asyncio
-import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -21,6 +20,7 @@ from kvtransfer.reference import random_prompt
 
 from .launch import colocated_server, server_pair
 from .p2p import cache_patterns, measure_p2p
+from .stats import median, spread_ms
 
 Step = Callable[[str], None]
 CHECKS = ("cache_equal", "tokens_equal", "logits_equal", "tokens_equal_timed")  # every one counts in `ok`
@@ -54,12 +54,11 @@ class TtftConfig:
 
 
 def median_of(samples: list[dict], key: str) -> float:
-    return statistics.median(s[key] for s in samples)
+    return median(s[key] for s in samples)
 
 
 def stats(samples: list[dict], key: str) -> dict:
-    xs = [s[key] for s in samples]
-    return {"median_ms": statistics.median(xs), "min_ms": min(xs), "max_ms": max(xs), "n": len(xs)}
+    return spread_ms([s[key] for s in samples], scale=1.0) | {"n": len(samples)}
 
 
 async def _calls(addr: str, ids: list[int], n: int, mode: str, count: int, digest: bool) -> list[dict]:

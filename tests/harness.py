@@ -1,16 +1,13 @@
 """Run a transport scenario's two halves: in two threads (in-process backends) or two real processes.
 
-Why here: one free-port helper and one two-process harness for every transport test; both
-sides build their links through the registry (kvtransfer.transport.registry), with the
-options given, exactly as the servers do.
+Why here: every transport test starts its two sides the same way (the process plumbing is
+bench/twoproc.py's and the free port bench/launch.py's, shared with the benches); both sides
+build their links through the registry (kvtransfer.transport.registry), with the options
+given, exactly as the servers do.
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
-import queue
-import socket
 import tempfile
 import threading
 import traceback
@@ -18,13 +15,11 @@ import traceback
 import torch
 
 import contract
+from bench.launch import free_port
+from bench.twoproc import exit_now, run_pair
 from kvtransfer.transport import registry
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["free_port", "run_in_threads", "run_two_processes"]
 
 
 def _links(backend: str, rank: int, address: str, options, dev):
@@ -66,56 +61,22 @@ def run_in_threads(backend: str, scenario: str, options=None, address: str = "")
     assert not errors, errors[0]
 
 
-def _child(backend: str, rank: int, address: str, scenario: str, options, devices, q, done) -> None:
-    """One side: build its link, run its half, report, then stay alive until the parent has both reports
-    (a sender's data may still be in flight), exit hard."""
-    try:
-        dev = torch.device(devices[rank])
-        if dev.type == "cuda":
-            dev = torch.device("cuda", dev.index or 0)  # "cuda" means the first GPU; set_device needs an index
-            torch.cuda.set_device(dev)
-        link = _links(backend, rank, address, options, dev)
-
-        def die(_link):
-            q.put((rank, None))
-            q.close()
-            q.join_thread()  # the report must leave before the process does
-            os._exit(0)
-        contract.DIE = die
-        contract.SCENARIOS[scenario][rank](link, dev)
-        q.put((rank, None))
-    except BaseException:  # report everything to the parent; the child exits below either way
-        q.put((rank, traceback.format_exc()))
-    finally:
-        done.wait(timeout=60)
-        os._exit(0)
+def _side(rank: int, backend: str, address: str, scenario: str, options, devices) -> None:
+    """One side in its own process: build its link, run its half; a receive half that dies exits hard."""
+    dev = torch.device(devices[rank])
+    if dev.type == "cuda":
+        dev = torch.device("cuda", dev.index or 0)  # "cuda" means the first GPU; set_device needs an index
+        torch.cuda.set_device(dev)
+    link = _links(backend, rank, address, options, dev)
+    contract.DIE = lambda _link: exit_now()
+    contract.SCENARIOS[scenario][rank](link, dev)
 
 
 def run_two_processes(backend: str, scenario: str, options=None, device: str = "cpu", timeout: float = 90,
                       devices: tuple[str, str] | None = None) -> None:
     """devices: (sender's, receiver's), default both `device`."""
-    ctx = mp.get_context("spawn")
-    q, done = ctx.Queue(), ctx.Event()
-    port = free_port()
-    address = f"tcp://127.0.0.1:{port}" if registry.backend(backend).rendezvous is registry.Rendezvous.PROCESS_GROUP \
-        else f"127.0.0.1:{port}"
-    procs = [ctx.Process(target=_child, args=(backend, rank, address, scenario, options, devices or (device, device), q, done))
-             for rank in (0, 1)]
-    for p in procs:
-        p.start()
-    results = {}
-    try:
-        for _ in procs:
-            rank, err = q.get(timeout=timeout)
-            results[rank] = err
-    except queue.Empty:
-        raise AssertionError(f"{backend}/{scenario}: a side did not finish in {timeout} s; got {results}") from None
-    finally:
-        done.set()
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    for rank, err in sorted(results.items()):
-        assert err is None, f"rank {rank} ({'sender' if rank == 0 else 'receiver'}) failed:\n{err}"
-
+    address = f"127.0.0.1:{free_port()}"
+    if registry.backend(backend).rendezvous is registry.Rendezvous.PROCESS_GROUP:
+        address = f"tcp://{address}"
+    run_pair(_side, (backend, address, scenario, options, devices or (device, device)), timeout,
+             what=f"{backend}/{scenario}")

@@ -10,20 +10,17 @@ cuda:0 -> cuda:1 when two GPUs are visible. Run it with: python3 -m pytest tests
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
-import os
-import queue
 import shutil
-import statistics
 import tempfile
 import threading
 import time
-import traceback
 
 import pytest
 import torch
 
 import contract
+from bench.stats import summarize
+from bench.twoproc import run_pair
 from harness import run_in_threads
 from kvtransfer.transport.options import IpcOptions
 from kvtransfer.transport import TransferError, TransferHeader, TransferState
@@ -189,9 +186,8 @@ def _cost_send(link, dev) -> dict:
             s.send_layer(i, block[i, 0], block[i, 1])
             per_layer.append(time.perf_counter() - t0)
         s.finish(timeout=30)
-    warm = sorted(per_layer[5 * COST["layers"]:])
-    return {"send_layer_us_median": round(statistics.median(warm) * 1e6, 2),
-            "send_layer_us_p90": round(warm[int(0.9 * len(warm))] * 1e6, 2), **COST}
+    warm = summarize(per_layer[5 * COST["layers"]:], scale=1e6)
+    return {"send_layer_us_median": round(warm["median"], 2), "send_layer_us_p90": round(warm["p90"], 2), **COST}
 
 
 def _cost_recv(link, dev) -> None:
@@ -201,53 +197,26 @@ def _cost_recv(link, dev) -> None:
         assert all(torch.equal(k, want[i, 0]) and torch.equal(v, want[i, 1]) for i, (k, v) in enumerate(got))
 
 
-def _gpu_child(rank, address, scenario, devices, slots, q, done) -> None:
-    """Spawned: rank 0 sends (connects), rank 1 receives (listens); reports, then waits for the parent."""
-    try:
-        dev = torch.device("cuda", devices[rank])
-        torch.cuda.set_device(dev)
-        big = scenario == "host_cost"
-        slot_bytes = _cost_header(0).layer_bytes() * COST["layers"] if big else SLOT_BYTES
-        link = (SenderLink(dev, address, connect_timeout=60) if rank == 0 else
-                ReceiverLink(dev, address, slot_bytes=slot_bytes, slots=slots, max_layers=COST["layers"]))
-        if big:
-            result = (_cost_send if rank == 0 else _cost_recv)(link, dev)
-        else:
-            result = contract.SCENARIOS[scenario][rank](link, dev)
-        q.put((rank, None, result))
-    except BaseException:  # reported to the parent; the child exits below either way
-        q.put((rank, traceback.format_exc(), None))
-    finally:
-        done.wait(timeout=60)
-        os._exit(0)
+def _gpu_side(rank, address, scenario, devices, slots):
+    """Spawned: rank 0 sends (connects), rank 1 receives (listens)."""
+    dev = torch.device("cuda", devices[rank])
+    torch.cuda.set_device(dev)
+    big = scenario == "host_cost"
+    slot_bytes = _cost_header(0).layer_bytes() * COST["layers"] if big else SLOT_BYTES
+    link = (SenderLink(dev, address, connect_timeout=60) if rank == 0 else
+            ReceiverLink(dev, address, slot_bytes=slot_bytes, slots=slots, max_layers=COST["layers"]))
+    if big:
+        return (_cost_send if rank == 0 else _cost_recv)(link, dev)
+    return contract.SCENARIOS[scenario][rank](link, dev)
 
 
-def run_gpu(scenario: str, devices: tuple[int, int], slots: int = 2, timeout: float = 120) -> dict:
-    ctx = mp.get_context("spawn")
-    q, done = ctx.Queue(), ctx.Event()
+def run_gpu(scenario: str, devices: tuple[int, int], slots: int = 2, timeout: float = 120) -> list:
     sock_dir = tempfile.mkdtemp(prefix="kvipc")
-    address = f"unix:{sock_dir}/s.sock"
-    procs = [ctx.Process(target=_gpu_child, args=(rank, address, scenario, devices, slots, q, done))
-             for rank in (0, 1)]
-    for p in procs:
-        p.start()
-    results, errors = {}, {}
     try:
-        for _ in procs:
-            rank, err, result = q.get(timeout=timeout)
-            errors[rank], results[rank] = err, result
-    except queue.Empty:
-        pytest.fail(f"cuda_ipc/{scenario}: a side did not finish in {timeout} s; got {errors}")
+        return run_pair(_gpu_side, (f"unix:{sock_dir}/s.sock", scenario, devices, slots), timeout,
+                        what=f"cuda_ipc/{scenario}")
     finally:
-        done.set()
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
         shutil.rmtree(sock_dir, ignore_errors=True)
-    for rank, err in sorted(errors.items()):
-        assert err is None, f"rank {rank} ({'sender' if rank == 0 else 'receiver'}) failed:\n{err}"
-    return results
 
 
 @pytest.mark.gpu

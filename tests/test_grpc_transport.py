@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import contract
+from bench.launch import free_port
 from kvtransfer.status import CAUSE_STATUS
 from kvtransfer.transport import Cause, TransferError, TransferState
 from kvtransfer.transport import grpc_frames as wire
@@ -175,7 +176,7 @@ def test_sender_abort_and_lost_sender(receiver):
 
 
 def test_no_receiver_is_a_peer_error():
-    s_link = SenderLink(f"127.0.0.1:{_free_port()}", connect_timeout_s=0.5)
+    s_link = SenderLink(f"127.0.0.1:{free_port()}", connect_timeout_s=0.5)
     contract.expect_error(lambda: s_link.open(contract.header(60, 2)), "peer")
     s_link.close()
 
@@ -225,13 +226,6 @@ def test_loopback_probe():
     assert out["bytes"] == 4 << 20
     for key in ("grpc", "socket"):
         assert out[key]["bytes_ok"] and out[key]["gbps"] > 0 and out[key]["median_ms"] > 0
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("checksum", ["none", "xxh3"])
