@@ -49,10 +49,7 @@ async def serve(config: DecodeConfig) -> None:
         log.info("listening on port %d, NOT_SERVING until paired; model loaded on %s; pairing with the prefill "
                  "worker at %s (--prefill-addr, %s, --on-failure %s)", port, device, config.prefill_addr,
                  pairing.transport, config.on_failure)
-        try:
-            paired = await stop.wait_or(pairing.start())
-        except HandshakeRefused as e:  # refused, or no answer within --handshake-timeout-s: exit 2, saying why
-            raise ValueError(str(e)) from None
+        paired = await stop.wait_or(_first_pairing(pairing))
     else:
         await service.health.set("", health_pb2.HealthCheckResponse.SERVING)
         paired = True
@@ -63,6 +60,13 @@ async def serve(config: DecodeConfig) -> None:
     await shut_down(server, service.health, service.inflight, stop, config.shutdown_grace_s, log, "decode server",
                     service.end_for_shutdown)
     engine.close()
+
+
+async def _first_pairing(pairing: DecodePairing) -> None:
+    try:
+        await pairing.start()
+    except HandshakeRefused as e:  # refused, or no answer within --handshake-timeout-s: exit 2, saying why
+        raise ValueError(str(e)) from None
 
 
 def main(argv: list[str] | None = None) -> None:
