@@ -35,6 +35,7 @@ from bench.offload import OffloadConfig, run_offload, total_steps
 from bench.ttft import TtftConfig, run_ttft
 from bench.ttft import total_steps as ttft_steps
 from bench.report import json_line, print_tables, tables_for, write_outputs
+from kvtransfer.configargs import Parser
 from kvtransfer.tiers import TIER_KINDS
 
 
@@ -154,7 +155,8 @@ def register_offload(sub) -> None:
     p.add_argument("--runs", type=int, default=5, help="timed runs per figure (median reported)")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs before the timed ones")
     p.add_argument("--decode-tokens", type=int, default=8, help="tokens decoded to verify each reload")
-    p.add_argument("--tiers", type=csv, default=list(TIER_KINDS), help=f"comma list of {','.join(TIER_KINDS)}")
+    p.add_argument("--tiers", type=csv, default=list(TIER_KINDS), help=f"comma list of {','.join(TIER_KINDS)} (gpu: a buffer on --device, "
+                   "or --peer-device; on a CPU run that is a second copy in RAM)")
     p.add_argument("--peer-device", help="device for the gpu tier's buffer, e.g. cuda:1 (default: model device)")
     p.add_argument("--link-mib", type=int, help="raw link copy size in MiB (default: largest cache, >= 64)")
     p.add_argument("--disk-dir", help="directory for the disk tier's file (default: a fresh temp dir)")
@@ -247,7 +249,7 @@ REGISTRY: list[Callable] = [register_offload, register_ttft, register_demo, regi
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvtransfer-bench", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="kvtransfer-bench", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for register in REGISTRY:
         register(sub)

@@ -1,6 +1,6 @@
 """Step time of the batched decode engine over a (batch, context) grid, beside its floor and HF.
 
-Why: the engine's claim (DESIGN.md, "The decode engine") is that one step costs about what its
+Why: the engine's claim is that one step costs about what its
 bytes cost: every weight once plus each row's live K/V, read at the device's memory bandwidth.
 So the same run measures that bandwidth (one large device-to-device copy), prices every cell
 (floor), times the engine's step (CUDA graph per bucket; eager on CPU or --no-cuda-graphs) and,

@@ -33,7 +33,7 @@ TARGETS = (("batch1_1k_ratio_le_1.3", (1, 1024), "ratio", lambda x: x <= 1.3),
 
 
 def targets(cells: list[dict]) -> dict[str, bool]:
-    """DESIGN.md's decode-step targets for the cells that ran: reported, not asserted."""
+    """The decode-step targets for the cells that ran: reported, not asserted."""
     at = {(c["batch"], c["context"]): c for c in cells if c["step_ms_p50"]}
     return {name: met(at[key][field]) for name, key, field, met in TARGETS if key in at}
 
@@ -71,7 +71,7 @@ def decode_tables(result: dict) -> list[Table]:
         k.rows = [[str(x["batch"]), f"{x['context']:,}", x["what"], x["why"]] for x in result["skipped"]]
         tables.append(k)
     if result["targets"]:
-        g = Table("DESIGN.md targets (reported, not asserted)", ["target", "met"])
+        g = Table("decode-step targets (reported, not asserted)", ["target", "met"])
         g.rows = [[name, yes(met)] for name, met in result["targets"].items()]
         tables.append(g)
     return tables

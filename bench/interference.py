@@ -1,8 +1,8 @@
 """How much a long prefill stalls running decodes: colocated vs chunked vs disaggregated.
 
 Why: the cost side of disaggregation is the TTFT overhead (`ttft`); its benefit is that a long
-prompt's prefill no longer runs between the decode steps of everyone else (DESIGN.md, "The
-benefit side"). Per arm, fresh servers (bench/launch.py) take one warm-up request, then B
+prompt's prefill no longer runs between the decode steps of everyone else (the
+benefit side). Per arm, fresh servers (bench/launch.py) take one warm-up request, then B
 streams of C prompt tokens each decode until all of them run; then long prompts arrive, one at
 a time (each `gap_s` after the previous one's first token), and optionally as a Poisson stream.
 Every token's arrival time is recorded on the client; streams are cancelled `gap_s` after the

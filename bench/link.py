@@ -1,7 +1,7 @@
 """Raw link speeds in one run: the ceilings every transfer figure is read against.
 
-Why one command: DESIGN.md reports overheads beside the raw links measured on the same
-machine in the same run. This measures them all at one cache size: torch.distributed
+Why one command: every overhead this repo reports is read beside the raw links measured on
+the same machine in the same run. This measures them all at one cache size: torch.distributed
 p2p (NCCL between cuda:0 and cuda:1, gloo on CPU) as one whole-cache message and as one
 message per layer; the peer copy cuda:0 -> cuda:1 (copy engine); pinned and pageable
 H2D/D2H; on loopback a TCP socket, raw-bytes gRPC (bench.loopback: the library's

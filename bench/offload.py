@@ -6,8 +6,8 @@ times, reload speed-up over recompute, achieved GB/s; and the break-even link sp
 recomputing it. Raw link speeds measured in the same run sit beside it for context.
 
 Timings run in the default (fast) mode, medians of `runs` after `warmup`, with a device
-sync before every timer. Verification runs apart, in deterministic mode (DESIGN.md:
-never mix the two in one figure): every reload byte-equal to the original cache (the
+sync before every timer. Verification runs apart, in deterministic mode
+(never mix the two in one figure): every reload byte-equal to the original cache (the
 target is poisoned first, so a reload that copies nothing fails), and N tokens decoded
 from the reloaded and the original cache with identical tokens and logits.
 """
@@ -152,6 +152,7 @@ def bench_length(name: str, model, geom: CacheGeometry, length: int, cfg: Offloa
         res = bench_tier(tier, layers, model, first, ref, cfg)
         if res["available"]:
             res["reload_speedup"] = pre["median_ms"] / res["reload"]["median_ms"]
+        res["label"] = tier.label  # what the tier is on this device (the `gpu` tier of a CPU run is RAM)
         row["tiers"][tier.kind] = res
         step(f"{row['model']} {length}: {tier.kind}")
     return row

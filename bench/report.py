@@ -55,7 +55,8 @@ def offload_tables(result: dict) -> list[Table]:
     for r in result["rows"]:
         recompute.rows.append([r["model"], str(r["length"]), num(r["cache_bytes"] / 2**20), f"{r['bytes_per_token']:,}",
                                spread(r["prefill"]), num(r["prefill_us_per_token"]), num(r["break_even_gbps"])])
-        for kind, t in r["tiers"].items():
+        for key, t in r["tiers"].items():
+            kind = t.get("label", key)
             if not t["available"]:
                 tiers.rows.append([r["model"], str(r["length"]), kind, "skipped", "", "", "", "", "", "",
                                    t["skip_reason"]])

@@ -2,7 +2,7 @@
 
 Why two phases: on GPU, logits are only run-to-run identical in deterministic mode, which
 is slower. So equality (cache digest, tokens, every step's logits) is checked in a
-deterministic pass, and times come from a separate default-mode pass (DESIGN.md: never
+deterministic pass, and times come from a separate default-mode pass (never
 mix the two in one figure). All times are the servers' own (request in -> event), so
 the colocated and disaggregated figures are measured the same way.
 """

@@ -7,12 +7,14 @@ import logging
 from grpc_health.v1 import health_pb2
 
 from kvtransfer.compat import local_compat
+from kvtransfer.lifecycle import Stop, shut_down
 from kvtransfer.security import ClientSecurity, resolve_token
 from kvtransfer.serving import load, peer_channel_options, pick_device, run_main, start_metrics
 from kvtransfer.transport import registry
 
 from .config import DecodeConfig
 from .engine import DecodeEngine, EngineOptions
+from .handshake import HandshakeRefused
 from .pairing import DecodePairing
 from .server import DecodeService, create_server
 
@@ -20,6 +22,7 @@ log = logging.getLogger("kvtransfer.decode")
 
 
 async def serve(config: DecodeConfig) -> None:
+    stop = Stop()
     token = resolve_token(config.auth_token, config.auth_token_file)
     peer = ClientSecurity(config.prefill_tls_ca, config.prefill_tls_cert, config.prefill_tls_key,
                           resolve_token(config.prefill_auth_token, config.prefill_auth_token_file,
@@ -32,30 +35,42 @@ async def serve(config: DecodeConfig) -> None:
     pairing = None
     if not config.colocated:
         backend = registry.resolve(config.transport, device.type)
-        log.info("model loaded on %s; pairing with the prefill worker at %s (%s, --on-failure %s)", device,
-                 config.prefill_addr, backend.name, config.on_failure)
         channel = peer.channel(config.prefill_addr,
                                options=peer_channel_options(config.max_message_bytes, config.peer_keepalive_s))
         pairing = DecodePairing(config, loaded, backend,
                                 local_compat(config.spec, loaded.model, loaded.geometry, config.deterministic),
                                 channel, peer.metadata(), metrics)
-        await pairing.start()  # a refused or silent peer ends the process here, with the reason
     service = DecodeService(config, engine, pairing, metrics, peer.metadata())
-    server, port = await create_server(config, service, token=token)
+    server, port = await create_server(config, service, token=token)  # the port is ours from here on
     await server.start()
-    if pairing is not None:  # "" follows the peer: NOT_SERVING while it is gone, SERVING once paired again
+    front = "mTLS" if config.tls_ca else "TLS" if config.tls_cert else "plaintext"
+    if pairing is not None:  # "" follows the peer: NOT_SERVING until paired, and while it is gone
         await pairing.publish(service.health)
+        log.info("listening on port %d, NOT_SERVING until paired; model loaded on %s; pairing with the prefill "
+                 "worker at %s (--prefill-addr, %s, --on-failure %s)", port, device, config.prefill_addr,
+                 pairing.transport, config.on_failure)
+        paired = await stop.wait_or(_first_pairing(pairing))
     else:
         await service.health.set("", health_pb2.HealthCheckResponse.SERVING)
-    log.info("decode server ready on port %d (%s; front door %s%s)", port,
-             "colocated" if config.colocated else "disaggregated",
-             "mTLS" if config.tls_ca else "TLS" if config.tls_cert else "plaintext",
-             ", token required" if token else "")
-    await server.wait_for_termination()
+        paired = True
+    if paired:
+        log.info("decode server ready on port %d (%s; front door %s%s)", port,
+                 "colocated" if config.colocated else "disaggregated", front, ", token required" if token else "")
+        await stop.event.wait()
+    await shut_down(server, service.health, service.inflight, stop, config.shutdown_grace_s, log, "decode server",
+                    service.end_for_shutdown)
+    engine.close()
+
+
+async def _first_pairing(pairing: DecodePairing) -> None:
+    try:
+        await pairing.start()
+    except HandshakeRefused as e:  # refused, or no answer within --handshake-timeout-s: exit 2, saying why
+        raise ValueError(str(e)) from None
 
 
 def main(argv: list[str] | None = None) -> None:
-    run_main(DecodeConfig, argv, "kvtransfer decode worker (the front door)", serve, log)
+    run_main(DecodeConfig, argv, "kvtransfer decode worker (the front door)", serve, log, "kvtransfer-decode")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,6 @@ Why it speaks TLS and tokens too: the front door is configured with the same fla
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import sys
@@ -14,11 +13,14 @@ import time
 
 import grpc
 
+from kvtransfer.configargs import Parser
+from kvtransfer.flagchecks import check_address
 from kvtransfer.modes import Mode
 from kvtransfer.security import ClientSecurity, check_tls_flags, check_token_flags, resolve_token
 from proto import kvtransfer_pb2 as pb
 from proto import kvtransfer_pb2_grpc as pbg
 
+UINT32_MAX, INT64_MIN, INT64_MAX = (1 << 32) - 1, -(1 << 63), (1 << 63) - 1  # GenerateRequest's field types
 MODES = {"auto": pb.MODE_AUTO, "layerwise": pb.MODE_LAYERWISE, "bulk": pb.MODE_BULK, "colocated": pb.MODE_COLOCATED}
 
 
@@ -54,16 +56,17 @@ def _timing(timing: pb.Timing) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description="Send a prompt to a kvtransfer decode server")
-    p.add_argument("--addr", default="127.0.0.1:50051")
+    p = Parser(prog="kvtransfer-client", description="Send a prompt to a kvtransfer decode server")
+    p.add_argument("--addr", default="127.0.0.1:50051", help="the decode server's front door, HOST:PORT")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--ids", help="comma-separated token ids")
     src.add_argument("--text", help="text, tokenized with --tokenizer (a local directory)")
     p.add_argument("--tokenizer", help="local tokenizer directory (no downloads)")
-    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=16, help="tokens to generate, 1..2**32-1 (the server's "
+                   "--max-new-tokens caps it)")
     p.add_argument("--mode", choices=sorted(MODES), default="auto")
     p.add_argument("--digest", action="store_true", help="ask for per-step logits digests")
-    p.add_argument("--timeout", type=float, default=120.0)
+    p.add_argument("--timeout", type=float, default=120.0, help="deadline of the call, s")
     p.add_argument("--tls-ca", default="", help="use TLS; verify the server with this CA (PEM)")
     p.add_argument("--tls-cert", default="", help="client certificate (PEM) for a server that requires mTLS")
     p.add_argument("--tls-key", default="", help="private key (PEM) of --tls-cert")
@@ -71,6 +74,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--auth-token-file", default="", help="file holding the shared token")
     a = p.parse_args(argv)
     try:
+        check_address("--addr", a.addr, allow_port_zero=False)
+        if not 1 <= a.max_new_tokens <= UINT32_MAX:
+            raise ValueError(f"--max-new-tokens {a.max_new_tokens}: use 1..{UINT32_MAX}")
+        if not a.timeout > 0:
+            raise ValueError(f"--timeout {a.timeout:g}: must be > 0")
         check_tls_flags("tls", a.tls_cert, a.tls_key, a.tls_ca, server=False)
         check_token_flags("auth", a.auth_token, a.auth_token_file)
         security = ClientSecurity(a.tls_ca, a.tls_cert, a.tls_key, resolve_token(a.auth_token, a.auth_token_file))
@@ -88,6 +96,8 @@ def main(argv: list[str] | None = None) -> None:
             ids = [int(x) for x in a.ids.split(",") if x.strip()]
         except ValueError:
             p.error("--ids must be comma-separated integers")
+        if (bad := next((i for i in ids if not INT64_MIN <= i <= INT64_MAX), None)) is not None:
+            p.error(f"--ids: {bad} does not fit a token id (int64)")
     try:
         out = asyncio.run(generate(a.addr, ids, a.max_new_tokens, a.mode, a.digest, a.timeout, security=security))
     except grpc.aio.AioRpcError as e:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvtransfer.configargs import one_line
+from kvtransfer.configargs import LOG_LEVELS, check_choices, flag, one_line
+from kvtransfer.flagchecks import check_address, check_device, check_dist_init, check_positive
 from kvtransfer.models import ModelSpec
 from kvtransfer.security import check_tls_flags, check_token_flags
 from kvtransfer.serving import CONTROL_MESSAGE_LIMIT, check_message_limit, check_metrics_flags
@@ -20,53 +21,60 @@ ON_FAILURE = ("fail", "recompute")
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    listen: str = "127.0.0.1:50051"       # the front door (loopback unless told otherwise)
-    prefill_addr: str = "127.0.0.1:50061"  # the prefill worker's control plane
-    colocated: bool = False               # no prefill peer: this worker prefills itself (baseline)
-    model: str = "tiny"
-    dtype: str = "float32"
-    seed: int = 0
-    device: str = "auto"
-    transport: str = "auto"               # auto (nccl on cuda, gloo on cpu), nccl, gloo, grpc, cuda_ipc
-    data_listen: str = "127.0.0.1:0"      # grpc / cuda_ipc: where the data plane listens (announced at the handshake)
-    data_tls_cert: str = ""               # grpc data plane: serve TLS with this certificate chain
-    data_tls_key: str = ""                # grpc data plane: private key of --data-tls-cert
-    data_tls_ca: str = ""                 # grpc data plane: require prefill client certificates signed by this CA
-    ipc_slots: int = 2                    # cuda_ipc: receive slots of --max-prompt-tokens each
-    grpc_listener_workers: int = 64       # grpc: concurrent data streams (>= the peer's channels x requests in flight)
-    dist_op_timeout_s: float = 0.0        # nccl/gloo: one group operation's timeout (0: a week on NCCL, --dist-timeout-s on gloo)
-    dist_init: str = "env://"
-    max_prompt_tokens: int = 32768
-    max_new_tokens: int = 4096            # per request
-    max_inflight: int = 64                # beyond it: RESOURCE_EXHAUSTED at once
-    max_batch: int = 16                   # KV pool slots: requests decoded together (more wait for a slot)
-    max_seq_len: int = 4096               # tokens per KV pool slot: prompt + max_new_tokens must fit
-    cuda_graphs: bool = True              # capture the decode step as CUDA graphs per batch bucket (CUDA only)
-    prefill_chunk: int = 0                # colocated/recompute prefill: tokens per chunk between decode steps (0: whole)
-    admission_wait_s: float = 10.0        # longest wait for a free pool slot; then RESOURCE_EXHAUSTED
-    stream_buffer_tokens: int = 1024      # tokens a client may leave unread; then its request ends
-    max_receive_bytes: int = 64 << 30     # one transfer's receive buffer limit; larger prompts: RESOURCE_EXHAUSTED
-    max_message_bytes: int = CONTROL_MESSAGE_LIMIT  # gRPC send/receive limit, both directions and to the peer
-    request_timeout_s: float = 120.0      # each request ends before this (unless the client's deadline is sooner)
-    on_failure: str = "fail"              # peer or data plane failed a request: fail (UNAVAILABLE) or recompute here
-    peer_timeout_s: float = 30.0          # longest wait for the prefill worker's answer + cache; then --on-failure
-    peer_keepalive_s: float = 2.0         # ping the prefill worker this often; unanswered as long: the link is down
-    handshake_timeout_s: float = 120.0
-    dist_timeout_s: float = 120.0
-    tls_cert: str = ""                    # front door: PEM certificate chain, serve TLS
-    tls_key: str = ""                     # front door: PEM private key of --tls-cert
-    tls_ca: str = ""                      # front door: require client certificates signed by this CA (mTLS)
-    auth_token: str = ""                  # front door: shared secret required as `authorization: Bearer ...`
-    auth_token_file: str = ""             # front door: file holding that secret (first line)
-    prefill_tls_ca: str = ""              # to the prefill worker: use TLS, verify its certificate with this CA
-    prefill_tls_cert: str = ""            # to the prefill worker: client certificate (when it requires mTLS)
-    prefill_tls_key: str = ""             # to the prefill worker: private key of --prefill-tls-cert
-    prefill_auth_token: str = ""          # to the prefill worker: the token its --auth-token expects
-    prefill_auth_token_file: str = ""     # to the prefill worker: file holding that token
-    metrics_port: int = 0                 # Prometheus /metrics on this port (0: off)
-    metrics_addr: str = "127.0.0.1"       # where /metrics listens (loopback unless told otherwise)
-    deterministic: bool = False
-    log_level: str = "INFO"
+    listen: str = flag("127.0.0.1:50051", "the front door, HOST:PORT (loopback unless told otherwise)")
+    prefill_addr: str = flag("127.0.0.1:50061", "the prefill worker's control plane, HOST:PORT")
+    colocated: bool = flag(False, "no prefill peer: this worker prefills itself (the baseline)")
+    model: str = flag("tiny", "a preset (tiny, smollm2-135m, qwen2.5-7b: seeded random weights) or a local "
+                      "Hugging Face directory; must match the prefill worker's")
+    dtype: str = flag("float32", "weights and KV cache dtype (float32, bfloat16, float16)")
+    seed: int = flag(0, "seed of a preset's random weights; must match the prefill worker's")
+    device: str = flag("auto", "auto (cuda if available, else cpu), cpu, cuda or cuda:N")
+    transport: str = flag("auto", "data plane: auto (nccl on cuda, gloo on cpu), nccl, gloo, grpc, cuda_ipc")
+    data_listen: str = flag("127.0.0.1:0", "grpc / cuda_ipc: where the data plane listens (announced at the handshake)")
+    data_tls_cert: str = flag("", "grpc data plane: serve TLS with this certificate chain (PEM)")
+    data_tls_key: str = flag("", "grpc data plane: private key of --data-tls-cert (PEM)")
+    data_tls_ca: str = flag("", "grpc data plane: require prefill client certificates signed by this CA (PEM)")
+    ipc_slots: int = flag(2, "cuda_ipc: receive slots of --max-prompt-tokens each")
+    grpc_listener_workers: int = flag(64, "grpc: concurrent data streams (>= the peer's channels x requests in flight)")
+    dist_op_timeout_s: float = flag(0.0, "nccl/gloo: one group operation's timeout, s (0: a week on NCCL, "
+                                    "--dist-timeout-s on gloo)")
+    dist_init: str = flag("env://", "nccl/gloo rendezvous hosted by the prefill worker: env://, tcp://HOST:PORT "
+                          "or file:///PATH")
+    max_prompt_tokens: int = flag(32768, "longest prompt accepted; longer: INVALID_ARGUMENT")
+    max_new_tokens: int = flag(4096, "most tokens one request may ask for")
+    max_inflight: int = flag(64, "requests admitted at once; beyond it: RESOURCE_EXHAUSTED at once")
+    max_batch: int = flag(16, "KV pool slots: requests decoded together (more wait for a slot)")
+    max_seq_len: int = flag(4096, "tokens per KV pool slot: prompt + max_new_tokens must fit")
+    cuda_graphs: bool = flag(True, "capture the decode step as CUDA graphs per batch bucket (CUDA only)")
+    prefill_chunk: int = flag(0, "colocated/recompute prefill: tokens per chunk between decode steps (0: whole)")
+    admission_wait_s: float = flag(10.0, "longest wait for a free pool slot, s; then RESOURCE_EXHAUSTED")
+    stream_buffer_tokens: int = flag(1024, "tokens a client may leave unread; then its request ends")
+    max_receive_bytes: int = flag(64 << 30, "one transfer's receive buffer limit; larger caches: RESOURCE_EXHAUSTED")
+    max_message_bytes: int = flag(CONTROL_MESSAGE_LIMIT, "gRPC send/receive limit, both directions and to the peer")
+    request_timeout_s: float = flag(120.0, "each request ends before this, s (unless the client's deadline is sooner)")
+    on_failure: str = flag("fail", "peer or data plane failed a request: fail (UNAVAILABLE) or recompute here",
+                           choices=ON_FAILURE)
+    peer_timeout_s: float = flag(30.0, "longest wait for the prefill worker's answer + cache, s; then --on-failure")
+    peer_keepalive_s: float = flag(2.0, "ping the prefill worker this often, s; unanswered as long: the link is down")
+    handshake_timeout_s: float = flag(120.0, "at start, wait this long for the prefill worker (--prefill-addr) to "
+                                      "answer the handshake, s; then exit 2")
+    dist_timeout_s: float = flag(120.0, "nccl/gloo: joining the process group at --dist-init, s")
+    shutdown_grace_s: float = flag(20.0, "on SIGTERM/SIGINT: time in-flight requests get to finish, s; the rest "
+                                   "end UNAVAILABLE")
+    tls_cert: str = flag("", "front door: PEM certificate chain, serve TLS")
+    tls_key: str = flag("", "front door: PEM private key of --tls-cert")
+    tls_ca: str = flag("", "front door: require client certificates signed by this CA (mTLS)")
+    auth_token: str = flag("", "front door: shared secret required as `authorization: Bearer ...` (prefer the file)")
+    auth_token_file: str = flag("", "front door: file holding that secret (first line)")
+    prefill_tls_ca: str = flag("", "to the prefill worker: use TLS, verify its certificate with this CA")
+    prefill_tls_cert: str = flag("", "to the prefill worker: client certificate (when it requires mTLS)")
+    prefill_tls_key: str = flag("", "to the prefill worker: private key of --prefill-tls-cert")
+    prefill_auth_token: str = flag("", "to the prefill worker: the token its --auth-token expects")
+    prefill_auth_token_file: str = flag("", "to the prefill worker: file holding that token")
+    metrics_port: int = flag(0, "Prometheus /metrics on this port (0: off)")
+    metrics_addr: str = flag("127.0.0.1", "where /metrics listens (loopback unless told otherwise)")
+    deterministic: bool = flag(False, "deterministic kernels (run-to-run identical logits on GPU; slower)")
+    log_level: str = flag("INFO", "log level", choices=LOG_LEVELS)
 
     def __post_init__(self):
         ModelSpec(self.model, self.dtype, self.seed)
@@ -81,14 +89,21 @@ class DecodeConfig:
             raise ValueError("--prefill-chunk must be >= 0 (0: prefill in one piece)")
         if self.admission_wait_s < 0:
             raise ValueError("--admission-wait-s must be >= 0")
-        if min(self.request_timeout_s, self.handshake_timeout_s, self.peer_timeout_s, self.peer_keepalive_s) <= 0:
-            raise ValueError("timeouts must be > 0")
+        check_positive(self, "request_timeout_s", "handshake_timeout_s", "peer_timeout_s", "peer_keepalive_s",
+                       "dist_timeout_s")
+        if self.dist_op_timeout_s < 0 or self.shutdown_grace_s < 0:
+            raise ValueError("--dist-op-timeout-s and --shutdown-grace-s must be >= 0")
         if self.on_failure not in ON_FAILURE:
             raise ValueError(f"--on-failure {self.on_failure!r}: choose fail (end the request with UNAVAILABLE) or "
                              "recompute (prefill on this worker instead)")
+        check_choices(self)
+        check_device("--device", self.device)
         check_metrics_flags(self.metrics_port, self.metrics_addr)
-        if ":" not in self.listen:
-            raise ValueError(f"--listen {self.listen!r}: expected HOST:PORT")
+        check_address("--listen", self.listen)
+        check_address("--data-listen", self.data_listen)
+        if not self.colocated:
+            check_address("--prefill-addr", self.prefill_addr, allow_port_zero=False)
+            check_dist_init("--dist-init", self.dist_init)
         check_message_limit(self.max_message_bytes, self.max_prompt_tokens)
         check_tls_flags("tls", self.tls_cert, self.tls_key, self.tls_ca, server=True)
         check_tls_flags("data-tls", self.data_tls_cert, self.data_tls_key, self.data_tls_ca, server=True)

@@ -23,11 +23,16 @@ class HandshakeRefused(SystemExit):
     pass
 
 
+WAIT_LOG_S = 10.0  # while the peer does not answer: one log line this often
+
+
 async def handshake(stub: pbg.PrefillStub, compat: pb.Compat, transport, timeout_s: float,
                     max_receive_bytes: int = 0, metadata=None, data_address: str = "",
-                    instance_id: int = 0) -> pb.HandshakeResponse:
-    """Wait up to `timeout_s` for the prefill peer to answer; raises HandshakeRefused."""
-    deadline = time.monotonic() + timeout_s
+                    instance_id: int = 0, peer: str = "") -> pb.HandshakeResponse:
+    """Wait up to `timeout_s` for the prefill peer (at `peer`, for the logs) to answer; raises HandshakeRefused."""
+    start = time.monotonic()
+    deadline, next_log = start + timeout_s, start + WAIT_LOG_S
+    where = f"the prefill worker at {peer} (--prefill-addr)"
     request = pb.HandshakeRequest(compat=compat, transport=transport.proto, max_receive_bytes=max_receive_bytes,
                                   data_address=data_address, instance_id=instance_id)
     while True:
@@ -38,9 +43,14 @@ async def handshake(stub: pbg.PrefillStub, compat: pb.Compat, transport, timeout
         except grpc.aio.AioRpcError as e:
             if e.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAUTHENTICATED):
                 raise HandshakeRefused(f"prefill peer refused the handshake: {e.details()}") from None
-            if time.monotonic() > deadline:
-                raise HandshakeRefused(f"prefill peer did not answer the handshake within {timeout_s} s: "
-                                       f"{e.code().name} {e.details()}") from None
+            now = time.monotonic()
+            if now > deadline:
+                raise HandshakeRefused(f"{where} did not answer the handshake within {timeout_s:g} s "
+                                       f"(--handshake-timeout-s): {e.code().name} {e.details()}") from None
+            if now >= next_log:
+                log.info("waiting for %s: %.0f s so far, giving up after %g s (--handshake-timeout-s)", where,
+                         now - start, timeout_s)
+                next_log = now + WAIT_LOG_S
     problem = mismatch(compat, resp.compat)
     if problem:
         raise HandshakeRefused(f"prefill peer refused: {problem}")

@@ -95,7 +95,7 @@ class DecodePairing:
         resp = await handshake(self.stub, self.compat, self.transport, self.config.handshake_timeout_s,
                                self.config.max_receive_bytes, self.metadata,
                                self.link.address if self.addressed else "",
-                               self.instance_id)
+                               self.instance_id, self.config.prefill_addr)
         if self.prefill_instance and resp.instance_id != self.prefill_instance:
             log.warning("the prefill worker restarted (instance %x -> %x)", self.prefill_instance, resp.instance_id)
         if not self.addressed:

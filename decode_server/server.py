@@ -15,10 +15,13 @@ import asyncio
 import itertools
 import logging
 import time
+from contextlib import aclosing
 from dataclasses import dataclass
 
 import grpc
 
+from kvtransfer.lifecycle import SHUTTING_DOWN, Inflight, end_by_cancel
+from kvtransfer.limits import prompt_problem
 from kvtransfer.metrics import Metrics
 from kvtransfer.modes import REQUEST_MODES, Mode
 from kvtransfer.security import server_credentials
@@ -36,6 +39,7 @@ from .streams import TokenStream, acquire_slot
 log = logging.getLogger("kvtransfer.decode")
 
 KNOWN_MODES = {m.proto for m in REQUEST_MODES}
+SHUTDOWN_MESSAGE = f"{SHUTTING_DOWN}: --shutdown-grace-s passed before this request finished; retry elsewhere"
 END_STATUS = {EndCause.REQUEST_ENDED: grpc.StatusCode.CANCELLED, EndCause.SLOW_READER: grpc.StatusCode.RESOURCE_EXHAUSTED,
               EndCause.STEP_FAILED: grpc.StatusCode.INTERNAL, EndCause.SHUTDOWN: grpc.StatusCode.UNAVAILABLE}
 
@@ -58,6 +62,7 @@ class DecodeService(pbg.DecodeServicer):
         self.admit = InflightLimit(config.max_inflight)
         self.prefill_metadata = prefill_metadata  # the prefill worker's token, when it asks for one
         self.metrics = metrics or Metrics("decode")
+        self.inflight = Inflight(self.metrics)
         self.metrics.inflight.set_function(lambda: self.admit.count)
         self.metrics.pool_slots.set_function(engine.pool.used)
         self.metrics.running.set_function(engine.scheduler.active)
@@ -68,21 +73,16 @@ class DecodeService(pbg.DecodeServicer):
             m.receivers.set_function(pairing.receivers)
             m.receive_loops.set_function(pairing.receive_loops)
 
-    async def _abort(self, context, code: grpc.StatusCode, message: str):
-        self.metrics.finished(code.name)
-        await context.abort(code, message)
+    @staticmethod
+    async def _abort(context, code: grpc.StatusCode, message: str):
+        await context.abort(code, message)  # counted once, by Inflight.request
 
     async def _validate(self, request, context) -> None:
         n, c, new = len(request.token_ids), self.config, request.max_new_tokens
         context_len = self.engine.m.model.config.max_position_embeddings
-        problem = code = None
-        if n == 0:
-            problem = "empty prompt: send at least one token id"
-        elif n > c.max_prompt_tokens:
-            problem = f"prompt has {n} tokens; this server accepts at most {c.max_prompt_tokens} (--max-prompt-tokens)"
-        elif n >= context_len:
-            problem = (f"prompt has {n} tokens; the model's context is {context_len} tokens, "
-                       "and at least one must be left to generate")
+        problem, code = prompt_problem(request.token_ids, c.max_prompt_tokens, context_len, self.vocab), None
+        if problem is not None:  # the limits the prefill server enforces too (kvtransfer/limits.py)
+            pass
         elif not 1 <= new <= c.max_new_tokens:
             problem = f"max_new_tokens is {new}; use 1..{c.max_new_tokens} (--max-new-tokens)"
         elif n + new > context_len:
@@ -91,8 +91,6 @@ class DecodeService(pbg.DecodeServicer):
         elif n + new > (slot := self.engine.pool.max_seq):
             problem = (f"prompt ({n}) + max_new_tokens ({new}) = {n + new} tokens exceeds this server's KV slot of "
                        f"{slot} tokens (--max-seq-len); ask for fewer tokens or raise --max-seq-len")
-        elif (bad := next((t for t in request.token_ids if not 0 <= t < self.vocab), None)) is not None:
-            problem = f"token id {bad} outside the vocabulary [0, {self.vocab})"
         elif request.mode not in KNOWN_MODES:
             problem = f"unknown mode {request.mode}; use AUTO, LAYERWISE, BULK or COLOCATED"
         elif request.mode != pb.MODE_COLOCATED and not c.colocated:
@@ -105,26 +103,50 @@ class DecodeService(pbg.DecodeServicer):
             await self._abort(context, code or grpc.StatusCode.INVALID_ARGUMENT, problem)
 
     async def Generate(self, request, context):
-        await self._validate(request, context)
-        if not self.admit.try_enter():
-            await self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, self.admit.refusal())
+        with self.inflight.request(context) as r:  # counts the request's one outcome when it ends
+            try:
+                if self.inflight.draining:
+                    await self._abort(context, grpc.StatusCode.UNAVAILABLE, f"{SHUTTING_DOWN}; retry elsewhere")
+                await self._validate(request, context)
+                if not self.admit.try_enter():
+                    await self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, self.admit.refusal())
+                try:
+                    async with aclosing(self._admitted(request, context, r)) as msgs:
+                        async for msg in msgs:
+                            r.at_yield = True
+                            yield msg
+                            r.at_yield = False
+                            if r.ending:
+                                await self._abort(context, grpc.StatusCode.UNAVAILABLE, SHUTDOWN_MESSAGE)
+                finally:
+                    self.admit.leave()
+            except asyncio.CancelledError:
+                if r.ending:  # the shutdown's grace is over: end with a status, not a silent cancel
+                    await self._abort(context, grpc.StatusCode.UNAVAILABLE, SHUTDOWN_MESSAGE)
+                raise
+
+    async def _admitted(self, request, context, r):
+        remaining = context.time_remaining()
+        limit = self.config.request_timeout_s
+        budget = limit if remaining is None else min(remaining, limit)
+        deadline = time.perf_counter() + budget
         try:
-            remaining = context.time_remaining()
-            limit = self.config.request_timeout_s
-            budget = limit if remaining is None else min(remaining, limit)
-            deadline = time.perf_counter() + budget
-            try:
-                lease = await acquire_slot(self.engine.pool, deadline, self.config.admission_wait_s)
-            except RequestError as e:
-                await self._abort(context, e.code, e.message)
-            try:
-                async for msg in self._generate(request, context, deadline, lease):
+            lease = await acquire_slot(self.engine.pool, deadline, self.config.admission_wait_s)
+        except RequestError as e:
+            await self._abort(context, e.code, e.message)
+        try:
+            async with aclosing(self._generate(request, context, deadline, lease, r)) as tokens:
+                async for msg in tokens:
                     yield msg
-            finally:
-                lease.release()
-            self.metrics.finished("OK")
         finally:
-            self.admit.leave()
+            lease.release()
+
+    def end_for_shutdown(self, r) -> None:
+        """The grace is over: a decoding request's sequence ends UNAVAILABLE at the next step; others are cancelled."""
+        if r.seq is not None:
+            r.seq.stop(SHUTDOWN_MESSAGE, EndCause.SHUTDOWN)
+        else:
+            end_by_cancel(r)
 
     async def _prefill(self, request, context, rid: int, deadline: float, lease) -> Prefilled:
         """The cache into the request's slot and the first token, remotely unless colocated; the --on-failure
@@ -170,7 +192,7 @@ class DecodeService(pbg.DecodeServicer):
             future.cancel()
             await self._abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, late)
 
-    async def _generate(self, request, context, deadline: float, lease):
+    async def _generate(self, request, context, deadline: float, lease, r):
         t_in, rid = time.perf_counter(), next(self.ids)
         n, want = len(request.token_ids), request.return_logits_digest
         p = await self._prefill(request, context, rid, deadline, lease)
@@ -195,6 +217,7 @@ class DecodeService(pbg.DecodeServicer):
         lease.hold()  # the sequence's own hold: the scheduler lets go when it drops or finishes it
         seq = stream.seq = Sequence(rid, lease, n, p.first, steps, stream.sink, want,
                                     self.engine.eos if request.stop_on_eos else frozenset())
+        r.seq = seq
         self.engine.scheduler.add(seq)
         try:
             while True:

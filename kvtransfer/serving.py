@@ -34,8 +34,9 @@ def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
             ("grpc.max_receive_message_length", max_message_bytes)]
 
 
-# A server accepts the decode side's keepalive pings as often as once a second, even between calls.
-SERVER_KEEPALIVE = [("grpc.http2.min_ping_interval_without_data_ms", 1000), ("grpc.keepalive_permit_without_calls", 1),
+# A server accepts the decode side's keepalive pings as often as once a second, even between calls;
+# and owns its port alone (gRPC turns SO_REUSEPORT on by default: two servers would split the calls).
+SERVER_KEEPALIVE = [("grpc.so_reuseport", 0), ("grpc.http2.min_ping_interval_without_data_ms", 1000), ("grpc.keepalive_permit_without_calls", 1),
                     ("grpc.http2.max_ping_strikes", 0)]
 
 
@@ -195,10 +196,11 @@ def build_server(descriptor, servicer, address: str, max_message_bytes: int, tok
     health = add_standard_services(server, [descriptor.full_name])
     try:
         port = bind(server, address, creds, token)
-    except RuntimeError as e:  # grpc raises on a port in use or a bad address
-        raise ValueError(f"cannot bind {address}: {e}") from None
+    except RuntimeError:  # grpc raises on a port in use or a bad address (older versions return 0)
+        port = 0
     if port == 0:
-        raise ValueError(f"cannot bind {address}")
+        raise ValueError(f"cannot listen on {address} (--listen): port {address.rsplit(':', 1)[1]} is taken "
+                         "(another server?) or the host is not this machine's")
     return server, port, health
 
 
@@ -218,16 +220,16 @@ def configure_logging(level: str = "INFO") -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
 
 
-def run_main(config_cls, argv, description: str, serve, logger: logging.Logger) -> None:
+def run_main(config_cls, argv, description: str, serve, logger: logging.Logger, prog: str | None = None) -> None:
     """A server's `main`: flags -> config (validated), logging, one uvloop loop running `serve(config)`.
 
     A setting that only shows at start-up (device, certificate, token file, port) exits 2
-    with one line saying which.
+    with one line saying which. `serve` returns after a SIGTERM/SIGINT (kvtransfer.lifecycle): exit 0.
     """
     import sys
 
     from .configargs import from_args
-    config = from_args(config_cls, argv, description)
+    config = from_args(config_cls, argv, description, prog)
     configure_logging(config.log_level)
     logger.info("config %s", config.one_line())
     loop = new_event_loop()

@@ -59,6 +59,7 @@ class Tier:
     """One place to park a cache. Subclasses set `kind` and define `_storage`, `_offload`, `_reload`."""
 
     kind = "tier"
+    label = "tier"  # what it is on this device, for the tables
     skip_reason: str | None = None  # set when the tier cannot run on this machine
 
     def __init__(self, device: torch.device | str):
@@ -136,6 +137,9 @@ class MemoryTier(Tier):
                                        else "(CUDA not available)"))
         else:
             raise ValueError(f"unknown memory tier {kind!r}")
+        self.label = {"gpu": f"gpu buffer ({self.where})" if self.where.type == "cuda"
+                      else f"device buffer ({self.where}: no GPU, a second copy in RAM)",
+                      "pinned": "pinned host RAM", "pageable": "pageable host RAM"}[kind]
         # D2H into pageable memory must not be asynchronous: the host could read before the copy.
         self.non_blocking = cuda and kind != "pageable"
 
@@ -165,6 +169,7 @@ class DiskTier(Tier):
     def __init__(self, device, directory: str, fsync: bool):
         super().__init__(device)
         self.kind = "disk-fsync" if fsync else "disk"
+        self.label = "local disk, fsync'd" if fsync else "local disk"
         self.fsync = fsync
         self.path = os.path.join(directory, f"kvcache-{self.kind}-{os.getpid()}-{id(self):x}.bin")
         self.fd: int | None = None

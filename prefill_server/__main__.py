@@ -8,6 +8,7 @@ import logging
 from grpc_health.v1 import health_pb2
 
 from kvtransfer.compat import local_compat
+from kvtransfer.lifecycle import Stop, shut_down
 from kvtransfer.security import resolve_token
 from kvtransfer.serving import load, pick_device, run_main, start_metrics
 from kvtransfer.transport import registry
@@ -21,6 +22,7 @@ log = logging.getLogger("kvtransfer.prefill")
 
 
 async def serve(config: PrefillConfig) -> None:
+    stop = Stop()
     token = resolve_token(config.auth_token, config.auth_token_file)
     device = pick_device(config.device)
     loaded = load(config.spec, device, config.deterministic)
@@ -52,11 +54,13 @@ async def serve(config: PrefillConfig) -> None:
     log.info("prefill server ready on port %d (%s%s)%s", port, "mTLS" if config.tls_ca else
              "TLS" if config.tls_cert else "plaintext", ", token required" if token else "",
              "; fault injection on" if fault else "")
-    await server.wait_for_termination()
+    await stop.event.wait()
+    await shut_down(server, service.pairing.health, service.inflight, stop, config.shutdown_grace_s, log,
+                    "prefill server")
 
 
 def main(argv: list[str] | None = None) -> None:
-    run_main(PrefillConfig, argv, "kvtransfer prefill worker", serve, log)
+    run_main(PrefillConfig, argv, "kvtransfer prefill worker", serve, log, "kvtransfer-prefill")
 
 
 if __name__ == "__main__":

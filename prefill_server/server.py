@@ -14,6 +14,8 @@ import logging
 import grpc
 
 from kvtransfer.compat import mismatch
+from kvtransfer.lifecycle import SHUTTING_DOWN, Inflight
+from kvtransfer.limits import prompt_problem, request_id_problem
 from kvtransfer.metrics import Metrics
 from kvtransfer.modes import Mode
 from kvtransfer.security import server_credentials
@@ -32,7 +34,6 @@ from .worker import WARMUP_REQUEST_ID, PrefillWorker
 log = logging.getLogger("kvtransfer.prefill")
 
 MODES = {pb.MODE_LAYERWISE: Mode.LAYERWISE, pb.MODE_BULK: Mode.BULK}
-MAX_REQUEST_ID = (1 << 63) - 1  # the data-plane header carries it as int64
 
 
 class PrefillService(pbg.PrefillServicer):
@@ -47,6 +48,7 @@ class PrefillService(pbg.PrefillServicer):
         self.admit = InflightLimit(config.max_inflight)
         self.peer_max_receive_bytes = 0  # announced by the decode peer at the handshake (0: unknown)
         self.metrics = metrics or Metrics("prefill")
+        self.inflight = Inflight(self.metrics)
         self.metrics.inflight.set_function(lambda: self.admit.count)
         self.metrics.buffer_bytes.set_function(lambda: worker.sending_bytes)
         self.pairing = PrefillPairing(config, worker, backend, connect, self.gpu, self.metrics, store)
@@ -75,22 +77,12 @@ class PrefillService(pbg.PrefillServicer):
         return MODES[mode]
 
     async def _validate(self, request, context) -> None:
-        n, rid = len(request.token_ids), request.request_id
-        if rid == WARMUP_REQUEST_ID:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "request_id 0 is reserved for the warm-up; use 1..2**63-1")
-        if rid > MAX_REQUEST_ID:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id {rid} is over 2**63-1")
-        if n == 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty prompt: send at least one token id")
-        if n > self.config.max_prompt_tokens:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"prompt has {n} tokens, this server's limit is {self.config.max_prompt_tokens} "
-                                "(--max-prompt-tokens)")
-        bad = next((t for t in request.token_ids if not 0 <= t < self.vocab), None)
-        if bad is not None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"token id {bad} outside the vocabulary [0, {self.vocab})")
+        n = len(request.token_ids)
+        problem = request_id_problem(request.request_id, WARMUP_REQUEST_ID) or prompt_problem(
+            request.token_ids, self.config.max_prompt_tokens, self.worker.m.model.config.max_position_embeddings,
+            self.vocab)  # the decode server's limits (kvtransfer/limits.py): nothing it would drop is computed
+        if problem is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         if request.mode not in MODES and request.mode != pb.MODE_AUTO:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"mode {request.mode} cannot be prefilled remotely; use AUTO, LAYERWISE or BULK")
@@ -101,13 +93,22 @@ class PrefillService(pbg.PrefillServicer):
                                 "(its --max-receive-bytes)")
 
     async def Prefill(self, request, context):
-        await self._validate(request, context)
-        if not self.admit.try_enter():
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self.admit.refusal())
-        try:
-            return await self._prefill(request, context)
-        finally:
-            self.admit.leave()
+        with self.inflight.request(context) as r:  # counts the request's one outcome when it ends
+            try:
+                if self.inflight.draining:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"{SHUTTING_DOWN}; retry elsewhere")
+                await self._validate(request, context)
+                if not self.admit.try_enter():
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self.admit.refusal())
+                try:
+                    return await self._prefill(request, context)
+                finally:
+                    self.admit.leave()
+            except asyncio.CancelledError:
+                if r.ending:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"{SHUTTING_DOWN}: --shutdown-grace-s passed "
+                                        "before this prefill finished")
+                raise
 
     async def _prefill(self, request, context):
         n = len(request.token_ids)
@@ -119,13 +120,11 @@ class PrefillService(pbg.PrefillServicer):
         except TransferError as e:
             log.error("request %d: transfer failed: %s", request.request_id, e)
             self.metrics.failures.labels(e.cause).inc()
-            self.metrics.finished(transfer_status(e).name)
             await context.abort(transfer_status(e), f"cache transfer failed: {e}")
         log.info("request %d: %d tokens %s prefill %.2f ms sent %.2f ms", request.request_id, n, r.mode,
                  r.prefill_ms, r.send_done_ms)
         self.metrics.prefill_ms.labels(r.mode).observe(r.prefill_ms)
         self.metrics.moved(self.worker.m.geometry.cache_bytes(n), r.send_done_ms / 1e3, r.mode)
-        self.metrics.finished("OK")
         return pb.PrefillResponse(first_token=r.first_token, first_logits_digest=r.first_logits_digest,
                                   prefill_ms=r.prefill_ms, send_done_ms=r.send_done_ms, mode=Mode(r.mode).proto)
 

@@ -37,7 +37,7 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
-SERVER_OPTIONS = CHANNEL_OPTIONS[1:]
+SERVER_OPTIONS = CHANNEL_OPTIONS[1:] + [("grpc.so_reuseport", 0)]  # one listener per port
 
 
 def layer_digest(algo: Checksum, views) -> int:

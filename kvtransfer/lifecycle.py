@@ -1,0 +1,136 @@
+"""A server's life after start: one outcome per request, and a graceful stop on SIGTERM/SIGINT.
+
+Why one place for the outcome: a request can end in many ways (answered, refused, aborted deep
+inside, cancelled by its client, past its deadline, ended by a shutdown) and `kvt_requests_total`
+must count each exactly once. So the servicers never count; `Inflight.request` does, when the
+handler leaves, from the status the handler set (`context.code()`) or, when none was set, from
+how it was left (cancelled: CANCELLED or DEADLINE_EXCEEDED; an exception: UNKNOWN).
+
+Why this stop: Kubernetes sends SIGTERM and waits terminationGracePeriodSeconds. Health turns
+NOT_SERVING at once (probes take the replica out), new calls are refused with UNAVAILABLE,
+requests in flight get --shutdown-grace-s to finish, the rest end UNAVAILABLE "server shutting
+down", then the process exits 0 with one log line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import grpc
+
+SHUTTING_DOWN = "server shutting down"
+END_WAIT_S = 10.0  # after the grace: how long requests told to end get to send their status
+
+
+def outcome(context, error: BaseException | None) -> str:
+    """The one `kvt_requests_total` outcome of a handler that ended with `error` (None: it returned)."""
+    if error is None:
+        return "OK"
+    code = context.code()
+    if code is not None and code != grpc.StatusCode.OK:
+        return code.name
+    if isinstance(error, (asyncio.CancelledError, GeneratorExit)):  # the client went, or its deadline passed
+        left = context.time_remaining()
+        return "DEADLINE_EXCEEDED" if left is not None and left <= 0 else "CANCELLED"
+    return "UNKNOWN"
+
+
+@dataclass(eq=False)
+class Request:
+    task: asyncio.Task
+    at_yield: bool = False  # suspended at a `yield` (then cancelling its task would leave its client waiting)
+    ending: bool = False    # told to end (shutdown): it aborts UNAVAILABLE at its next step
+    seq: object = field(default=None)  # the decode side's Sequence, once it runs in the batch
+
+
+class Inflight:
+    """The requests a server is running, each counted once when it ends; drained at shutdown."""
+
+    def __init__(self, metrics):
+        self.metrics = metrics
+        self.requests: set[Request] = set()
+        self.draining = False
+
+    @contextmanager
+    def request(self, context):
+        r = Request(asyncio.current_task())
+        self.requests.add(r)
+        error = None
+        try:
+            yield r
+        except BaseException as e:
+            error = e
+            raise
+        finally:
+            self.requests.discard(r)
+            self.metrics.finished(outcome(context, error))
+
+    async def drain(self, grace_s: float, end) -> tuple[int, int]:
+        """Wait up to `grace_s` for the requests in flight; then `end(r)` each one left. Returns (in flight, ended)."""
+        self.draining = True
+        count = len(self.requests)
+        if self.requests:
+            await asyncio.wait({r.task for r in self.requests}, timeout=grace_s)
+        left = list(self.requests)
+        for r in left:
+            r.ending = True
+            end(r)
+        if left:
+            await asyncio.wait({r.task for r in left}, timeout=END_WAIT_S)
+        return count, len(left)
+
+
+def end_by_cancel(r: Request) -> None:
+    """End a request waiting in the server's own code; one at a `yield` sees `ending` when it resumes."""
+    if not r.at_yield:
+        r.task.cancel()
+
+
+class Stop:
+    """Set by the first SIGTERM or SIGINT (installed on the running loop)."""
+
+    def __init__(self):
+        self.event = asyncio.Event()
+        self.signal = ""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on, sig)
+
+    def _on(self, sig: signal.Signals) -> None:
+        if not self.event.is_set():
+            self.signal = sig.name
+            self.event.set()
+
+    async def wait_or(self, work) -> bool:
+        """Run `work` (a coroutine) until it ends or a signal comes; True if it ended."""
+        task = asyncio.ensure_future(work)
+        stop = asyncio.ensure_future(self.event.wait())
+        done, _ = await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            stop.cancel()
+            task.result()
+            return True
+        task.cancel()
+        try:
+            await task
+        except (asyncio.CancelledError, Exception):
+            pass
+        return False
+
+
+async def shut_down(server: grpc.aio.Server, health, inflight: Inflight, stop: Stop, grace_s: float,
+                    log: logging.Logger, role: str, end=end_by_cancel) -> None:
+    """Health NOT_SERVING, drain within the grace, end the rest, stop the server; one log line."""
+    t0 = time.monotonic()
+    if health is not None:
+        await health.enter_graceful_shutdown()
+    count, ended = await inflight.drain(grace_s, end)
+    await server.stop(1.0)
+    log.info("%s stopped on %s in %.1f s: %d requests in flight, %d finished, %d ended UNAVAILABLE "
+             "(--shutdown-grace-s %g)", role, stop.signal or "request", time.monotonic() - t0, count,
+             count - ended, ended, grace_s)

@@ -1,0 +1,37 @@
+"""The request limits both servers enforce, in one validator.
+
+Why shared: a prompt the decode server would refuse (longer than the model's context, past
+--max-prompt-tokens, a token id outside the vocabulary) must be refused the same way, with the
+same words, when it is sent straight to a prefill server; before, the prefill side computed and
+pushed a cache the decode side then dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+MAX_REQUEST_ID = (1 << 63) - 1  # the data-plane header carries it as int64
+
+
+def prompt_problem(token_ids: Sequence[int], max_prompt_tokens: int, context_len: int, vocab: int) -> str | None:
+    """What is wrong with this prompt (None: nothing); at least one token must be left to generate."""
+    n = len(token_ids)
+    if n == 0:
+        return "empty prompt: send at least one token id"
+    if n > max_prompt_tokens:
+        return f"prompt has {n} tokens; this server accepts at most {max_prompt_tokens} (--max-prompt-tokens)"
+    if n >= context_len:
+        return (f"prompt has {n} tokens; the model's context is {context_len} tokens, "
+                "and at least one must be left to generate")
+    bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        return f"token id {bad} outside the vocabulary [0, {vocab})"
+    return None
+
+
+def request_id_problem(rid: int, reserved: int) -> str | None:
+    if rid == reserved:
+        return f"request_id {reserved} is reserved for the warm-up; use 1..2**63-1"
+    if rid > MAX_REQUEST_ID:
+        return f"request_id {rid} is over 2**63-1"
+    return None
