@@ -9,7 +9,7 @@ from grpc_health.v1 import health_pb2
 from kvtransfer.compat import local_compat
 from kvtransfer.lifecycle import Stop, shut_down
 from kvtransfer.security import ClientSecurity, resolve_token
-from kvtransfer.serving import load, peer_channel_options, pick_device, run_main, start_metrics
+from kvtransfer.serving import load, new_health, peer_channel_options, pick_device, run_main, start_metrics
 from kvtransfer.transport import registry
 
 from .config import DecodeConfig
@@ -32,20 +32,21 @@ async def serve(config: DecodeConfig) -> None:
     metrics = start_metrics("decode", config.metrics_port, config.metrics_addr)
     engine = DecodeEngine(loaded, EngineOptions(config.max_batch, config.max_seq_len, config.cuda_graphs,
                                                 config.prefill_chunk), on_step=metrics.batch_size.observe)
-    pairing = None
+    pairing, health = None, new_health()
     if not config.colocated:
         backend = registry.resolve(config.transport, device.type)
         channel = peer.channel(config.prefill_addr,
                                options=peer_channel_options(config.max_message_bytes, config.peer_keepalive_s))
         pairing = DecodePairing(config, loaded, backend,
                                 local_compat(config.spec, loaded.model, loaded.geometry, config.deterministic),
-                                channel, peer.metadata(), metrics)
+                                channel, peer.metadata(), metrics, health)
     service = DecodeService(config, engine, pairing, metrics, peer.metadata())
-    server, port = await create_server(config, service, token=token)  # the port is ours from here on
+    server, port = await create_server(config, service, token=token, health=health)  # the port is ours from here on
+    if pairing is not None:
+        await pairing.publish()  # NOT_SERVING from the first moment the port answers, until paired
     await server.start()
     front = "mTLS" if config.tls_ca else "TLS" if config.tls_cert else "plaintext"
     if pairing is not None:  # "" follows the peer: NOT_SERVING until paired, and while it is gone
-        await pairing.publish(service.health)
         log.info("listening on port %d, NOT_SERVING until paired; model loaded on %s; pairing with the prefill "
                  "worker at %s (--prefill-addr, %s, --on-failure %s)", port, device, config.prefill_addr,
                  pairing.transport, config.on_failure)

@@ -32,7 +32,7 @@ from proto import kvtransfer_pb2_grpc as pbg
 from .config import DecodeConfig
 from .engine import DecodeEngine
 from .pairing import DecodePairing
-from .remote import PeerFailure, RequestError, remote_prefill
+from .remote import PeerFailure, RequestError
 from .sequence import EndCause, Ended, Sequence
 from .streams import TokenStream, acquire_slot
 
@@ -68,10 +68,11 @@ class DecodeService(pbg.DecodeServicer):
         self.metrics.running.set_function(engine.scheduler.active)
         if pairing is not None:
             m = self.metrics
-            m.buffer_bytes.set_function(lambda: pairing.ledger.bytes)
-            m.expected.set_function(lambda: pairing.loop.pending() if pairing.loop else 0)
-            m.receivers.set_function(pairing.receivers)
-            m.receive_loops.set_function(pairing.receive_loops)
+            data = pairing.data
+            m.buffer_bytes.set_function(lambda: data.ledger.bytes)
+            m.expected.set_function(data.pending)
+            m.receivers.set_function(data.receivers)
+            m.receive_loops.set_function(data.receive_loops)
 
     @staticmethod
     async def _abort(context, code: grpc.StatusCode, message: str):
@@ -155,7 +156,7 @@ class DecodeService(pbg.DecodeServicer):
         timing = pb.Timing()
         if not (self.config.colocated or request.mode == pb.MODE_COLOCATED):
             try:
-                r = await remote_prefill(self.pairing, request, rid, deadline, self.prefill_metadata,
+                r = await self.pairing.remote_prefill(request, rid, deadline, self.prefill_metadata,
                                          self.engine.pool.views(lease.slot, len(request.token_ids)), lease)
             except RequestError as e:
                 await self._abort(context, e.code, e.message)
@@ -240,9 +241,10 @@ class DecodeService(pbg.DecodeServicer):
 
 
 async def create_server(config: DecodeConfig, service: DecodeService, address: str | None = None,
-                        token: str = "") -> tuple[grpc.aio.Server, int]:
-    """Build (not start) the server; returns it and the bound port (tests bind port 0)."""
+                        token: str = "", health=None) -> tuple[grpc.aio.Server, int]:
+    """Build (not start) the server; returns it and the bound port (tests bind port 0). `health`: the health
+    servicer to serve (the pairing's, built before the server); a new one when None."""
     server, port, service.health = build_server(
         pb.DESCRIPTOR.services_by_name["Decode"], service, address or config.listen, config.max_message_bytes,
-        token, server_credentials(config.tls_cert, config.tls_key, config.tls_ca))
+        token, server_credentials(config.tls_cert, config.tls_key, config.tls_ca), health)
     return server, port

@@ -185,7 +185,7 @@ def _streaming(fn, cls):
 
 
 def build_server(descriptor, servicer, address: str, max_message_bytes: int, token: str,
-                 creds: grpc.ServerCredentials | None):
+                 creds: grpc.ServerCredentials | None, health=None):
     """Build (not start) a server for one proto service plus health and reflection.
 
     Returns (server, bound port, health servicer). Raises ValueError when it cannot bind.
@@ -193,7 +193,7 @@ def build_server(descriptor, servicer, address: str, max_message_bytes: int, tok
     server = grpc.aio.server(options=grpc_options(max_message_bytes) + SERVER_KEEPALIVE,
                              interceptors=server_interceptors(token))
     add_typed_service(server, descriptor, servicer)
-    health = add_standard_services(server, [descriptor.full_name])
+    health = add_standard_services(server, [descriptor.full_name], health)
     try:
         port = bind(server, address, creds, token)
     except RuntimeError:  # grpc raises on a port in use or a bad address (older versions return 0)
@@ -204,12 +204,18 @@ def build_server(descriptor, servicer, address: str, max_message_bytes: int, tok
     return server, port, health
 
 
-def add_standard_services(server: grpc.aio.Server, service_names: list[str]):
-    """Health (returned, to flip SERVING/NOT_SERVING) and reflection."""
-    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+def new_health():
+    """A health servicer (to flip SERVING/NOT_SERVING), made before its server when its owner needs it first."""
+    from grpc_health.v1 import health
+    return health.aio.HealthServicer()
+
+
+def add_standard_services(server: grpc.aio.Server, service_names: list[str], health_servicer=None):
+    """Health (returned; `health_servicer` when given, else a new one) and reflection."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection
 
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = health_servicer or new_health()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(service_names + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                                                          reflection.SERVICE_NAME], server)
