@@ -147,13 +147,13 @@ def bench_length(name: str, model, geom: CacheGeometry, length: int, cfg: Offloa
     row = dict(model=name, length=length, dtype=cfg.dtype, bytes_per_token=geom.bytes_per_token,
                cache_bytes=sum(k.nbytes + v.nbytes for k, v in layers), prefill=pre,
                prefill_us_per_token=per_token_s * 1e6,
-               break_even_gbps=geom.bytes_per_token / per_token_s / 1e9, tiers={})
+               break_even_gbps=geom.bytes_per_token / per_token_s / 1e9, tiers={}, tier_labels={})
     for tier in make_tiers(device, directory, cfg.peer_device, cfg.tiers):
         res = bench_tier(tier, layers, model, first, ref, cfg)
         if res["available"]:
             res["reload_speedup"] = pre["median_ms"] / res["reload"]["median_ms"]
-        res["label"] = tier.label  # what the tier is on this device (the `gpu` tier of a CPU run is RAM)
         row["tiers"][tier.kind] = res
+        row["tier_labels"][tier.kind] = tier.label  # what it is on this device (a CPU run's `gpu` tier is RAM)
         step(f"{row['model']} {length}: {tier.kind}")
     return row
 

@@ -52,11 +52,12 @@ def offload_tables(result: dict) -> list[Table]:
     tiers = Table("Offload / reload per tier (ms; speed-up = prefill / reload)",
                   ["model", "tokens", "tier", "offload ms", "reload ms", "offload GB/s", "reload GB/s",
                    "speed-up", "bytes equal", "decode equal", "read"])
+    labels: dict[str, str] = {}
     for r in result["rows"]:
         recompute.rows.append([r["model"], str(r["length"]), num(r["cache_bytes"] / 2**20), f"{r['bytes_per_token']:,}",
                                spread(r["prefill"]), num(r["prefill_us_per_token"]), num(r["break_even_gbps"])])
-        for key, t in r["tiers"].items():
-            kind = t.get("label", key)
+        labels.update(r.get("tier_labels", {}))
+        for kind, t in r["tiers"].items():
             if not t["available"]:
                 tiers.rows.append([r["model"], str(r["length"]), kind, "skipped", "", "", "", "", "", "",
                                    t["skip_reason"]])
@@ -71,6 +72,8 @@ def offload_tables(result: dict) -> list[Table]:
                            "than this moves a cache sooner than a prefill rebuilds it.")
     tiers.notes.append(f"decode equal: {cfg['decode_tokens']} tokens and their logits identical "
                        "(deterministic mode); read: page-cache state before a disk reload, measured by mincore.")
+    if labels:  # what each tier is on this device: a CPU run's `gpu` tier is a second buffer in RAM
+        tiers.notes.append("tiers: " + "; ".join(f"{k} = {v}" for k, v in labels.items()))
     links = result["links"]
     raw = Table(f"Raw links in the same run ({num(links['bytes'] / 2**20)} MiB per copy)",
                 ["link", "ms", "GB/s"])

@@ -18,6 +18,7 @@ import asyncio
 import logging
 import signal
 import time
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -42,10 +43,17 @@ def outcome(context, error: BaseException | None) -> str:
 
 @dataclass(eq=False)
 class Request:
-    task: asyncio.Task
+    # A weak reference: a handler left at a `yield` by a cancelled call is closed when it is no longer
+    # referenced; a strong one would tie it into a cycle (task -> traceback -> handler -> this) that only the
+    # cyclic GC breaks, holding its slot and its --max-inflight place meanwhile.
+    task_ref: weakref.ref
     at_yield: bool = False  # suspended at a `yield` (then cancelling its task would leave its client waiting)
     ending: bool = False    # told to end (shutdown): it aborts UNAVAILABLE at its next step
     seq: object = field(default=None)  # the decode side's Sequence, once it runs in the batch
+
+    @property
+    def task(self) -> asyncio.Task | None:
+        return self.task_ref()
 
 
 class Inflight:
@@ -58,7 +66,7 @@ class Inflight:
 
     @contextmanager
     def request(self, context):
-        r = Request(asyncio.current_task())
+        r = Request(weakref.ref(asyncio.current_task()))
         self.requests.add(r)
         error = None
         try:
@@ -74,21 +82,25 @@ class Inflight:
         """Wait up to `grace_s` for the requests in flight; then `end(r)` each one left. Returns (in flight, ended)."""
         self.draining = True
         count = len(self.requests)
-        if self.requests:
-            await asyncio.wait({r.task for r in self.requests}, timeout=grace_s)
+        if tasks := self._tasks(self.requests):
+            await asyncio.wait(tasks, timeout=grace_s)
         left = list(self.requests)
         for r in left:
             r.ending = True
             end(r)
-        if left:
-            await asyncio.wait({r.task for r in left}, timeout=END_WAIT_S)
+        if tasks := self._tasks(left):
+            await asyncio.wait(tasks, timeout=END_WAIT_S)
         return count, len(left)
+
+    @staticmethod
+    def _tasks(requests) -> set[asyncio.Task]:
+        return {t for r in requests if (t := r.task) is not None and not t.done()}
 
 
 def end_by_cancel(r: Request) -> None:
     """End a request waiting in the server's own code; one at a `yield` sees `ending` when it resumes."""
-    if not r.at_yield:
-        r.task.cancel()
+    if not r.at_yield and (task := r.task) is not None:
+        task.cancel()
 
 
 class Stop:
