@@ -13,85 +13,21 @@ tolerance (tests/test_engine.py), not bit for bit.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
 
 import torch
-import torch.nn.functional as F
 
 from kvtransfer import kernels
+from kvtransfer.fused import UnsupportedModel, check_supported, fused_layers
 
 from .pool import KVPool
 
-SUPPORTED = ("llama", "qwen2", "mistral")
-
-
-class UnsupportedModel(ValueError):
-    """The batched engine cannot run this architecture; the message says why."""
-
-
-def check_supported(config, max_seq: int) -> None:
-    kind = getattr(config, "model_type", "?")
-    if kind not in SUPPORTED:
-        raise UnsupportedModel(f"model type {kind!r}: the batched decode engine runs {', '.join(SUPPORTED)}-style "
-                               "decoders only")
-    if getattr(config, "hidden_act", "silu") != "silu":
-        raise UnsupportedModel(f"hidden_act {config.hidden_act!r}: the engine's MLP is SiLU-gated only")
-    window = getattr(config, "sliding_window", None)
-    uses_window = getattr(config, "use_sliding_window", kind == "mistral")
-    if window and uses_window and window < max_seq:
-        raise UnsupportedModel(f"sliding window of {window} tokens < --max-seq-len {max_seq}: sliding-window "
-                               "attention is not supported by the engine; lower --max-seq-len to the window")
-    if getattr(config, "mlp_bias", False):
-        raise UnsupportedModel("mlp_bias=True is not supported by the engine")
-
-
-@dataclass
-class LayerWeights:
-    ln1: torch.Tensor  # (H,)
-    qkv: torch.Tensor  # ((Hq + 2 Hkv) * D, H): q, k, v rows
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor  # (H, Hq * D)
-    o_bias: torch.Tensor | None
-    ln2: torch.Tensor  # (H,)
-    gate_up: torch.Tensor  # (2 I, H): gate rows, then up rows
-    down: torch.Tensor  # (H, I)
-
-
-def _adjacent(parts: list[torch.Tensor]) -> torch.Tensor | None:
-    """The one tensor that `parts` are consecutive row blocks of (a fusion done before), else None."""
-    first = parts[0]
-    offset, ptr = first.storage_offset(), first.untyped_storage().data_ptr()
-    for t in parts:
-        if not t.is_contiguous() or t.untyped_storage().data_ptr() != ptr or t.storage_offset() != offset:
-            return None
-        offset += t.numel()
-    rows = sum(t.shape[0] for t in parts)
-    return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
-
-
-@torch.no_grad()
-def _fuse(*linears) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Concatenate the linears' weights (and biases) along the output dim; rebind each module's parameters as a
-    view of the fused tensor, so the weights exist once and the HF forward keeps working on them. Idempotent: a
-    second runner over the same model (a new pool) reuses the fused tensor instead of copying the weights again."""
-    w = _adjacent([m.weight.data for m in linears])
-    b = None if linears[0].bias is None else _adjacent([m.bias.data for m in linears])
-    if w is not None and (b is not None or linears[0].bias is None):
-        return w, b
-    w = torch.cat([m.weight for m in linears])
-    b = torch.cat([m.bias for m in linears]) if linears[0].bias is not None else None
-    row = 0
-    for m in linears:
-        n = m.weight.shape[0]
-        m.weight.data = w[row:row + n]
-        if b is not None:
-            m.bias.data = b[row:row + n]
-        row += n
-    return w, b
+__all__ = ["StepRunner", "UnsupportedModel", "check_supported", "pick_gemv"]
+log = logging.getLogger("kvtransfer.decode.runner")
 
 
 class StepRunner:
-    def __init__(self, model, pool: KVPool, use_triton: bool | None = None):
+    def __init__(self, model, pool: KVPool, use_triton: bool | None = None, gemv_rows: int | None = None):
         cfg = model.config
         check_supported(cfg, pool.max_seq)
         self.pool, self.device = pool, pool.device
@@ -99,14 +35,7 @@ class StepRunner:
         self.hq, self.hkv, self.d = cfg.num_attention_heads, pool.geometry.kv_heads, pool.geometry.head_dim
         self.eps = cfg.rms_norm_eps
         inner = model.model
-        self.layers = []
-        for layer in inner.layers:
-            a, m = layer.self_attn, layer.mlp
-            qkv, qkv_bias = _fuse(a.q_proj, a.k_proj, a.v_proj)
-            gate_up, _ = _fuse(m.gate_proj, m.up_proj)
-            self.layers.append(LayerWeights(layer.input_layernorm.weight, qkv, qkv_bias, a.o_proj.weight,
-                                            a.o_proj.bias, layer.post_attention_layernorm.weight, gate_up,
-                                            m.down_proj.weight))
+        self.layers = fused_layers(model)
         self.scale = float(getattr(inner.layers[0].self_attn, "scaling", self.d ** -0.5))
         self.embed, self.norm, self.lm_head = inner.embed_tokens.weight, inner.norm.weight, model.lm_head.weight
         # HF's own rotary module over every position once: (max_seq, D) in the model dtype, as HF casts it
@@ -115,6 +44,8 @@ class StepRunner:
             pos = torch.arange(pool.max_seq, device=self.device).unsqueeze(0)  # (1, max_seq)
             cos, sin = inner.rotary_emb(torch.empty(0, dtype=dtype, device=self.device), pos)
         self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()  # (max_seq, D)
+        rows = kernels.GEMV_MAX_ROWS if gemv_rows is None else gemv_rows  # 0: cuBLAS at every batch
+        self.gemv_rows = pick_gemv(self, rows) if rows and self.use_triton else dict.fromkeys(PROJECTIONS, 0)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -123,7 +54,7 @@ class StepRunner:
         Row b feeds `tokens[b]` at position `positions[b]` of slot `slots[b]`: its K/V are written there, and it
         attends over positions 0..positions[b] of that slot.
         """
-        ops, tri = kernels, self.use_triton
+        ops, tri, rows = kernels, self.use_triton, self.gemv_rows  # rows: projection -> GEMV up to this batch
         b = tokens.shape[0]
         lengths = (positions + 1).to(torch.int32)  # (B,)
         cos, sin = self.cos[positions], self.sin[positions]  # (B, D)
@@ -135,15 +66,53 @@ class StepRunner:
                 x, residual = ops.rms_norm(h, w.ln1, self.eps, use_triton=tri), h
             else:
                 x, residual = ops.add_rms_norm(h, residual, w.ln1, self.eps, use_triton=tri)
-            qkv = F.linear(x, w.qkv, w.qkv_bias)  # (B, (Hq + 2 Hkv) * D)
+            qkv = ops.linear(x, w.qkv, w.qkv_bias, use_triton=tri, max_rows=rows["qkv"])  # (B, (Hq + 2 Hkv) * D)
             q = qkv[:, :q_end].view(b, self.hq, self.d)
             k = qkv[:, q_end:k_end].view(b, self.hkv, self.d)
             v = qkv[:, k_end:].view(b, self.hkv, self.d)
             kp, vp = self.pool.layer(i)  # (slots + 1, Hkv, max_seq, D) each
             q = ops.rope_store(q, k, v, cos, sin, kp, vp, slots, positions, use_triton=tri)
             o = ops.decode_attention(q, kp, vp, slots, lengths, self.scale, use_triton=tri)  # (B, Hq, D)
-            h = F.linear(o.reshape(b, self.hq * self.d), w.o, w.o_bias)  # (B, H)
+            h = ops.linear(o.reshape(b, self.hq * self.d), w.o, w.o_bias, use_triton=tri, max_rows=rows["o"])
             x, residual = ops.add_rms_norm(h, residual, w.ln2, self.eps, use_triton=tri)
-            h = F.linear(ops.silu_mul(F.linear(x, w.gate_up), use_triton=tri), w.down)  # (B, H)
+            act = ops.gate_up_silu(x, w.gate_up, use_triton=tri, max_rows=rows["gate_up"])  # (B, I)
+            h = ops.linear(act, w.down, use_triton=tri, max_rows=rows["down"])  # (B, H)
         x, _ = ops.add_rms_norm(h, residual, self.norm, self.eps, use_triton=tri)
-        return F.linear(x, self.lm_head)  # (B, vocab)
+        return ops.linear(x, self.lm_head, use_triton=tri, max_rows=rows["lm_head"])  # (B, vocab)
+
+
+PROJECTIONS = ("qkv", "o", "gate_up", "down", "lm_head")
+
+
+@torch.inference_mode()
+def pick_gemv(runner: StepRunner, rows: int) -> dict[str, int]:
+    """Per projection, the batch up to which the Triton GEMV runs: `rows` where it beats cuBLAS on this device at
+    batch 1, else 0. Timed once at start over several layers' weights (more bytes than L2 holds), CUDA events."""
+    layers = runner.layers[: min(8, len(runner.layers))]
+    weights = {"qkv": [(w.qkv, w.qkv_bias) for w in layers], "o": [(w.o, w.o_bias) for w in layers],
+               "gate_up": [(w.gate_up, None) for w in layers], "down": [(w.down, None) for w in layers],
+               "lm_head": [(runner.lm_head, None)]}
+
+    def us(name: str, max_rows: int) -> float:
+        ws = weights[name]
+        x = torch.zeros(1, ws[0][0].shape[1], dtype=ws[0][0].dtype, device=runner.device)
+        call = ((lambda w, b: kernels.gate_up_silu(x, w, max_rows=max_rows)) if name == "gate_up"
+                else (lambda w, b: kernels.linear(x, w, b, max_rows=max_rows)))
+        for w, b in ws:  # warm-up (and the GEMV's autotune, on first use)
+            call(w, b)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(4):
+            for w, b in ws:
+                call(w, b)
+        end.record()
+        torch.cuda.synchronize(runner.device)
+        return start.elapsed_time(end) * 1e3 / (4 * len(ws))
+
+    picked = {}
+    for name in PROJECTIONS:
+        cublas, gemv = us(name, 0), us(name, rows)
+        picked[name] = rows if gemv < cublas else 0
+        log.info("batch-1 %s: cuBLAS %.1f us, Triton GEMV %.1f us -> %s", name, cublas, gemv,
+                 "GEMV" if picked[name] else "cuBLAS")
+    return picked

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import fused_prefill
 from .streaming import LayerCallback, StreamingCache, cache_kwarg
 
 
@@ -33,12 +34,19 @@ def logits_digest(logits: torch.Tensor) -> str:
 
 @torch.inference_mode()
 def prefill(model, input_ids: torch.Tensor, on_layer: LayerCallback | None = None,
-            cache: StreamingCache | None = None) -> tuple[StreamingCache, torch.Tensor]:
+            cache: StreamingCache | None = None, fused: bool = True) -> tuple[StreamingCache, torch.Tensor]:
     """Run the prompt once (or the next chunk of it, after `cache`). Returns the cache and the last position's
     logits (vocab,).
 
     input_ids: (1, seq). The layer callback sees each layer's K/V (the whole cache so far) during this call only.
+    A whole prompt of a Llama/Qwen2/Mistral-style model runs the fused ops (fused_prefill.py: the same kernels
+    on every server, so caches stay byte-identical across them); `fused=False`, other models and later chunks
+    run the HF forward.
     """
+    if cache is None and fused and fused_prefill.supports(model, input_ids.shape[1]):
+        out = fused_prefill.fused_prefill(model, input_ids, on_layer)
+        if out is not None:
+            return out
     cache = cache if cache is not None else StreamingCache(config=model.config)
     cache.on_layer = on_layer
     try:

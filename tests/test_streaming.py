@@ -152,7 +152,8 @@ def test_decode_does_not_rerun_prefill(tiny_model, prompt, forward_inputs):
 def test_colocated_runs_prefill_once_then_single_tokens(tiny_model, prompt, forward_inputs):
     seen = forward_inputs(tiny_model)
     colocated_generate(tiny_model, prompt, STEPS)
-    assert seen == [prompt.shape[1]] + [1] * (STEPS - 1)
+    # the fused prefill (kvtransfer/fused_prefill.py) runs no HF forward; decoding is one token per forward
+    assert seen == [1] * (STEPS - 1)
 
 
 @pytest.mark.parametrize("steps", [1, 2, 5])

@@ -47,6 +47,8 @@ __all__ = [
     "rms_norm",
     "add_rms_norm",
     "silu_mul",
+    "linear",
+    "gate_up_silu",
     "decode_attention_ref",
     "rope_store_ref",
     "rms_norm_ref",
@@ -198,3 +200,50 @@ def silu_mul(gate_up: torch.Tensor, *, use_triton: bool | None = None) -> torch.
     from kvtransfer.kernels.triton_norm import silu_mul_triton
 
     return silu_mul_triton(last_dim_unit(gate_up))
+
+
+
+GEMV_MAX_ROWS = 1  # Triton GEMV for batch 1 only; cuBLAS above (bench/results/probe-h200-2026-12-01)
+
+
+def _check_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_rows: int) -> None:
+    check_float("x", x, 2)
+    check_float("w", w, 2)
+    require(w.shape[1] == x.shape[1], f"w has {w.shape[1]} columns, x rows {x.shape[1]}")
+    require(w.dtype == x.dtype and w.device == x.device, f"w is {w.dtype} on {w.device}, x {x.dtype} on {x.device}")
+    if bias is not None:
+        check_float("bias", bias, 1)
+        require(bias.shape[0] == out_rows and bias.dtype == x.dtype, f"bias must be ({out_rows},) of {x.dtype}")
+
+
+def _gemv_ok(x: torch.Tensor, w: torch.Tensor, use_triton: bool | None, max_rows: int | None) -> bool:
+    rows = GEMV_MAX_ROWS if max_rows is None else min(max_rows, GEMV_MAX_ROWS)
+    if x.shape[0] > rows or not w.is_contiguous():
+        return False
+    return _use_triton(use_triton, x.device)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
+           use_triton: bool | None = None, max_rows: int | None = None) -> torch.Tensor:
+    """F.linear: x (B, K), w (N, K) -> (B, N). Triton GEMV when B <= max_rows (<= GEMV_MAX_ROWS), else torch."""
+    _check_linear(x, w, bias, w.shape[0])
+    if not _gemv_ok(x, w, use_triton, max_rows):
+        return torch.nn.functional.linear(x, w, bias)
+    from kvtransfer.kernels.triton_gemv import gemv_triton
+
+    return gemv_triton(x.contiguous(), w, bias)
+
+
+def gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor, *, use_triton: bool | None = None,
+                 max_rows: int | None = None) -> torch.Tensor:
+    """silu(x @ gate^T) * (x @ up^T): x (B, H), gate_up (2I, H), gate rows first -> (B, I).
+
+    One gated GEMV when B <= max_rows on Triton; else the GEMM, then silu_mul (same roundings).
+    """
+    _check_linear(x, gate_up, None, gate_up.shape[0])
+    require(gate_up.shape[0] % 2 == 0, f"gate_up must have an even row count, got {gate_up.shape[0]}")
+    if not _gemv_ok(x, gate_up, use_triton, max_rows):
+        return silu_mul(torch.nn.functional.linear(x, gate_up), use_triton=use_triton)
+    from kvtransfer.kernels.triton_gemv import gemv_triton
+
+    return gemv_triton(x.contiguous(), gate_up, gated=True)

@@ -1,0 +1,290 @@
+"""Probe for the step-speed and serving-throughput work: where the remaining time goes, measured, not guessed.
+
+Why: the batch-1 step sits at 1.34x its floor with the narrow GEMMs at ~2.9 TB/s, and a served 1k prefill
+stalls decodes ~110 ms against 35 ms in the ttft bench. This measures, on one GPU, in one process:
+  gemv     the Triton GEMV vs cuBLAS per projection shape and row count (weights rotated past L2)
+  step     the graphed step at batch 1/2/4/8 x 1k with and without the GEMV
+  prefill  HF's prefill at 512/1024/1536 tokens: wall, GPU time, kernels launched; alone and beside a
+           thread that holds the GIL in bursts (the server's event loop streaming tokens)
+  host     the scheduler's per-step host work at batch 32 vs bare graph replay
+Prints one JSON object; `--only` picks parts.
+
+    python -m bench.probe_round --model qwen2.5-7b --out result.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
+
+from bench.stats import summarize
+from decode_server.graphs import Step
+from decode_server.pool import KVPool
+from decode_server.runner import StepRunner
+from kvtransfer import kernels as K
+from kvtransfer.geometry import CacheGeometry
+from kvtransfer.models import ModelSpec, load_model
+from kvtransfer.reference import logits_digest, prefill
+
+
+def loop_us(fn, calls: int, reps: int = 7) -> float:
+    """Median over reps of (GPU time of `calls` back-to-back calls) / calls, in us."""
+    fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(calls):
+            fn()
+        b.record()
+        torch.cuda.synchronize()
+        out.append(a.elapsed_time(b) * 1e3 / calls)
+    return summarize(out)["median"]
+
+
+def gemv(model) -> list[dict]:
+    lay = model.model.layers[0]
+    a, m = lay.self_attn, lay.mlp
+    shapes = {"qkv": (torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+                      None if a.q_proj.bias is None else torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])),
+              "o": (a.o_proj.weight, None), "gate_up": (torch.cat([m.gate_proj.weight, m.up_proj.weight]), None),
+              "down": (m.down_proj.weight, None), "lm_head": (model.lm_head.weight, None)}
+    rows = []
+    for name, (w, b) in shapes.items():
+        nbytes = w.numel() * w.element_size()
+        copies = [w.clone() for _ in range(max(1, -(-400 * 2**20 // nbytes)))]  # > L2 many times over
+        gated = name == "gate_up"
+        for mrows in (1, 2, 4, 8):
+            x = torch.randn(mrows, w.shape[1], device="cuda", dtype=w.dtype)
+            it = iter(range(10**9))
+
+            def cublas():
+                c = copies[next(it) % len(copies)]
+                y = F.linear(x, c, b)
+                return K.silu_mul(y) if gated else y
+
+            def tri():
+                c = copies[next(it) % len(copies)]
+                return K.gate_up_silu(x, c, max_rows=8) if gated else K.linear(x, c, b, max_rows=8)
+
+            try:
+                t_tri = loop_us(tri, 3 * len(copies))
+                ref, got = cublas().float(), tri().float()
+                err = ((got - ref).abs().max() / ref.abs().max()).item()
+            except Exception as e:  # noqa: BLE001 - a probe reports what failed
+                t_tri, err = None, repr(e)[:200]
+            t_cub = loop_us(cublas, 3 * len(copies))
+            rows.append(dict(name=name, rows=mrows, n=w.shape[0], k=w.shape[1], mib=nbytes / 2**20,
+                             cublas_us=t_cub, triton_us=t_tri, cublas_tbs=nbytes / t_cub / 1e6,
+                             triton_tbs=None if t_tri is None else nbytes / t_tri / 1e6, rel_err=err))
+            print("gemv", rows[-1], flush=True)
+        del copies
+    return rows
+
+
+def step(model, geom) -> list[dict]:
+    pool = KVPool(geom, torch.device("cuda"), 8, 1024 + 8)
+    pool.kv.normal_()
+    out = []
+    for gemv_rows in (0, None):
+        runner = StepRunner(model, pool, gemv_rows=gemv_rows)
+        st = Step(runner, 8, cuda_graphs=True)
+        for b in (1, 2, 4, 8):
+            tok = torch.randint(0, 1000, (b,), device="cuda")
+            pos = torch.full((b,), 1023, dtype=torch.long, device="cuda")
+            slots = torch.arange(b, device="cuda")
+            us = loop_us(lambda: st(tok, pos, slots), 20)
+            ref = runner.forward(tok[:1], pos[:1], slots[:1]).float()
+            out.append(dict(gemv=gemv_rows is None, batch=b, step_ms=us / 1e3,
+                            row0_rel=((st(tok, pos, slots)[0].float() - ref[0]).norm() / ref[0].norm()).item()))
+            print("step", out[-1], flush=True)
+        del st
+    return out
+
+
+class GilHog:
+    """A thread that runs pure-Python work in bursts (`busy_us` every `period_us`), as an event loop streaming tokens."""
+
+    def __init__(self, busy_us: float, period_us: float):
+        self.busy, self.period, self.stop = busy_us / 1e6, period_us / 1e6, False
+        self.t = threading.Thread(target=self.run, daemon=True)
+
+    def run(self):
+        while not self.stop:
+            end = time.perf_counter() + self.busy
+            while time.perf_counter() < end:
+                sum(range(50))
+            time.sleep(max(0.0, self.period - self.busy))
+
+    def __enter__(self):
+        self.t.start()
+        return self
+
+    def __exit__(self, *a):
+        self.stop = True
+        self.t.join()
+
+
+def fused_prefill(runner, ids: torch.Tensor, slot: int) -> torch.Tensor:
+    """The step's fused ops over a whole prompt (one sequence) into pool slot `slot`: ids (n,) -> last logits."""
+    n, eps = ids.shape[0], runner.eps
+    pos = torch.arange(n, device=ids.device)
+    slots = torch.full((n,), slot, dtype=torch.long, device=ids.device)
+    cos, sin = runner.cos[pos], runner.sin[pos]  # (n, D)
+    h, residual = runner.embed[ids], None  # (n, H)
+    q_end, k_end = runner.hq * runner.d, (runner.hq + runner.hkv) * runner.d
+    for i, w in enumerate(runner.layers):
+        if residual is None:
+            x, residual = K.rms_norm(h, w.ln1, eps), h
+        else:
+            x, residual = K.add_rms_norm(h, residual, w.ln1, eps)
+        qkv = F.linear(x, w.qkv, w.qkv_bias)
+        q = qkv[:, :q_end].view(n, runner.hq, runner.d)
+        k = qkv[:, q_end:k_end].view(n, runner.hkv, runner.d)
+        v = qkv[:, k_end:].view(n, runner.hkv, runner.d)
+        kp, vp = runner.pool.layer(i)
+        q = K.rope_store(q, k, v, cos, sin, kp, vp, slots, pos)
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kp[slot, :, :n][None], vp[slot, :, :n][None],
+                                           is_causal=True, scale=runner.scale, enable_gqa=True)  # (1, Hq, n, D)
+        h = F.linear(o[0].transpose(0, 1).reshape(n, -1), w.o, w.o_bias)
+        x, residual = K.add_rms_norm(h, residual, w.ln2, eps)
+        h = F.linear(K.silu_mul(F.linear(x, w.gate_up)), w.down)
+    x, _ = K.add_rms_norm(h[-1:], residual[-1:], runner.norm, eps)
+    return F.linear(x, runner.lm_head)[0]
+
+
+def walls_ms(fn, hog) -> float:
+    walls = []
+    for _ in range(6):
+        torch.cuda.synchronize()
+        with GilHog(*hog) if hog else _Null():
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            walls.append(time.perf_counter() - t0)
+    return summarize(walls[1:], 1e3)["median"]
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return None
+
+
+def prefills(model, geom) -> list[dict]:
+    out = []
+    pool = KVPool(geom, torch.device("cuda"), 1, 1536 + 8)
+    runner = StepRunner(model, pool)
+    for n in (512, 1024, 1536):
+        ids = torch.randint(3, 1000, (1, n), device="cuda")
+        fused_ok = True
+        try:
+            ref = prefill(model, ids)[1].float()
+            got = fused_prefill(runner, ids[0], 0).float()
+            out.append(dict(tokens=n, fused_vs_hf_rel_l2=((got - ref).norm() / ref.norm()).item(),
+                            same_argmax=bool(got.argmax() == ref.argmax())))
+        except Exception as e:  # noqa: BLE001
+            fused_ok = False
+            out.append(dict(tokens=n, fused_error=repr(e)[:300]))
+        print("prefill", out[-1], flush=True)
+        for hog in (None, (100, 700), (1000, 2000)):
+            row = dict(tokens=n, hog_us=hog, hf_wall_ms=walls_ms(lambda: prefill(model, ids), hog))
+            if fused_ok:
+                row["fused_wall_ms"] = walls_ms(lambda: fused_prefill(runner, ids[0], 0), hog)
+            out.append(row)
+            print("prefill", out[-1], flush=True)
+        for name, fn in (("hf", lambda: prefill(model, ids)), ("fused", lambda: fused_prefill(runner, ids[0], 0))):
+            if name == "fused" and not fused_ok:
+                continue
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                fn()
+                torch.cuda.synchronize()
+            kern = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            gpu_us = sum(getattr(e, "device_time_total", 0) for e in kern)
+            out.append(dict(tokens=n, path=name, gpu_ms=gpu_us / 1e3, kernels=len(kern)))
+            print("prefill", out[-1], flush=True)
+    return out
+
+
+def host(model, geom) -> dict:
+    """Bare replay vs the scheduler's step body (host tensors in, argmax, tolist, per-row Python) at batch 32."""
+    pool = KVPool(geom, torch.device("cuda"), 32, 1024 + 8)
+    pool.kv.normal_()
+    st = Step(StepRunner(model, pool), 32, cuda_graphs=True)
+    tok = torch.randint(0, 1000, (32,), device="cuda")
+    pos = torch.full((32,), 1023, dtype=torch.long, device="cuda")
+    slots = torch.arange(32, device="cuda")
+    bare = loop_us(lambda: st(tok, pos, slots), 20) / 1e3
+    last, lengths, sl = [1] * 32, [1023] * 32, list(range(32))
+
+    def body():
+        t = torch.tensor(last, dtype=torch.long).to("cuda", non_blocking=True)
+        p = torch.tensor(lengths, dtype=torch.long).to("cuda", non_blocking=True)
+        s = torch.tensor(sl, dtype=torch.long).to("cuda", non_blocking=True)
+        logits = st(t, p, s)
+        nxt = logits.argmax(dim=-1).tolist()
+        for j in range(32):
+            last[j] = nxt[j] % 1000
+        return nxt
+
+    walls = []
+    for _ in range(40):
+        t0 = time.perf_counter()
+        body()
+        walls.append(time.perf_counter() - t0)
+    with GilHog(100, 700):
+        hogged = []
+        for _ in range(40):
+            t0 = time.perf_counter()
+            body()
+            hogged.append(time.perf_counter() - t0)
+    return dict(batch=32, bare_replay_ms=bare, scheduler_body_ms=summarize(walls[5:], 1e3)["median"],
+                scheduler_body_hogged_ms=summarize(hogged[5:], 1e3)["median"],
+                digest_of_one_row_ms=timeit_ms(lambda: logits_digest(st(tok, pos, slots)[0])))
+
+
+def timeit_ms(fn) -> float:
+    walls = []
+    for _ in range(6):
+        t0 = time.perf_counter()
+        fn()
+        walls.append(time.perf_counter() - t0)
+    return summarize(walls[1:], 1e3)["median"]
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="qwen2.5-7b")
+    p.add_argument("--only", default="gemv,step,prefill,host")
+    p.add_argument("--out", default="")
+    a = p.parse_args(argv)
+    model = load_model(ModelSpec(a.model, "bfloat16", 0), "cuda")
+    geom = CacheGeometry.from_config(model.config, torch.bfloat16)
+    res = {"model": a.model, "device": torch.cuda.get_device_name()}
+    parts = a.only.split(",")
+    with torch.inference_mode():
+        for part in parts:
+            t0 = time.perf_counter()
+            try:
+                res[part] = {"gemv": lambda: gemv(model), "step": lambda: step(model, geom),
+                             "prefill": lambda: prefills(model, geom), "host": lambda: host(model, geom)}[part]()
+            except Exception as e:  # noqa: BLE001
+                res[part] = {"error": repr(e)[:500]}
+            print(f"{part}: {time.perf_counter() - t0:.1f} s", flush=True)
+            if a.out:
+                with open(a.out, "w") as f:
+                    json.dump(res, f, indent=1)
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()

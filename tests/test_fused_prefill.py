@@ -1,0 +1,52 @@
+"""The fused prefill (kvtransfer/fused_prefill.py) against the HF forward it replaces, on CPU.
+
+Why: both servers prefill through it, so the colocated == disaggregated guarantee rests on it being
+one deterministic function; on CPU its reference ops mirror HF's eager math, so it must equal
+the HF forward byte for byte there (cache and logits), and hand each finished layer to the
+streaming callback once, in order, as StreamingCache does. Models it cannot run fall back to HF.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, MistralConfig
+
+from kvtransfer import fused_prefill as fp
+from kvtransfer.models import ModelSpec, _seeded_init_, load_model
+from kvtransfer.reference import decode, prefill, random_prompt
+from kvtransfer.streaming import cache_layers, caches_equal, same_bytes
+from tests.test_engine import tiny_qwen2
+
+
+def models():
+    yield "tiny", load_model(ModelSpec("tiny", "float32", 0))
+    yield "smollm2-135m", load_model(ModelSpec("smollm2-135m", "float32", 0))
+    yield "qwen2-biases", tiny_qwen2()
+
+
+@pytest.mark.parametrize("name,model", list(models()), ids=lambda v: v if isinstance(v, str) else "")
+def test_fused_prefill_is_bit_identical_to_hf_on_cpu(name, model):
+    ids = random_prompt(model.config.vocab_size, 45, seed=4)
+    seen = []
+    cache, logits = prefill(model, ids, on_layer=lambda i, k, v: seen.append((i, k, v)))
+    hf_cache, hf_logits = prefill(model, ids, fused=False)
+    assert fp.supports(model, 45)
+    assert same_bytes(logits, hf_logits), name
+    assert caches_equal(cache_layers(cache), cache_layers(hf_cache)), name
+    assert [i for i, _, _ in seen] == list(range(model.config.num_hidden_layers))
+    assert all(k is lk and v is lv for (_, k, v), (lk, lv) in zip(seen, cache_layers(cache)))
+    # and the cache decodes on as the HF one does (a proper DynamicCache)
+    assert decode(model, cache, logits, 4).tokens == decode(model, hf_cache, hf_logits, 4).tokens
+
+
+def test_a_sliding_window_shorter_than_the_prompt_runs_the_hf_forward():
+    cfg = MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=128, sliding_window=16)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa").eval()
+    _seeded_init_(model, 1)
+    assert fp.supports(model, 16) and not fp.supports(model, 17)
+    ids = random_prompt(cfg.vocab_size, 30, seed=2)
+    cache, logits = prefill(model, ids)
+    hf_cache, hf_logits = prefill(model, ids, fused=False)
+    assert same_bytes(logits, hf_logits) and caches_equal(cache_layers(cache), cache_layers(hf_cache))
