@@ -2,7 +2,8 @@
 
 Why: the batch-1 step sits at 1.34x its floor with the narrow GEMMs at ~2.9 TB/s, and a served 1k prefill
 stalls decodes ~110 ms against 35 ms in the ttft bench. This measures, on one GPU, in one process:
-  gemv     the Triton GEMV vs cuBLAS per projection shape and row count (weights rotated past L2)
+  gemv     the Triton GEMV vs cuBLAS per projection shape and row count, in a CUDA graph (weights rotated
+           past L2)
   step     the graphed step at batch 1/2/4/8 x 1k with and without the GEMV
   prefill  HF's prefill at 512/1024/1536 tokens: wall, GPU time, kernels launched; alone and beside a
            thread that holds the GIL in bursts (the server's event loop streaming tokens)
@@ -26,7 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 from bench.stats import summarize
 from decode_server.graphs import Step
 from decode_server.pool import KVPool
-from decode_server.runner import StepRunner
+from decode_server.runner import StepRunner, graph_us
 from kvtransfer import kernels as K
 from kvtransfer.geometry import CacheGeometry
 from kvtransfer.models import ModelSpec, load_model
@@ -63,24 +64,27 @@ def gemv(model) -> list[dict]:
         gated = name == "gate_up"
         for mrows in (1, 2, 4, 8):
             x = torch.randn(mrows, w.shape[1], device="cuda", dtype=w.dtype)
-            it = iter(range(10**9))
 
-            def cublas():
-                c = copies[next(it) % len(copies)]
+            def run(fn):
+                def calls():
+                    for c in copies * 3:
+                        fn(c)
+                return graph_us(calls, torch.device("cuda")) / (3 * len(copies))
+
+            def cublas(c):
                 y = F.linear(x, c, b)
                 return K.silu_mul(y) if gated else y
 
-            def tri():
-                c = copies[next(it) % len(copies)]
+            def tri(c):
                 return K.gate_up_silu(x, c, max_rows=8) if gated else K.linear(x, c, b, max_rows=8)
 
             try:
-                t_tri = loop_us(tri, 3 * len(copies))
-                ref, got = cublas().float(), tri().float()
+                t_tri = run(tri)
+                ref, got = cublas(w).float(), tri(w).float()
                 err = ((got - ref).abs().max() / ref.abs().max()).item()
             except Exception as e:  # noqa: BLE001 - a probe reports what failed
                 t_tri, err = None, repr(e)[:200]
-            t_cub = loop_us(cublas, 3 * len(copies))
+            t_cub = run(cublas)
             rows.append(dict(name=name, rows=mrows, n=w.shape[0], k=w.shape[1], mib=nbytes / 2**20,
                              cublas_us=t_cub, triton_us=t_tri, cublas_tbs=nbytes / t_cub / 1e6,
                              triton_tbs=None if t_tri is None else nbytes / t_tri / 1e6, rel_err=err))
@@ -188,7 +192,7 @@ def prefills(model, geom) -> list[dict]:
         ids = torch.randint(3, 1000, (1, n), device="cuda")
         fused_ok = True
         try:
-            ref = prefill(model, ids)[1].float()
+            ref = prefill(model, ids, fused=False)[1].float()
             got = fused_prefill(runner, ids[0], 0).float()
             out.append(dict(tokens=n, fused_vs_hf_rel_l2=((got - ref).norm() / ref.norm()).item(),
                             same_argmax=bool(got.argmax() == ref.argmax())))
@@ -197,12 +201,12 @@ def prefills(model, geom) -> list[dict]:
             out.append(dict(tokens=n, fused_error=repr(e)[:300]))
         print("prefill", out[-1], flush=True)
         for hog in (None, (100, 700), (1000, 2000)):
-            row = dict(tokens=n, hog_us=hog, hf_wall_ms=walls_ms(lambda: prefill(model, ids), hog))
+            row = dict(tokens=n, hog_us=hog, hf_wall_ms=walls_ms(lambda: prefill(model, ids, fused=False), hog))
             if fused_ok:
                 row["fused_wall_ms"] = walls_ms(lambda: fused_prefill(runner, ids[0], 0), hog)
             out.append(row)
             print("prefill", out[-1], flush=True)
-        for name, fn in (("hf", lambda: prefill(model, ids)), ("fused", lambda: fused_prefill(runner, ids[0], 0))):
+        for name, fn in (("hf", lambda: prefill(model, ids, fused=False)), ("fused", lambda: fused_prefill(runner, ids[0], 0))):
             if name == "fused" and not fused_ok:
                 continue
             with profile(activities=[ProfilerActivity.CUDA]) as prof:

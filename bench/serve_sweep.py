@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
                         failures += [f"{arm} max-batch {max_batch} c={c}: {f}" for f in r["failures"]]
                         print(json.dumps({k: r.get(k) for k in ("arm", "server_max_batch", "max_concurrency",
                               "completed", "output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms",
-                              "p99_itl_ms")} | {"mean_batch": (r.get("server_batch") or {}).get("mean_batch_per_step")}),
+                              "p99_itl_ms")} | {k: (r.get("server_batch") or {}).get(v) for k, v in (
+                              ("mean_batch", "mean_batch_per_step"), ("prefill_ms", "local_prefill_ms_mean"))}),
                               file=sys.stderr, flush=True)
             except Exception as e:  # a server that did not start: recorded, the other arms still run
                 failures.append(f"{arm} max-batch {max_batch}: {e}")
@@ -88,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
                             "speedup_vs_max_batch_1": (r["output_throughput"] / b["output_throughput"]
                                                        if b and b["output_throughput"] else None),
                             "mean_batch": (r.get("server_batch") or {}).get("mean_batch_per_step"),
+                            "local_prefill_ms_mean": (r.get("server_batch") or {}).get("local_prefill_ms_mean"),
                             **{k: r[k] for k in ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms")}})
     result = {"kind": "serve_sweep", "ok": not failures, "failures": failures, "config": vars(args),
               "summary": summary, "runs": runs}

@@ -87,7 +87,8 @@ PROJECTIONS = ("qkv", "o", "gate_up", "down", "lm_head")
 @torch.inference_mode()
 def pick_gemv(runner: StepRunner, rows: int) -> dict[str, int]:
     """Per projection, the batch up to which the Triton GEMV runs: `rows` where it beats cuBLAS on this device at
-    batch 1, else 0. Timed once at start over several layers' weights (more bytes than L2 holds), CUDA events."""
+    batch 1, else 0. Timed once at start inside a CUDA graph, as the step runs (eager timing would measure
+    Triton's Python launch cost instead), over several layers' weights (more bytes than L2 holds)."""
     layers = runner.layers[: min(8, len(runner.layers))]
     weights = {"qkv": [(w.qkv, w.qkv_bias) for w in layers], "o": [(w.o, w.o_bias) for w in layers],
                "gate_up": [(w.gate_up, None) for w in layers], "down": [(w.down, None) for w in layers],
@@ -96,18 +97,14 @@ def pick_gemv(runner: StepRunner, rows: int) -> dict[str, int]:
     def us(name: str, max_rows: int) -> float:
         ws = weights[name]
         x = torch.zeros(1, ws[0][0].shape[1], dtype=ws[0][0].dtype, device=runner.device)
-        call = ((lambda w, b: kernels.gate_up_silu(x, w, max_rows=max_rows)) if name == "gate_up"
-                else (lambda w, b: kernels.linear(x, w, b, max_rows=max_rows)))
-        for w, b in ws:  # warm-up (and the GEMV's autotune, on first use)
-            call(w, b)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(4):
+
+        def calls():
             for w, b in ws:
-                call(w, b)
-        end.record()
-        torch.cuda.synchronize(runner.device)
-        return start.elapsed_time(end) * 1e3 / (4 * len(ws))
+                if name == "gate_up":
+                    kernels.gate_up_silu(x, w, max_rows=max_rows)
+                else:
+                    kernels.linear(x, w, b, max_rows=max_rows)
+        return graph_us(calls, runner.device) / len(ws)
 
     picked = {}
     for name in PROJECTIONS:
@@ -116,3 +113,24 @@ def pick_gemv(runner: StepRunner, rows: int) -> dict[str, int]:
         log.info("batch-1 %s: cuBLAS %.1f us, Triton GEMV %.1f us -> %s", name, cublas, gemv,
                  "GEMV" if picked[name] else "cuBLAS")
     return picked
+
+
+def graph_us(calls, device: torch.device, replays: int = 5) -> float:
+    """GPU time of `calls()` captured once as a CUDA graph: the median of `replays` replays, in us."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        calls()  # warm-up outside capture: Triton compiles and autotunes here
+    torch.cuda.current_stream(device).wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        calls()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        g.replay()
+        end.record()
+        torch.cuda.synchronize(device)
+        times.append(start.elapsed_time(end) * 1e3)
+    return sorted(times)[len(times) // 2]

@@ -4,9 +4,16 @@ Why one thread: a CUDA graph replay, a local prefill and a cache digest must not
 the device, and tokens must come out in step order. Between two steps the thread, in order:
 runs one piece of device work asked for by the servicer (a local prefill, or one chunk of a
 chunked one; a digest), drops the sequences asked to stop (their slots are let go at once),
-admits the sequences whose caches are complete, then runs one step for all of them. A sequence
+admits the sequences whose caches are complete, then queues one step for all of them. A sequence
 leaves when its last token is made. Nothing here waits on a client: tokens go to each
 sequence's sink, which never blocks.
+
+One step runs ahead (SGLang's overlap scheduling): step k+1 is queued on the device, its input
+tokens gathered there from step k's argmax, before the thread waits for step k's tokens and
+hands them out. The host's share of a step (building inputs, launching the graph, streaming
+tokens) then hides behind the device's. What it costs: a sequence that hits EOS at step k has
+already been queued for step k+1; that row's token is dropped. Slots stay held by every queued
+step that writes into them (`Lease.hold`), so a slot is never handed on while a write is queued.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 
 import torch
 
@@ -85,9 +93,10 @@ class Scheduler:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         job: tuple[Job, Future] | None = None
+        pending: InFlight | None = None
         while True:
             with self._cond:
-                while not (self._closed or self._jobs or self._joining or self.running or job):
+                while not (self._closed or self._jobs or self._joining or self.running or job or pending):
                     self._cond.wait()
                 if self._closed:
                     break
@@ -100,17 +109,27 @@ class Scheduler:
             if job is not None and self._advance(*job):
                 job = None
             self.running.extend(joining)
-            self._drop_stopped()
-            if self.running:
-                try:
-                    self._step()
-                except Exception as e:  # a failed step fails every running request loudly, not silently
-                    log.exception("decode step failed")
-                    for s in self.running:
+            self._drop_stopped(pending)
+            newer = None
+            try:
+                launch = [s for s in self.running if s.remaining > 0 and not s.over]
+                newer = self._launch(launch, pending) if launch else None
+                if pending is not None:
+                    self._deliver(pending, newer)
+                pending = newer
+            except Exception as e:  # a failed step fails every running request loudly, not silently
+                log.exception("decode step failed")
+                for s in self.running:
+                    if not s.over:
                         self._end(s, Ended(EndCause.STEP_FAILED, f"decode step failed: {e}"))
-                    self.running = []
+                self.running = []
+                pending = self._let_go(pending)
+                if newer is not pending:
+                    self._let_go(newer)
+        pending = self._let_go(pending)
         for s in self.running + self._joining:
-            self._end(s, Ended(EndCause.SHUTDOWN, "the decode server is stopping"))
+            if not s.over:
+                self._end(s, Ended(EndCause.SHUTDOWN, "the decode server is stopping"))
         for _, fut in self._jobs:
             fut.set_exception(RuntimeError("the decode server is stopping"))
 
@@ -127,42 +146,118 @@ class Scheduler:
             return True
         return False
 
-    def _drop_stopped(self) -> None:
+    def _drop_stopped(self, pending: InFlight | None) -> None:
+        """Sequences asked to stop leave now; one queued in `pending` ends once that step is delivered."""
+        queued = {id(s) for s in pending.batch} if pending is not None else set()
         keep = []
         for s in self.running:
             if s.stopped:
-                self._end(s, Ended(s.stop_cause, s.stop_reason))
+                s.over = True
+                if id(s) in queued:
+                    pending.after.append((s, Ended(s.stop_cause, s.stop_reason)))
+                else:
+                    self._end(s, Ended(s.stop_cause, s.stop_reason))
             else:
                 keep.append(s)
         self.running = keep
 
     @staticmethod
-    def _end(s: Sequence, ended: Ended) -> None:
+    def _end(s: Sequence, item: Token | Ended) -> None:
+        """Let go of the sequence's slot, then hand it its last token or its end (a stream ends with its slot free)."""
+        s.over = True
         s.lease.release()
-        s.sink(ended)
+        s.sink(item)
 
-    def _step(self) -> None:
-        batch = self.running  # <= max_batch: each running sequence holds one of max_batch slots
-        dev = self.device
-        tokens = torch.tensor([s.last_token for s in batch], dtype=torch.long).to(dev, non_blocking=True)
+    def _launch(self, batch: list[Sequence], prev: InFlight | None) -> InFlight:
+        """Queue one step for `batch` without waiting for the device. A row that was in the step still in flight
+        reads its next input token from that step's argmax on the device; a row joining now reads it from the host.
+        Positions and slots are the host's. Each row's lease is held until this step has been delivered, so no
+        slot is handed to another request while a queued step may still write into it."""
+        dev, n = self.device, len(batch)
+        where = {id(s): j for j, s in enumerate(prev.batch)} if prev is not None else {}
+        fresh = [s for s in batch if id(s) not in where]
+        host_tokens = torch.tensor([s.last_token for s in fresh], dtype=torch.long).to(dev, non_blocking=True)
+        if len(fresh) == n:
+            tokens = host_tokens  # (n,)
+        else:  # rows of prev: prev.next[j]; fresh rows: host_tokens[i], gathered from one (len(prev) + fresh,) vector
+            src = torch.cat([prev.next, host_tokens])
+            k = iter(range(len(prev.batch), len(prev.batch) + len(fresh)))
+            gather = [where[id(s)] if id(s) in where else next(k) for s in batch]
+            tokens = src[torch.tensor(gather, dtype=torch.long).to(dev, non_blocking=True)]
         positions = torch.tensor([s.length for s in batch], dtype=torch.long).to(dev, non_blocking=True)
         slots = torch.tensor([s.slot for s in batch], dtype=torch.long).to(dev, non_blocking=True)
-        logits = self.step(tokens, positions, slots)  # (n, vocab)
-        nxt = logits.argmax(dim=-1).tolist()  # the one host sync per step: tokens go to clients now
+        logits = self.step(tokens, positions, slots)  # (n, vocab): the graph's buffer, overwritten by the next step
+        nxt = logits.argmax(dim=-1)  # (n,) on the device
+        rows = {j: logits[j].clone() for j, s in enumerate(batch) if s.want_digest}  # (vocab,) each, kept
+        host = torch.empty(n, dtype=torch.long, pin_memory=dev.type == "cuda")
+        host.copy_(nxt, non_blocking=True)
+        event = None
+        if dev.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        for s in batch:
+            s.lease.hold()
+            s.length += 1
+            s.remaining -= 1
+        return InFlight(batch, nxt, host, event, rows, [s.remaining for s in batch])
+
+    def _deliver(self, done: InFlight, newer: InFlight | None) -> None:
+        """Wait for a queued step and hand each row's token to its sink; sequences whose last token it was leave
+        the batch. A sequence still queued in `newer` (it hit EOS here) gets its last token when `newer` is
+        delivered: a stream ends only once its slot is free."""
+        if done.event is not None:
+            done.event.synchronize()  # the one host wait per step, while `newer` already runs
+        tokens = done.host.tolist()
         t = time.perf_counter()
         self.steps += 1
         if self.on_step is not None:
-            self.on_step(len(batch))
-        done = set()
-        for j, s in enumerate(batch):
-            s.length += 1
+            self.on_step(len(done.batch))
+        ends: list[tuple[Sequence, Token | Ended]] = []
+        queued = {id(s) for s in newer.batch} if newer is not None else set()
+        for j, s in enumerate(done.batch):
+            if s.over:  # ended at an earlier step (EOS, stopped): this row ran ahead of that news
+                continue
             s.index += 1
-            s.remaining -= 1
-            s.last_token = nxt[j]
-            last = s.remaining == 0 or nxt[j] in s.eos
-            s.sink(Token(s.index, nxt[j], logits_digest(logits[j]) if s.want_digest else "", t, last))
-            if last:
+            s.last_token = tokens[j]
+            last = done.left[j] == 0 or tokens[j] in s.eos
+            tok = Token(s.index, tokens[j], logits_digest(done.rows[j]) if s.want_digest else "", t, last)
+            if not last:
+                s.sink(tok)
+                continue
+            s.over = True
+            (newer.after if id(s) in queued else ends).append((s, tok))
+        if ends or (newer is not None and newer.after):
+            self.running = [s for s in self.running if not s.over]
+        for s in done.batch:
+            s.lease.release()  # the step's own hold
+        for s, item in done.after + ends:
+            self._end(s, item)
+
+    def _let_go(self, pending: InFlight | None) -> None:
+        """After a failure or at shutdown: wait for a queued step (its writes) and drop its holds."""
+        if pending is not None:
+            if pending.event is not None:
+                try:
+                    pending.event.synchronize()
+                except Exception:  # noqa: BLE001 - the device failed; the slots are released regardless
+                    log.exception("waiting for the last queued step")
+            for s in pending.batch:
                 s.lease.release()
-                done.add(id(s))
-        if done:
-            self.running = [s for s in self.running if id(s) not in done]
+            for s, item in pending.after:
+                self._end(s, item)  # a last token stays valid: only the row queued after it failed
+            pending.batch, pending.after = [], []  # let go once
+        return None
+
+
+@dataclass
+class InFlight:
+    """One step queued on the device and not yet delivered: its rows, their next tokens (device, and the pinned
+    host copy on its way), the event after that copy, and the logits rows kept for digests."""
+
+    batch: list[Sequence]
+    next: torch.Tensor  # (n,) int64 on the device
+    host: torch.Tensor  # (n,) int64, pinned on CUDA
+    event: torch.cuda.Event | None
+    rows: dict[int, torch.Tensor]
+    left: list[int]  # each row's tokens still to make after this step
+    after: list = field(default_factory=list)  # (sequence, Token | Ended) to end once this step is delivered

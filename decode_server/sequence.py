@@ -50,13 +50,14 @@ Sink = Callable[[Token | Ended], None]
 class Sequence:
     rid: int
     lease: Lease
-    length: int  # tokens in the pool slot
+    length: int  # tokens in the pool slot, counting those of steps queued on the device
     last_token: int  # the next input
-    remaining: int  # tokens still to make
+    remaining: int  # tokens still to make, less those of queued steps
     sink: Sink
     want_digest: bool = False
     eos: frozenset[int] = frozenset()  # stop early on these (empty: run to max_new_tokens)
     index: int = 0  # of the last token made
+    over: bool = False  # its last token was delivered, or it was dropped (the scheduler thread's flag)
     _stop: threading.Event = field(default_factory=threading.Event)
     stop_cause: EndCause = EndCause.REQUEST_ENDED
     stop_reason: str = ""
