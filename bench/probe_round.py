@@ -8,6 +8,7 @@ stalls decodes ~110 ms against 35 ms in the ttft bench. This measures, on one GP
   prefill  HF's prefill at 512/1024/1536 tokens: wall, GPU time, kernels launched; alone and beside a
            thread that holds the GIL in bursts (the server's event loop streaming tokens)
   host     the scheduler's per-step host work at batch 32 vs bare graph replay
+  served   the local prefill's time in-process through the engine, then inside a colocated server
 Prints one JSON object; `--only` picks parts.
 
     python -m bench.probe_round --model qwen2.5-7b --out result.json
@@ -256,6 +257,47 @@ def host(model, geom) -> dict:
                 digest_of_one_row_ms=timeit_ms(lambda: logits_digest(st(tok, pos, slots)[0])))
 
 
+def served(model_name: str, model, out_dir: str) -> dict:
+    """Local prefill time of 1k-ish prompts: in-process through the engine's scheduler, then in a colocated server
+    (timing.prefill_ms of each response), sequential requests of 512..1536 tokens."""
+    import grpc
+    import numpy as np
+
+    from bench.launch import colocated_server
+    from decode_server.engine import DecodeEngine, EngineOptions
+    from kvtransfer.serving import LoadedModel
+    from proto import kvtransfer_pb2 as pb
+    from proto import kvtransfer_pb2_grpc as pbg
+
+    rng = np.random.default_rng(0)
+    lens = [int(x) for x in rng.integers(512, 1537, 14)]
+    spec = ModelSpec(model_name, "bfloat16", 0)
+    dev = next(model.parameters()).device
+    lm = LoadedModel(spec, model, CacheGeometry.from_config(model.config, torch.bfloat16), dev)
+    eng = DecodeEngine(lm, EngineOptions(max_batch=8, max_seq_len=2048))
+    inproc = []
+    for n in lens:
+        lease = eng.pool.try_lease()
+        r = eng.prefill([int(t) for t in rng.integers(3, min(1000, model.config.vocab_size), n)], lease, False).result(timeout=60)
+        lease.release()
+        inproc.append(dict(tokens=n, ms=r.prefill_ms, cpu_ms=r.cpu_ms))
+    eng.close()
+    print("served: in-process", inproc, flush=True)
+    remote = []
+    with colocated_server(out_dir, model_name, "bfloat16", "cuda:0" if dev.type == "cuda" else "cpu",
+                          args=["--max-batch", "8", "--max-seq-len", "2048", "--log-level", "DEBUG"]) as run:
+        with grpc.insecure_channel(run.addr) as ch:
+            stub = pbg.DecodeStub(ch)
+            for n in lens:
+                t0 = time.perf_counter()
+                msgs = list(stub.Generate(pb.GenerateRequest(token_ids=[int(t) for t in rng.integers(3, min(1000, model.config.vocab_size), n)],
+                                                             max_new_tokens=2), timeout=120))
+                remote.append(dict(tokens=n, server_prefill_ms=msgs[0].timing.prefill_ms,
+                                   client_ms=(time.perf_counter() - t0) * 1e3))
+    print("served: server", remote, flush=True)
+    return dict(in_process=inproc, server=remote)
+
+
 def timeit_ms(fn) -> float:
     walls = []
     for _ in range(6):
@@ -270,6 +312,7 @@ def main(argv=None) -> None:
     p.add_argument("--model", default="qwen2.5-7b")
     p.add_argument("--only", default="gemv,step,prefill,host")
     p.add_argument("--out", default="")
+    p.add_argument("--logs", default="/tmp/probe-logs", help="the served part's server log")
     a = p.parse_args(argv)
     model = load_model(ModelSpec(a.model, "bfloat16", 0), "cuda")
     geom = CacheGeometry.from_config(model.config, torch.bfloat16)
@@ -280,7 +323,8 @@ def main(argv=None) -> None:
             t0 = time.perf_counter()
             try:
                 res[part] = {"gemv": lambda: gemv(model), "step": lambda: step(model, geom),
-                             "prefill": lambda: prefills(model, geom), "host": lambda: host(model, geom)}[part]()
+                             "prefill": lambda: prefills(model, geom), "host": lambda: host(model, geom),
+                             "served": lambda: served(a.model, model, a.logs)}[part]()
             except Exception as e:  # noqa: BLE001
                 res[part] = {"error": repr(e)[:500]}
             print(f"{part}: {time.perf_counter() - t0:.1f} s", flush=True)

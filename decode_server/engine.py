@@ -46,6 +46,7 @@ class LocalPrefill:
     first: int
     digest: str
     prefill_ms: float
+    cpu_ms: float = 0.0  # the scheduler thread's CPU time in it (wall far above: waiting on the GPU or the GIL)
 
 
 class DecodeEngine:
@@ -76,7 +77,7 @@ class DecodeEngine:
             views = self.pool.views(lease.slot, n)
             ids = torch.tensor([token_ids], dtype=torch.long).to(self.m.device)  # (1, seq)
             sync(self.m.device)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             cache, start = None, 0
 
             def land(i: int, k: torch.Tensor, v: torch.Tensor) -> None:  # k, v: (1, kv_heads, end, head_dim) so far
@@ -90,8 +91,9 @@ class DecodeEngine:
                 if start < n:
                     yield
             first = int(logits.argmax())
-            ms = (time.perf_counter() - t0) * 1e3
-            return LocalPrefill(first, logits_digest(logits) if want_digest else "", ms)
+            ms, cpu = (time.perf_counter() - t0) * 1e3, (time.thread_time() - c0) * 1e3
+            log.debug("local prefill of %d tokens: %.1f ms, %.1f ms of thread CPU", n, ms, cpu)
+            return LocalPrefill(first, logits_digest(logits) if want_digest else "", ms, cpu)
         finally:
             lease.release()
 

@@ -12,7 +12,9 @@ then it is refused with RESOURCE_EXHAUSTED naming the flag that sizes the pool.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
+from collections import deque
 
 import grpc
 
@@ -37,18 +39,60 @@ async def acquire_slot(pool: KVPool, deadline: float, wait_s: float) -> Lease:
             await asyncio.sleep(ADMISSION_POLL_S)
 
 
+class Mailbox:
+    """Hands items from the scheduler thread to one event loop, waking the loop once per burst.
+
+    Why: a step makes one token for each of B streams; one `call_soon_threadsafe` per token wakes the
+    loop B times per step (a self-pipe write each, and a GIL hand-over to the loop thread that the
+    scheduler thread then waits to get back). Posted items queue up; only the first post of a burst
+    schedules the drain, which delivers everything queued by then.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._items: deque = deque()
+        self._lock = threading.Lock()
+        self._scheduled = False
+
+    def post(self, queue: asyncio.Queue, item) -> None:
+        with self._lock:
+            self._items.append((queue, item))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        self.loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        with self._lock:
+            items, self._items, self._scheduled = self._items, deque(), False
+        for queue, item in items:
+            queue.put_nowait(item)
+
+
+_MAILBOXES: dict[int, Mailbox] = {}
+
+
+def mailbox(loop: asyncio.AbstractEventLoop) -> Mailbox:
+    """The one Mailbox of `loop` (created on first use, on that loop's thread)."""
+    box = _MAILBOXES.get(id(loop))
+    if box is None or box.loop is not loop:
+        box = _MAILBOXES[id(loop)] = Mailbox(loop)
+    return box
+
+
 class TokenStream:
     """The sink of one Sequence (called on the scheduler thread) and its reader (the servicer's loop)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, limit: int):
         self.loop, self.limit = loop, limit
+        self.box = mailbox(loop)
         self.queue: asyncio.Queue = asyncio.Queue()
         self.sent = self.read = 0  # written by one thread each; reads of an int are atomic
         self.seq: Sequence | None = None
 
     def sink(self, item: Token | Ended) -> None:
         self.sent += 1
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        self.box.post(self.queue, item)
         if self.seq is not None and self.sent - self.read > self.limit:
             self.seq.stop(f"the client left {self.limit} tokens unread (--stream-buffer-tokens); read the stream "
                           "as it comes", EndCause.SLOW_READER)
