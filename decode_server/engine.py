@@ -4,10 +4,10 @@ Why one object: the servicer needs four things from the device: a slot, a local 
 that slot (colocated, recompute), a digest of a slot's cache, and decoding. All device work runs
 on the scheduler's one thread; the servicer only awaits futures and reads sinks.
 
-A local prefill runs the HF forward exactly as the prefill worker does (same streaming cache,
-same kernels), and copies each layer into the slot as it is made: the same one device-local
-copy per layer that a transport's landing does, so colocated and disaggregated requests reach
-the step with byte-identical caches.
+A local prefill runs exactly the prefill worker's forward (`kvtransfer.reference.prefill`: the
+fused prefill for supported models, same kernels), and copies each layer into the slot as it is
+made: the same one device-local copy per layer that a transport's landing does, so colocated and
+disaggregated requests reach the step with byte-identical caches.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Why not the HF forward: HF decodes one request per call through a DynamicCache, launching
 ~30 small kernels per layer from Python, so batch 32 costs what batch 1 costs (launch-bound).
 This step reads the same weights (the HF modules' own parameters, fused in place: q/k/v and
-gate/up become views of one tensor each, so prefill still runs the HF forward on them), feeds
+gate/up become views of one tensor each, kvtransfer/fused.py, so the HF forward still runs on them), feeds
 B rows at their own positions, writes each row's new K/V into its pool slot and attends over
 exactly its valid length. Its inputs are three (B,) tensors, so it can be captured as a CUDA
 graph per batch size (graphs.py). The math mirrors HF's Llama/Qwen2/Mistral decoder; what

@@ -3,7 +3,8 @@
 Why one thread: a CUDA graph replay, a local prefill and a cache digest must not interleave on
 the device, and tokens must come out in step order. Between two steps the thread, in order:
 runs one piece of device work asked for by the servicer (a local prefill, or one chunk of a
-chunked one; a digest), drops the sequences asked to stop (their slots are let go at once),
+chunked one; a digest), drops the sequences asked to stop (their slots are let go once no queued
+step writes into them),
 admits the sequences whose caches are complete, then queues one step for all of them. A sequence
 leaves when its last token is made. Nothing here waits on a client: tokens go to each
 sequence's sink, which never blocks.

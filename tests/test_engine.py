@@ -210,3 +210,34 @@ def test_token_stream_stops_a_sequence_whose_client_does_not_read():
         assert stream.seq.stopped and stream.seq.stop_cause is EndCause.SLOW_READER
         assert "--stream-buffer-tokens" in stream.seq.stop_reason
     asyncio.run(scenario())
+
+
+def test_mailbox_wakes_the_loop_once_per_burst_and_keeps_order():
+    """Tokens posted from the scheduler thread reach each stream's queue in order, with one loop wake-up per burst."""
+    import asyncio
+    import threading
+
+    from decode_server.streams import mailbox
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        box = mailbox(loop)
+        assert mailbox(loop) is box
+        queues = [asyncio.Queue() for _ in range(3)]
+        wakeups = []
+        real = loop.call_soon_threadsafe
+
+        def counting(cb, *args):
+            wakeups.append(cb)
+            return real(cb, *args)
+        loop.call_soon_threadsafe = counting
+        try:
+            t = threading.Thread(target=lambda: [box.post(q, (i, j)) for i in range(4) for j, q in enumerate(queues)])
+            t.start()
+            t.join()
+            got = [[await asyncio.wait_for(q.get(), 5) for _ in range(4)] for q in queues]
+        finally:
+            loop.call_soon_threadsafe = real
+        assert got == [[(i, j) for i in range(4)] for j in range(3)]
+        assert len(wakeups) == 1  # 12 posts before the loop ran: one drain
+    asyncio.run(scenario())

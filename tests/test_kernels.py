@@ -172,3 +172,17 @@ def test_import_does_not_import_triton():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "False"
+
+
+def test_linear_and_gate_up_silu_fall_back_to_torch_on_cpu():
+    """Off CUDA (or above GEMV_MAX_ROWS) the projections are plain F.linear, and gate_up_silu is GEMM + silu_mul."""
+    from kvtransfer import kernels as K
+
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(1, 24, generator=g), torch.randn(10, 24, generator=g), torch.randn(10, generator=g)
+    assert torch.equal(K.linear(x, w, b), F.linear(x, w, b))
+    assert torch.equal(K.gate_up_silu(x, w), K.silu_mul_ref(F.linear(x, w)))
+    with pytest.raises(ValueError, match="even row count"):
+        K.gate_up_silu(x, w[:9])
+    with pytest.raises(ValueError, match="columns"):
+        K.linear(x, w[:, :5])
