@@ -47,9 +47,13 @@ class Lease:
             if self._holders == 0:
                 return
             self._holders -= 1
-            if self._holders == 0:
-                self.pool._free.append(self.slot)
-                self.pool._changed.notify_all()
+            if self._holders:
+                return
+            self.pool._free.append(self.slot)
+            self.pool._changed.notify_all()
+            listeners = list(self.pool._listeners)
+        for wake in listeners:  # outside the lock: a listener may take a slot
+            wake()
 
 
 class KVPool:
@@ -65,6 +69,7 @@ class KVPool:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._free = list(range(slots - 1, -1, -1))  # pop() hands out slot 0 first
+        self._listeners: set = set()  # called (on the releasing thread) each time a slot is freed
         log.info("KV pool: %d slots x %d tokens x %d B/token = %.2f GiB on %s (+1 scratch slot)", slots, max_seq,
                  g.bytes_per_token, self.capacity_bytes / 2**30, device)
 
@@ -81,6 +86,15 @@ class KVPool:
             if not self._free:
                 raise PoolFull()
             return Lease(self, self._free.pop())
+
+    def subscribe(self, wake) -> None:
+        """Call `wake()` (no arguments, must not block) on whichever thread frees a slot, until unsubscribed."""
+        with self._lock:
+            self._listeners.add(wake)
+
+    def unsubscribe(self, wake) -> None:
+        with self._lock:
+            self._listeners.discard(wake)
 
     def lease(self, timeout: float) -> Lease:
         """A slot, waiting at most `timeout` seconds for one to be released (PoolFull after that)."""

@@ -44,8 +44,11 @@ class StepRunner:
             pos = torch.arange(pool.max_seq, device=self.device).unsqueeze(0)  # (1, max_seq)
             cos, sin = inner.rotary_emb(torch.empty(0, dtype=dtype, device=self.device), pos)
         self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()  # (max_seq, D)
-        rows = kernels.GEMV_MAX_ROWS if gemv_rows is None else gemv_rows  # 0: cuBLAS at every batch
-        self.gemv_rows = pick_gemv(self, rows) if rows and self.use_triton else dict.fromkeys(PROJECTIONS, 0)
+        # gemv_rows 0: cuBLAS at every batch. Deterministic mode never lets a timing pick a kernel: two processes
+        # (colocated and a pair's decode side) must run the same kernels to give the same bits.
+        rows = kernels.GEMV_MAX_ROWS if gemv_rows is None else gemv_rows
+        timed = rows and self.use_triton and not torch.are_deterministic_algorithms_enabled()
+        self.gemv_rows = pick_gemv(self, rows) if timed else dict.fromkeys(PROJECTIONS, 0)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -82,12 +85,13 @@ class StepRunner:
 
 
 PROJECTIONS = ("qkv", "o", "gate_up", "down", "lm_head")
+GEMV_MARGIN = 0.05  # the GEMV must be this much faster: near-ties stay on cuBLAS, so noise rarely flips a pick
 
 
 @torch.inference_mode()
 def pick_gemv(runner: StepRunner, rows: int) -> dict[str, int]:
-    """Per projection, the batch up to which the Triton GEMV runs: `rows` where it beats cuBLAS on this device at
-    batch 1, else 0. Timed once at start inside a CUDA graph, as the step runs (eager timing would measure
+    """Per projection, the batch up to which the Triton GEMV runs: `rows` where it beats cuBLAS by GEMV_MARGIN on
+    this device at batch 1, else 0. Timed once at start inside a CUDA graph, as the step runs (eager timing would measure
     Triton's Python launch cost instead), over several layers' weights (more bytes than L2 holds)."""
     layers = runner.layers[: min(8, len(runner.layers))]
     weights = {"qkv": [(w.qkv, w.qkv_bias) for w in layers], "o": [(w.o, w.o_bias) for w in layers],
@@ -109,7 +113,7 @@ def pick_gemv(runner: StepRunner, rows: int) -> dict[str, int]:
     picked = {}
     for name in PROJECTIONS:
         cublas, gemv = us(name, 0), us(name, rows)
-        picked[name] = rows if gemv < cublas else 0
+        picked[name] = rows if gemv < cublas * (1 - GEMV_MARGIN) else 0
         log.info("batch-1 %s: cuBLAS %.1f us, Triton GEMV %.1f us -> %s", name, cublas, gemv,
                  "GEMV" if picked[name] else "cuBLAS")
     return picked

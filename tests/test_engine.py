@@ -241,3 +241,30 @@ def test_mailbox_wakes_the_loop_once_per_burst_and_keeps_order():
         assert got == [[(i, j) for i in range(4)] for j in range(3)]
         assert len(wakeups) == 1  # 12 posts before the loop ran: one drain
     asyncio.run(scenario())
+
+
+def test_a_waiting_request_is_woken_by_the_free_not_by_polling(monkeypatch):
+    """acquire_slot waits on the pool's free notification: with the re-check pushed out to 60 s, a slot freed on
+    another thread still reaches the waiter at once; with none freed it is refused after --admission-wait-s."""
+    import asyncio
+    import threading
+
+    import grpc
+
+    from decode_server import streams
+    from decode_server.remote import RequestError
+
+    monkeypatch.setattr(streams, "ADMISSION_RECHECK_S", 60.0)
+    pool = KVPool(CacheGeometry(1, 1, 2, torch.float32), torch.device("cpu"), slots=1, max_seq=4)
+
+    async def scenario():
+        held = pool.try_lease()
+        threading.Timer(0.2, held.release).start()
+        got = await asyncio.wait_for(streams.acquire_slot(pool, deadline=1e18, wait_s=30), timeout=10)
+        assert got.slot == held.slot and not pool._listeners
+        with pytest.raises(RequestError) as e:
+            await streams.acquire_slot(pool, deadline=1e18, wait_s=0.1)
+        assert e.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-batch 1" in e.value.message
+        assert not pool._listeners
+        got.release()
+    asyncio.run(scenario())
