@@ -32,7 +32,8 @@ import torch
 from kvtransfer.reference import logits_digest
 
 from .graphs import Step
-from .sequence import EndCause, Ended, Sequence, Token
+from .mixed import Chunk, MixedPrefill, mixed_forward
+from .sequence import EndCause, Ended, LocalPrefill, Sequence, Token
 
 log = logging.getLogger("kvtransfer.decode.scheduler")
 
@@ -47,6 +48,8 @@ class Scheduler:
         self._cond = threading.Condition()
         self._jobs: deque[tuple[Job, Future]] = deque()
         self._joining: list[Sequence] = []
+        self._tasks: deque[MixedPrefill] = deque()  # prompts whose chunks ride in decode steps (--mixed-prefill)
+        self._task: MixedPrefill | None = None
         self.running: list[Sequence] = []
         self.steps = 0
         self._closed = False
@@ -64,6 +67,15 @@ class Scheduler:
             self._jobs.append((job, fut))
             self._cond.notify()
         return fut
+
+    def submit_mixed(self, task: MixedPrefill) -> Future:
+        """Hand out `task`'s chunks one per step, each in the same forward as the decode rows (mixed.py)."""
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the decode scheduler is stopped")
+            self._tasks.append(task)
+            self._cond.notify()
+        return task.future
 
     def call(self, fn: Callable, *args) -> Future:
         """Run `fn(*args)` on the device thread between two steps."""
@@ -97,7 +109,8 @@ class Scheduler:
         pending: InFlight | None = None
         while True:
             with self._cond:
-                while not (self._closed or self._jobs or self._joining or self.running or job or pending):
+                while not (self._closed or self._jobs or self._joining or self.running or job or pending
+                           or self._tasks or self._task):
                     self._cond.wait()
                 if self._closed:
                     break
@@ -106,15 +119,23 @@ class Scheduler:
                     if not job[1].set_running_or_notify_cancel():  # cancelled while queued (its request gave up)
                         job[0].close()
                         job = None
+                while self._task is None and self._tasks:
+                    self._task = self._tasks.popleft()
+                    if not self._task.future.set_running_or_notify_cancel():  # its request gave up while queued
+                        self._task = None
                 joining, self._joining = self._joining, []
             if job is not None and self._advance(*job):
                 job = None
             self.running.extend(joining)
             self._drop_stopped(pending)
             newer = None
+            chunk_of = None
             try:
                 launch = [s for s in self.running if s.remaining > 0 and not s.over]
-                newer = self._launch(launch, pending) if launch else None
+                chunk_of, chunk = self._task, self._task.next_chunk() if self._task is not None else None
+                if chunk_of is not None and chunk_of.handed_out:
+                    self._task = None  # its last chunk goes now; the next prompt's first may go next step
+                newer = self._launch(launch, pending, chunk_of, chunk) if launch or chunk else None
                 if pending is not None:
                     self._deliver(pending, newer)
                 pending = newer
@@ -127,12 +148,19 @@ class Scheduler:
                 pending = self._let_go(pending)
                 if newer is not pending:
                     self._let_go(newer)
+                for task in (chunk_of, self._task):
+                    if task is not None and not task.future.done():
+                        task.future.set_exception(RuntimeError(f"decode step failed: {e}"))
+                self._task = None
         pending = self._let_go(pending)
         for s in self.running + self._joining:
             if not s.over:
                 self._end(s, Ended(EndCause.SHUTDOWN, "the decode server is stopping"))
         for _, fut in self._jobs:
             fut.set_exception(RuntimeError("the decode server is stopping"))
+        for task in [self._task, *self._tasks]:
+            if task is not None and not task.future.done():
+                task.future.set_exception(RuntimeError("the decode server is stopping"))
 
     @staticmethod
     def _advance(job: Job, fut: Future) -> bool:
@@ -169,11 +197,14 @@ class Scheduler:
         s.lease.release()
         s.sink(item)
 
-    def _launch(self, batch: list[Sequence], prev: InFlight | None) -> InFlight:
+    def _launch(self, batch: list[Sequence], prev: InFlight | None, task: MixedPrefill | None = None,
+                chunk: Chunk | None = None) -> InFlight:
         """Queue one step for `batch` without waiting for the device. A row that was in the step still in flight
         reads its next input token from that step's argmax on the device; a row joining now reads it from the host.
         Positions and slots are the host's. Each row's lease is held until this step has been delivered, so no
-        slot is handed to another request while a queued step may still write into it."""
+        slot is handed to another request while a queued step may still write into it. With a chunk, one eager
+        forward runs the decode rows and that prompt chunk together (mixed.py); the chunk's slot is held the same
+        way, and its last chunk's first token travels with the step's tokens."""
         dev, n = self.device, len(batch)
         where = {id(s): j for j, s in enumerate(prev.batch)} if prev is not None else {}
         fresh = [s for s in batch if id(s) not in where]
@@ -187,11 +218,18 @@ class Scheduler:
             tokens = src[torch.tensor(gather, dtype=torch.long).to(dev, non_blocking=True)]
         positions = torch.tensor([s.length for s in batch], dtype=torch.long).to(dev, non_blocking=True)
         slots = torch.tensor([s.slot for s in batch], dtype=torch.long).to(dev, non_blocking=True)
-        logits = self.step(tokens, positions, slots)  # (n, vocab): the graph's buffer, overwritten by the next step
-        nxt = logits.argmax(dim=-1)  # (n,) on the device
+        first = None
+        if chunk is None:
+            logits = self.step(tokens, positions, slots)  # (n, vocab): the graph's buffer, overwritten by the next step
+            nxt = logits.argmax(dim=-1)  # (n,) on the device
+        else:
+            logits, first = mixed_forward(self.step.runner, tokens, positions, slots, chunk)  # (n, vocab), (vocab,)
+            nxt = logits.argmax(dim=-1)
+            task.lease.hold()
+        rows_out = torch.cat([nxt, first.argmax().view(1)]) if first is not None else nxt  # (n [+ 1],)
         rows = {j: logits[j].clone() for j, s in enumerate(batch) if s.want_digest}  # (vocab,) each, kept
-        host = torch.empty(n, dtype=torch.long, pin_memory=dev.type == "cuda")
-        host.copy_(nxt, non_blocking=True)
+        host = torch.empty(rows_out.shape[0], dtype=torch.long, pin_memory=dev.type == "cuda")
+        host.copy_(rows_out, non_blocking=True)
         event = None
         if dev.type == "cuda":
             event = torch.cuda.Event()
@@ -200,7 +238,10 @@ class Scheduler:
             s.lease.hold()
             s.length += 1
             s.remaining -= 1
-        return InFlight(batch, nxt, host, event, rows, [s.remaining for s in batch])
+        done = task if chunk is not None and chunk.last else None
+        return InFlight(batch, nxt, host, event, rows, [s.remaining for s in batch],
+                        chunk_task=task if chunk is not None else None, first_task=done,
+                        first_logits=first if done is not None and task.want_digest else None)
 
     def _deliver(self, done: InFlight, newer: InFlight | None) -> None:
         """Wait for a queued step and hand each row's token to its sink; sequences whose last token it was leave
@@ -210,9 +251,10 @@ class Scheduler:
             done.event.synchronize()  # the one host wait per step, while `newer` already runs
         tokens = done.host.tolist()
         t = time.perf_counter()
-        self.steps += 1
-        if self.on_step is not None:
-            self.on_step(len(done.batch))
+        if done.batch:
+            self.steps += 1
+            if self.on_step is not None:
+                self.on_step(len(done.batch))
         ends: list[tuple[Sequence, Token | Ended]] = []
         queued = {id(s) for s in newer.batch} if newer is not None else set()
         for j, s in enumerate(done.batch):
@@ -231,6 +273,12 @@ class Scheduler:
             self.running = [s for s in self.running if not s.over]
         for s in done.batch:
             s.lease.release()  # the step's own hold
+        if done.chunk_task is not None:
+            done.chunk_task.lease.release()  # the chunk's hold on its prompt's slot
+        if done.first_task is not None:
+            task = done.first_task
+            digest = logits_digest(done.first_logits) if done.first_logits is not None else ""
+            task.future.set_result(LocalPrefill(tokens[-1], digest, (t - task.t0) * 1e3))
         for s, item in done.after + ends:
             self._end(s, item)
 
@@ -244,9 +292,13 @@ class Scheduler:
                     log.exception("waiting for the last queued step")
             for s in pending.batch:
                 s.lease.release()
+            if pending.chunk_task is not None:
+                pending.chunk_task.lease.release()
+                if not pending.chunk_task.future.done():
+                    pending.chunk_task.future.set_exception(RuntimeError("the decode step with its chunk failed"))
             for s, item in pending.after:
                 self._end(s, item)  # a last token stays valid: only the row queued after it failed
-            pending.batch, pending.after = [], []  # let go once
+            pending.batch, pending.after, pending.chunk_task = [], [], None  # let go once
         return None
 
 
@@ -262,3 +314,6 @@ class InFlight:
     rows: dict[int, torch.Tensor]
     left: list[int]  # each row's tokens still to make after this step
     after: list = field(default_factory=list)  # (sequence, Token | Ended) to end once this step is delivered
+    chunk_task: MixedPrefill | None = None  # a prompt chunk rode in this step: its slot is held until delivery
+    first_task: MixedPrefill | None = None  # ... and it was that prompt's last: the host copy ends with its token
+    first_logits: torch.Tensor | None = None  # (vocab,) that token's logits, kept when a digest is wanted
