@@ -98,7 +98,7 @@ class MixedPrefill:
     want_digest: bool
     future: Future = field(default_factory=Future)
     start: int = 0
-    t0: float = field(default_factory=time.perf_counter)
+    t0: float = field(default_factory=time.perf_counter)  # reset when its first chunk goes (scheduler)
 
     def next_chunk(self) -> Chunk:
         end = min(self.ids.shape[0], self.start + self.chunk)

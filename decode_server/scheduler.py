@@ -25,14 +25,14 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 
 import torch
 
 from kvtransfer.reference import logits_digest
 
 from .graphs import Step
-from .mixed import Chunk, MixedPrefill, mixed_forward
+from .inflight import InFlight, queue_step
+from .mixed import MixedPrefill
 from .sequence import EndCause, Ended, LocalPrefill, Sequence, Token
 
 log = logging.getLogger("kvtransfer.decode.scheduler")
@@ -123,6 +123,8 @@ class Scheduler:
                     self._task = self._tasks.popleft()
                     if not self._task.future.set_running_or_notify_cancel():  # its request gave up while queued
                         self._task = None
+                    else:
+                        self._task.t0 = time.perf_counter()  # its prefill_ms counts from its first chunk
                 joining, self._joining = self._joining, []
             if job is not None and self._advance(*job):
                 job = None
@@ -135,7 +137,7 @@ class Scheduler:
                 chunk_of, chunk = self._task, self._task.next_chunk() if self._task is not None else None
                 if chunk_of is not None and chunk_of.handed_out:
                     self._task = None  # its last chunk goes now; the next prompt's first may go next step
-                newer = self._launch(launch, pending, chunk_of, chunk) if launch or chunk else None
+                newer = queue_step(self.step, self.device, launch, pending, chunk_of, chunk) if launch or chunk else None
                 if pending is not None:
                     self._deliver(pending, newer)
                 pending = newer
@@ -197,52 +199,6 @@ class Scheduler:
         s.lease.release()
         s.sink(item)
 
-    def _launch(self, batch: list[Sequence], prev: InFlight | None, task: MixedPrefill | None = None,
-                chunk: Chunk | None = None) -> InFlight:
-        """Queue one step for `batch` without waiting for the device. A row that was in the step still in flight
-        reads its next input token from that step's argmax on the device; a row joining now reads it from the host.
-        Positions and slots are the host's. Each row's lease is held until this step has been delivered, so no
-        slot is handed to another request while a queued step may still write into it. With a chunk, one eager
-        forward runs the decode rows and that prompt chunk together (mixed.py); the chunk's slot is held the same
-        way, and its last chunk's first token travels with the step's tokens."""
-        dev, n = self.device, len(batch)
-        where = {id(s): j for j, s in enumerate(prev.batch)} if prev is not None else {}
-        fresh = [s for s in batch if id(s) not in where]
-        host_tokens = torch.tensor([s.last_token for s in fresh], dtype=torch.long).to(dev, non_blocking=True)
-        if len(fresh) == n:
-            tokens = host_tokens  # (n,)
-        else:  # rows of prev: prev.next[j]; fresh rows: host_tokens[i], gathered from one (len(prev) + fresh,) vector
-            src = torch.cat([prev.next, host_tokens])
-            k = iter(range(len(prev.batch), len(prev.batch) + len(fresh)))
-            gather = [where[id(s)] if id(s) in where else next(k) for s in batch]
-            tokens = src[torch.tensor(gather, dtype=torch.long).to(dev, non_blocking=True)]
-        positions = torch.tensor([s.length for s in batch], dtype=torch.long).to(dev, non_blocking=True)
-        slots = torch.tensor([s.slot for s in batch], dtype=torch.long).to(dev, non_blocking=True)
-        first = None
-        if chunk is None:
-            logits = self.step(tokens, positions, slots)  # (n, vocab): the graph's buffer, overwritten by the next step
-            nxt = logits.argmax(dim=-1)  # (n,) on the device
-        else:
-            logits, first = mixed_forward(self.step.runner, tokens, positions, slots, chunk)  # (n, vocab), (vocab,)
-            nxt = logits.argmax(dim=-1)
-            task.lease.hold()
-        rows_out = torch.cat([nxt, first.argmax().view(1)]) if first is not None else nxt  # (n [+ 1],)
-        rows = {j: logits[j].clone() for j, s in enumerate(batch) if s.want_digest}  # (vocab,) each, kept
-        host = torch.empty(rows_out.shape[0], dtype=torch.long, pin_memory=dev.type == "cuda")
-        host.copy_(rows_out, non_blocking=True)
-        event = None
-        if dev.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
-        for s in batch:
-            s.lease.hold()
-            s.length += 1
-            s.remaining -= 1
-        done = task if chunk is not None and chunk.last else None
-        return InFlight(batch, nxt, host, event, rows, [s.remaining for s in batch],
-                        chunk_task=task if chunk is not None else None, first_task=done,
-                        first_logits=first if done is not None and task.want_digest else None)
-
     def _deliver(self, done: InFlight, newer: InFlight | None) -> None:
         """Wait for a queued step and hand each row's token to its sink; sequences whose last token it was leave
         the batch. A sequence still queued in `newer` (it hit EOS here) gets its last token when `newer` is
@@ -300,20 +256,3 @@ class Scheduler:
                 self._end(s, item)  # a last token stays valid: only the row queued after it failed
             pending.batch, pending.after, pending.chunk_task = [], [], None  # let go once
         return None
-
-
-@dataclass
-class InFlight:
-    """One step queued on the device and not yet delivered: its rows, their next tokens (device, and the pinned
-    host copy on its way), the event after that copy, and the logits rows kept for digests."""
-
-    batch: list[Sequence]
-    next: torch.Tensor  # (n,) int64 on the device
-    host: torch.Tensor  # (n,) int64, pinned on CUDA
-    event: torch.cuda.Event | None
-    rows: dict[int, torch.Tensor]
-    left: list[int]  # each row's tokens still to make after this step
-    after: list = field(default_factory=list)  # (sequence, Token | Ended) to end once this step is delivered
-    chunk_task: MixedPrefill | None = None  # a prompt chunk rode in this step: its slot is held until delivery
-    first_task: MixedPrefill | None = None  # ... and it was that prompt's last: the host copy ends with its token
-    first_logits: torch.Tensor | None = None  # (vocab,) that token's logits, kept when a digest is wanted

@@ -88,7 +88,7 @@ def test_prompts_prefilled_inside_decode_steps_decode_to_the_same_tokens(tiny, m
     plain = _engine(tiny)
     want_long, want_other = _decode(plain, long_prompt, 10), _decode(plain, other, 40)
     plain.close()
-    from decode_server import scheduler as sched_mod
+    from decode_server import inflight as sched_mod
 
     rows = []  # decode rows of every mixed forward
 
