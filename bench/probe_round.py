@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
+from bench import probe_served
 from bench.stats import summarize
 from decode_server.graphs import Step
 from decode_server.pool import KVPool
@@ -257,47 +258,6 @@ def host(model, geom) -> dict:
                 digest_of_one_row_ms=timeit_ms(lambda: logits_digest(st(tok, pos, slots)[0])))
 
 
-def served(model_name: str, model, out_dir: str) -> dict:
-    """Local prefill time of 1k-ish prompts: in-process through the engine's scheduler, then in a colocated server
-    (timing.prefill_ms of each response), sequential requests of 512..1536 tokens."""
-    import grpc
-    import numpy as np
-
-    from bench.launch import colocated_server
-    from decode_server.engine import DecodeEngine, EngineOptions
-    from kvtransfer.serving import LoadedModel
-    from proto import kvtransfer_pb2 as pb
-    from proto import kvtransfer_pb2_grpc as pbg
-
-    rng = np.random.default_rng(0)
-    lens = [int(x) for x in rng.integers(512, 1537, 14)]
-    spec = ModelSpec(model_name, "bfloat16", 0)
-    dev = next(model.parameters()).device
-    lm = LoadedModel(spec, model, CacheGeometry.from_config(model.config, torch.bfloat16), dev)
-    eng = DecodeEngine(lm, EngineOptions(max_batch=8, max_seq_len=2048))
-    inproc = []
-    for n in lens:
-        lease = eng.pool.try_lease()
-        r = eng.prefill([int(t) for t in rng.integers(3, min(1000, model.config.vocab_size), n)], lease, False).result(timeout=60)
-        lease.release()
-        inproc.append(dict(tokens=n, ms=r.prefill_ms, cpu_ms=r.cpu_ms))
-    eng.close()
-    print("served: in-process", inproc, flush=True)
-    remote = []
-    with colocated_server(out_dir, model_name, "bfloat16", "cuda:0" if dev.type == "cuda" else "cpu",
-                          args=["--max-batch", "8", "--max-seq-len", "2048", "--log-level", "DEBUG"]) as run:
-        with grpc.insecure_channel(run.addr) as ch:
-            stub = pbg.DecodeStub(ch)
-            for n in lens:
-                t0 = time.perf_counter()
-                msgs = list(stub.Generate(pb.GenerateRequest(token_ids=[int(t) for t in rng.integers(3, min(1000, model.config.vocab_size), n)],
-                                                             max_new_tokens=2), timeout=120))
-                remote.append(dict(tokens=n, server_prefill_ms=msgs[0].timing.prefill_ms,
-                                   client_ms=(time.perf_counter() - t0) * 1e3))
-    print("served: server", remote, flush=True)
-    return dict(in_process=inproc, server=remote)
-
-
 def timeit_ms(fn) -> float:
     walls = []
     for _ in range(6):
@@ -324,7 +284,7 @@ def main(argv=None) -> None:
             try:
                 res[part] = {"gemv": lambda: gemv(model), "step": lambda: step(model, geom),
                              "prefill": lambda: prefills(model, geom), "host": lambda: host(model, geom),
-                             "served": lambda: served(a.model, model, a.logs)}[part]()
+                             "served": lambda: probe_served.served(a.model, model, a.logs)}[part]()
             except Exception as e:  # noqa: BLE001
                 res[part] = {"error": repr(e)[:500]}
             print(f"{part}: {time.perf_counter() - t0:.1f} s", flush=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import time
 
@@ -25,7 +26,7 @@ from bench.serve import ServeConfig, run_serve
 def arm_servers(arm: str, args, max_batch: int, log_dir: str, metrics_port: int):
     decode = ["--max-batch", str(max_batch), "--max-seq-len", str(args.max_seq_len), "--metrics-port",
               str(metrics_port), "--admission-wait-s", "600", "--request-timeout-s", "1200",
-              "--max-inflight", "1024", "--log-level", "WARNING"]
+              "--max-inflight", "1024", *shlex.split(args.decode_args), "--log-level", "WARNING"]
     if arm == "colocated":
         return colocated_server(log_dir, args.model, args.dtype, args.device, args=decode)
     common = ["--transport", args.transport, "--log-level", "WARNING"]
@@ -49,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--prompts-per-slot", type=int, default=2)
     p.add_argument("--min-prompts", type=int, default=8)
+    p.add_argument("--decode-args", default="", help="more decode-server flags for every arm, e.g. "
+                   "'--prefill-chunk 256 --mixed-prefill'")
     p.add_argument("--out", required=True)
     p.add_argument("--log-dir", default="", help="server logs (default: OUT/logs)")
     args = p.parse_args(argv)

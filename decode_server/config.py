@@ -47,6 +47,8 @@ class DecodeConfig:
     max_seq_len: int = flag(4096, "tokens per KV pool slot: prompt + max_new_tokens must fit")
     cuda_graphs: bool = flag(True, "capture the decode step as CUDA graphs per batch bucket (CUDA only)")
     prefill_chunk: int = flag(0, "colocated/recompute prefill: tokens per chunk between decode steps (0: whole)")
+    mixed_prefill: bool = flag(False, "each --prefill-chunk chunk rides in a decode step's forward (Sarathi-style "
+                               "piggybacking) instead of running between two steps")
     admission_wait_s: float = flag(10.0, "longest wait for a free pool slot, s; then RESOURCE_EXHAUSTED")
     stream_buffer_tokens: int = flag(1024, "tokens a client may leave unread; then its request ends")
     max_receive_bytes: int = flag(64 << 30, "one transfer's receive buffer limit; larger caches: RESOURCE_EXHAUSTED")
@@ -87,6 +89,8 @@ class DecodeConfig:
             raise ValueError("--max-seq-len must be >= 2 (a prompt token and a generated one)")
         if self.prefill_chunk < 0:
             raise ValueError("--prefill-chunk must be >= 0 (0: prefill in one piece)")
+        if self.mixed_prefill and self.prefill_chunk < 1:
+            raise ValueError("--mixed-prefill needs --prefill-chunk N (the tokens of a prompt that ride in one step)")
         if self.admission_wait_s < 0:
             raise ValueError("--admission-wait-s must be >= 0")
         check_positive(self, "request_timeout_s", "handshake_timeout_s", "peer_timeout_s", "peer_keepalive_s",

@@ -26,9 +26,11 @@ from kvtransfer.streaming import cache_digest
 
 from .chunk_attention import chunk_attention_on
 from .graphs import Step
+from .mixed import MixedPrefill
 from .pool import KVPool, Lease
 from .runner import StepRunner
 from .scheduler import Job, Scheduler
+from .sequence import LocalPrefill
 
 log = logging.getLogger("kvtransfer.decode.engine")
 
@@ -39,14 +41,11 @@ class EngineOptions:
     max_seq_len: int = 4096  # tokens per slot (prompt + generated)
     cuda_graphs: bool = True  # capture the step per bucketed batch size (CUDA only)
     prefill_chunk: int = 0  # local prefill: tokens per piece between decode steps (0: the whole prompt at once)
+    mixed_prefill: bool = False  # those pieces ride in the decode steps' forward (mixed.py); needs prefill_chunk
 
-
-@dataclass(frozen=True)
-class LocalPrefill:
-    first: int
-    digest: str
-    prefill_ms: float
-    cpu_ms: float = 0.0  # the scheduler thread's CPU time in it (wall far above: waiting on the GPU or the GIL)
+    def __post_init__(self):
+        if self.mixed_prefill and self.prefill_chunk < 1:
+            raise ValueError("--mixed-prefill needs --prefill-chunk N (the tokens of a prompt that ride in one step)")
 
 
 class DecodeEngine:
@@ -98,7 +97,13 @@ class DecodeEngine:
             lease.release()
 
     def prefill(self, token_ids: list[int], lease: Lease, want_digest: bool):
-        """Future -> LocalPrefill, run on the device thread between decode steps."""
+        """Future -> LocalPrefill, run on the device thread between decode steps; with --mixed-prefill, in them
+        (one chunk per step), unless the prompt fits one chunk and nothing decodes: then exactly the prefill
+        worker's forward, so a request alone stays bit-identical to a disaggregated one."""
+        o = self.options
+        if o.mixed_prefill and (len(token_ids) > o.prefill_chunk or self.scheduler.active()):
+            ids = torch.tensor(token_ids, dtype=torch.long).to(self.m.device)  # (n,)
+            return self.scheduler.submit_mixed(MixedPrefill(ids, lease, o.prefill_chunk, want_digest))
         return self.scheduler.submit(self.prefill_job(token_ids, lease, want_digest))
 
     def digest(self, slot: int, seq_len: int):

@@ -25,14 +25,15 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 
 import torch
 
 from kvtransfer.reference import logits_digest
 
 from .graphs import Step
-from .sequence import EndCause, Ended, Sequence, Token
+from .inflight import InFlight, queue_step
+from .mixed import MixedPrefill
+from .sequence import EndCause, Ended, LocalPrefill, Sequence, Token
 
 log = logging.getLogger("kvtransfer.decode.scheduler")
 
@@ -47,6 +48,8 @@ class Scheduler:
         self._cond = threading.Condition()
         self._jobs: deque[tuple[Job, Future]] = deque()
         self._joining: list[Sequence] = []
+        self._tasks: deque[MixedPrefill] = deque()  # prompts whose chunks ride in decode steps (--mixed-prefill)
+        self._task: MixedPrefill | None = None
         self.running: list[Sequence] = []
         self.steps = 0
         self._closed = False
@@ -64,6 +67,15 @@ class Scheduler:
             self._jobs.append((job, fut))
             self._cond.notify()
         return fut
+
+    def submit_mixed(self, task: MixedPrefill) -> Future:
+        """Hand out `task`'s chunks one per step, each in the same forward as the decode rows (mixed.py)."""
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the decode scheduler is stopped")
+            self._tasks.append(task)
+            self._cond.notify()
+        return task.future
 
     def call(self, fn: Callable, *args) -> Future:
         """Run `fn(*args)` on the device thread between two steps."""
@@ -97,7 +109,8 @@ class Scheduler:
         pending: InFlight | None = None
         while True:
             with self._cond:
-                while not (self._closed or self._jobs or self._joining or self.running or job or pending):
+                while not (self._closed or self._jobs or self._joining or self.running or job or pending
+                           or self._tasks or self._task):
                     self._cond.wait()
                 if self._closed:
                     break
@@ -106,15 +119,25 @@ class Scheduler:
                     if not job[1].set_running_or_notify_cancel():  # cancelled while queued (its request gave up)
                         job[0].close()
                         job = None
+                while self._task is None and self._tasks:
+                    self._task = self._tasks.popleft()
+                    if not self._task.future.set_running_or_notify_cancel():  # its request gave up while queued
+                        self._task = None
+                    else:
+                        self._task.t0 = time.perf_counter()  # its prefill_ms counts from its first chunk
                 joining, self._joining = self._joining, []
             if job is not None and self._advance(*job):
                 job = None
             self.running.extend(joining)
             self._drop_stopped(pending)
             newer = None
+            chunk_of = None
             try:
                 launch = [s for s in self.running if s.remaining > 0 and not s.over]
-                newer = self._launch(launch, pending) if launch else None
+                chunk_of, chunk = self._task, self._task.next_chunk() if self._task is not None else None
+                if chunk_of is not None and chunk_of.handed_out:
+                    self._task = None  # its last chunk goes now; the next prompt's first may go next step
+                newer = queue_step(self.step, self.device, launch, pending, chunk_of, chunk) if launch or chunk else None
                 if pending is not None:
                     self._deliver(pending, newer)
                 pending = newer
@@ -127,12 +150,19 @@ class Scheduler:
                 pending = self._let_go(pending)
                 if newer is not pending:
                     self._let_go(newer)
+                for task in (chunk_of, self._task):
+                    if task is not None and not task.future.done():
+                        task.future.set_exception(RuntimeError(f"decode step failed: {e}"))
+                self._task = None
         pending = self._let_go(pending)
         for s in self.running + self._joining:
             if not s.over:
                 self._end(s, Ended(EndCause.SHUTDOWN, "the decode server is stopping"))
         for _, fut in self._jobs:
             fut.set_exception(RuntimeError("the decode server is stopping"))
+        for task in [self._task, *self._tasks]:
+            if task is not None and not task.future.done():
+                task.future.set_exception(RuntimeError("the decode server is stopping"))
 
     @staticmethod
     def _advance(job: Job, fut: Future) -> bool:
@@ -169,39 +199,6 @@ class Scheduler:
         s.lease.release()
         s.sink(item)
 
-    def _launch(self, batch: list[Sequence], prev: InFlight | None) -> InFlight:
-        """Queue one step for `batch` without waiting for the device. A row that was in the step still in flight
-        reads its next input token from that step's argmax on the device; a row joining now reads it from the host.
-        Positions and slots are the host's. Each row's lease is held until this step has been delivered, so no
-        slot is handed to another request while a queued step may still write into it."""
-        dev, n = self.device, len(batch)
-        where = {id(s): j for j, s in enumerate(prev.batch)} if prev is not None else {}
-        fresh = [s for s in batch if id(s) not in where]
-        host_tokens = torch.tensor([s.last_token for s in fresh], dtype=torch.long).to(dev, non_blocking=True)
-        if len(fresh) == n:
-            tokens = host_tokens  # (n,)
-        else:  # rows of prev: prev.next[j]; fresh rows: host_tokens[i], gathered from one (len(prev) + fresh,) vector
-            src = torch.cat([prev.next, host_tokens])
-            k = iter(range(len(prev.batch), len(prev.batch) + len(fresh)))
-            gather = [where[id(s)] if id(s) in where else next(k) for s in batch]
-            tokens = src[torch.tensor(gather, dtype=torch.long).to(dev, non_blocking=True)]
-        positions = torch.tensor([s.length for s in batch], dtype=torch.long).to(dev, non_blocking=True)
-        slots = torch.tensor([s.slot for s in batch], dtype=torch.long).to(dev, non_blocking=True)
-        logits = self.step(tokens, positions, slots)  # (n, vocab): the graph's buffer, overwritten by the next step
-        nxt = logits.argmax(dim=-1)  # (n,) on the device
-        rows = {j: logits[j].clone() for j, s in enumerate(batch) if s.want_digest}  # (vocab,) each, kept
-        host = torch.empty(n, dtype=torch.long, pin_memory=dev.type == "cuda")
-        host.copy_(nxt, non_blocking=True)
-        event = None
-        if dev.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
-        for s in batch:
-            s.lease.hold()
-            s.length += 1
-            s.remaining -= 1
-        return InFlight(batch, nxt, host, event, rows, [s.remaining for s in batch])
-
     def _deliver(self, done: InFlight, newer: InFlight | None) -> None:
         """Wait for a queued step and hand each row's token to its sink; sequences whose last token it was leave
         the batch. A sequence still queued in `newer` (it hit EOS here) gets its last token when `newer` is
@@ -210,9 +207,10 @@ class Scheduler:
             done.event.synchronize()  # the one host wait per step, while `newer` already runs
         tokens = done.host.tolist()
         t = time.perf_counter()
-        self.steps += 1
-        if self.on_step is not None:
-            self.on_step(len(done.batch))
+        if done.batch:
+            self.steps += 1
+            if self.on_step is not None:
+                self.on_step(len(done.batch))
         ends: list[tuple[Sequence, Token | Ended]] = []
         queued = {id(s) for s in newer.batch} if newer is not None else set()
         for j, s in enumerate(done.batch):
@@ -231,6 +229,12 @@ class Scheduler:
             self.running = [s for s in self.running if not s.over]
         for s in done.batch:
             s.lease.release()  # the step's own hold
+        if done.chunk_task is not None:
+            done.chunk_task.lease.release()  # the chunk's hold on its prompt's slot
+        if done.first_task is not None:
+            task = done.first_task
+            digest = logits_digest(done.first_logits) if done.first_logits is not None else ""
+            task.future.set_result(LocalPrefill(tokens[-1], digest, (t - task.t0) * 1e3))
         for s, item in done.after + ends:
             self._end(s, item)
 
@@ -244,21 +248,11 @@ class Scheduler:
                     log.exception("waiting for the last queued step")
             for s in pending.batch:
                 s.lease.release()
+            if pending.chunk_task is not None:
+                pending.chunk_task.lease.release()
+                if not pending.chunk_task.future.done():
+                    pending.chunk_task.future.set_exception(RuntimeError("the decode step with its chunk failed"))
             for s, item in pending.after:
                 self._end(s, item)  # a last token stays valid: only the row queued after it failed
-            pending.batch, pending.after = [], []  # let go once
+            pending.batch, pending.after, pending.chunk_task = [], [], None  # let go once
         return None
-
-
-@dataclass
-class InFlight:
-    """One step queued on the device and not yet delivered: its rows, their next tokens (device, and the pinned
-    host copy on its way), the event after that copy, and the logits rows kept for digests."""
-
-    batch: list[Sequence]
-    next: torch.Tensor  # (n,) int64 on the device
-    host: torch.Tensor  # (n,) int64, pinned on CUDA
-    event: torch.cuda.Event | None
-    rows: dict[int, torch.Tensor]
-    left: list[int]  # each row's tokens still to make after this step
-    after: list = field(default_factory=list)  # (sequence, Token | Ended) to end once this step is delivered

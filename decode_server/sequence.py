@@ -42,6 +42,16 @@ class Ended:
     reason: str
 
 
+@dataclass(frozen=True)
+class LocalPrefill:
+    """What a local prefill (colocated, recompute) gives the servicer: the first token, its logits' digest."""
+
+    first: int
+    digest: str
+    prefill_ms: float
+    cpu_ms: float = 0.0  # the scheduler thread's CPU time in it (wall far above: waiting on the GPU or the GIL)
+
+
 # Called on the scheduler thread; must not block (the servicer hands it to its event loop).
 Sink = Callable[[Token | Ended], None]
 

@@ -42,10 +42,10 @@ async def finish_order(addr: str) -> list[str]:
     return done
 
 
-@pytest.mark.parametrize("arm", ["colocated", "pair"])
+@pytest.mark.parametrize("arm", ["colocated", "colocated-mixed", "pair"])
 def test_short_request_is_not_stuck_behind_a_long_one(tmp_path, arm):
-    args = ["--max-seq-len", "3400"]
-    ctx = colocated_server(tmp_path, args=args) if arm == "colocated" else server_pair(tmp_path, decode_args=args)
+    args = ["--max-seq-len", "3400"] + (["--prefill-chunk", "512", "--mixed-prefill"] if arm.endswith("mixed") else [])
+    ctx = server_pair(tmp_path, decode_args=args) if arm == "pair" else colocated_server(tmp_path, args=args)
     with ctx as run:
         assert asyncio.run(finish_order(run.addr)) == ["short", "long"]
 

@@ -1,0 +1,81 @@
+"""One decode step queued on the device and not yet delivered: how the scheduler runs one step ahead.
+
+Why apart: queueing a step without waiting for the device is the scheduler's hot path and has its
+own invariants (next tokens gathered on the device from the step still in flight; every row's slot
+held until delivery; a prompt chunk riding along, --mixed-prefill); scheduler.py decides who runs
+and delivers what a step made.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .graphs import Step
+from .mixed import Chunk, MixedPrefill, mixed_forward
+from .sequence import Sequence
+
+
+@dataclass
+class InFlight:
+    """One step queued on the device and not yet delivered: its rows, their next tokens (device, and the pinned
+    host copy on its way), the event after that copy, and the logits rows kept for digests."""
+
+    batch: list[Sequence]
+    next: torch.Tensor  # (n,) int64 on the device
+    host: torch.Tensor  # (n,) int64 [+ a finished prompt's first token], pinned on CUDA
+    event: torch.cuda.Event | None
+    rows: dict[int, torch.Tensor]
+    left: list[int]  # each row's tokens still to make after this step
+    after: list = field(default_factory=list)  # (sequence, Token | Ended) to end once this step is delivered
+    chunk_task: MixedPrefill | None = None  # a prompt chunk rode in this step: its slot is held until delivery
+    first_task: MixedPrefill | None = None  # ... and it was that prompt's last: the host copy ends with its token
+    first_logits: torch.Tensor | None = None  # (vocab,) that token's logits, kept when a digest is wanted
+
+
+def queue_step(step: Step, dev: torch.device, batch: list[Sequence], prev: InFlight | None,
+               task: MixedPrefill | None = None, chunk: Chunk | None = None) -> InFlight:
+    """Queue one step for `batch` without waiting for the device. A row that was in the step still in flight
+    reads its next input token from that step's argmax on the device; a row joining now reads it from the host.
+    Positions and slots are the host's. Each row's lease is held until this step has been delivered, so no
+    slot is handed to another request while a queued step may still write into it. With a chunk, one eager
+    forward runs the decode rows and that prompt chunk together (mixed.py); the chunk's slot is held the same
+    way, and its last chunk's first token travels with the step's tokens."""
+    n = len(batch)
+    where = {id(s): j for j, s in enumerate(prev.batch)} if prev is not None else {}
+    fresh = [s for s in batch if id(s) not in where]
+    host_tokens = torch.tensor([s.last_token for s in fresh], dtype=torch.long).to(dev, non_blocking=True)
+    if len(fresh) == n:
+        tokens = host_tokens  # (n,)
+    else:  # rows of prev: prev.next[j]; fresh rows: host_tokens[i], gathered from one (len(prev) + fresh,) vector
+        src = torch.cat([prev.next, host_tokens])
+        k = iter(range(len(prev.batch), len(prev.batch) + len(fresh)))
+        gather = [where[id(s)] if id(s) in where else next(k) for s in batch]
+        tokens = src[torch.tensor(gather, dtype=torch.long).to(dev, non_blocking=True)]
+    positions = torch.tensor([s.length for s in batch], dtype=torch.long).to(dev, non_blocking=True)
+    slots = torch.tensor([s.slot for s in batch], dtype=torch.long).to(dev, non_blocking=True)
+    first = None
+    if chunk is None:
+        logits = step(tokens, positions, slots)  # (n, vocab): the graph's buffer, overwritten by the next step
+        nxt = logits.argmax(dim=-1)  # (n,) on the device
+    else:
+        logits, first = mixed_forward(step.runner, tokens, positions, slots, chunk)  # (n, vocab), (vocab,)
+        nxt = logits.argmax(dim=-1)
+        task.lease.hold()
+    rows_out = torch.cat([nxt, first.argmax().view(1)]) if first is not None else nxt  # (n [+ 1],)
+    rows = {j: logits[j].clone() for j, s in enumerate(batch) if s.want_digest}  # (vocab,) each, kept
+    host = torch.empty(rows_out.shape[0], dtype=torch.long, pin_memory=dev.type == "cuda")
+    host.copy_(rows_out, non_blocking=True)
+    event = None
+    if dev.type == "cuda":
+        event = torch.cuda.Event()
+        event.record()
+    for s in batch:
+        s.lease.hold()
+        s.length += 1
+        s.remaining -= 1
+    done = task if chunk is not None and chunk.last else None
+    return InFlight(batch, nxt, host, event, rows, [s.remaining for s in batch],
+                    chunk_task=task if chunk is not None else None, first_task=done,
+                    first_logits=first if done is not None and task.want_digest else None)

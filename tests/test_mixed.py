@@ -1,0 +1,120 @@
+"""Prefill chunks riding in decode steps (decode_server/mixed.py), on CPU in fp32.
+
+Why: the mixed forward computes two things in one pass; a row offset, a mask aligned the wrong
+way or a K/V write into the wrong slot shows up as decode rows that stop matching the plain step
+or a prompt whose cache stops matching a whole prefill.
+"""
+
+from __future__ import annotations
+
+import queue
+
+import pytest
+import torch
+
+from decode_server.engine import DecodeEngine, EngineOptions
+from decode_server.mixed import Chunk, mixed_forward
+from decode_server.pool import KVPool
+from decode_server.runner import StepRunner
+from decode_server.sequence import Ended, Sequence
+from kvtransfer.geometry import CacheGeometry
+from kvtransfer.models import ModelSpec, load_model
+from kvtransfer.reference import prefill, random_prompt
+from kvtransfer.serving import LoadedModel
+from kvtransfer.streaming import cache_layers
+
+TOL = 1e-4  # fp32: other GEMM shapes than the plain step / whole prefill
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model(ModelSpec("tiny", "float32", 0))
+
+
+def test_mixed_forward_matches_the_step_and_the_whole_prefill(tiny):
+    g = CacheGeometry.from_config(tiny.config, torch.float32)
+    pool = KVPool(g, torch.device("cpu"), slots=4, max_seq=128)
+    r = StepRunner(tiny, pool)
+    decoding = [random_prompt(tiny.config.vocab_size, n, seed=n)[0] for n in (20, 33)]
+    for slot, p in enumerate(decoding):  # their caches, through the plain path
+        cache, _ = prefill(tiny, p[None])
+        for i, (k, v) in enumerate(cache_layers(cache)):
+            pool.layer(i)[0][slot, :, :len(p)] = k[0]
+            pool.layer(i)[1][slot, :, :len(p)] = v[0]
+    tokens, positions, slots = torch.tensor([5, 9]), torch.tensor([20, 33]), torch.tensor([0, 1])
+    plain = r.forward(tokens, positions, slots)  # (2, vocab); writes position 20 / 33 of slots 0 / 1
+    prompt = random_prompt(tiny.config.vocab_size, 45, seed=7)[0]
+    whole_cache, whole_logits = prefill(tiny, prompt[None])
+    last = None
+    for start in range(0, 45, 16):  # three chunks into slot 2, each riding with the two decode rows
+        ids = prompt[start:start + 16]
+        dec, last = mixed_forward(r, tokens, positions, slots, Chunk(ids, 2, start, start + 16 >= 45))
+        assert (dec - plain).abs().max().item() <= TOL
+    assert (last - whole_logits).abs().max().item() <= TOL
+    for i, (k, v) in enumerate(cache_layers(whole_cache)):
+        assert (pool.layer(i)[0][2, :, :45] - k[0]).abs().max().item() <= TOL
+        assert (pool.layer(i)[1][2, :, :45] - v[0]).abs().max().item() <= TOL
+
+
+def _engine(model, **kw) -> DecodeEngine:
+    lm = LoadedModel(ModelSpec("tiny", "float32", 0), model, CacheGeometry.from_config(model.config, torch.float32),
+                     torch.device("cpu"))
+    return DecodeEngine(lm, EngineOptions(max_batch=4, max_seq_len=256, cuda_graphs=False, **kw))
+
+
+def _decode(e: DecodeEngine, prompt: list[int], steps: int, started: list | None = None) -> list[int]:
+    lease = e.pool.try_lease()
+    first = e.prefill(prompt, lease, False).result(timeout=60).first
+    q: queue.Queue = queue.Queue()
+    e.scheduler.add(Sequence(len(prompt), lease, len(prompt), first, steps, q.put))
+    out = [first]
+    while True:
+        t = q.get(timeout=60)
+        assert not isinstance(t, Ended), t
+        out.append(t.token_id)
+        if started is not None and len(out) == 3:
+            started.append(True)
+        if t.last:
+            return out
+
+
+def test_prompts_prefilled_inside_decode_steps_decode_to_the_same_tokens(tiny, monkeypatch):
+    """A long prompt (4 chunks) prefilled while another request decodes, its chunks riding in that request's steps:
+    both requests' tokens equal those of the plain engine, and every slot is free afterwards."""
+    import threading
+
+    long_prompt = random_prompt(tiny.config.vocab_size, 61, seed=3)[0].tolist()
+    other = random_prompt(tiny.config.vocab_size, 12, seed=4)[0].tolist()
+    plain = _engine(tiny)
+    want_long, want_other = _decode(plain, long_prompt, 10), _decode(plain, other, 40)
+    plain.close()
+    from decode_server import inflight as sched_mod
+
+    rows = []  # decode rows of every mixed forward
+
+    def recording(r, tokens, *a):
+        rows.append(tokens.shape[0])
+        return mixed_forward(r, tokens, *a)
+    monkeypatch.setattr(sched_mod, "mixed_forward", recording)
+    e = _engine(tiny, prefill_chunk=16, mixed_prefill=True)
+    try:
+        started, got = [], {}
+        t = threading.Thread(target=lambda: got.update(other=_decode(e, other, 40, started)))
+        t.start()
+        while not started:
+            pass
+        steps_before = e.scheduler.steps
+        got["long"] = _decode(e, long_prompt, 10)
+        t.join(timeout=60)
+        assert got == {"long": want_long, "other": want_other}
+        assert e.scheduler.steps > steps_before and e.pool.used() == 0
+        assert len(rows) == 4 and all(b == 1 for b in rows)  # 61 tokens = 4 chunks, each beside the decoding row
+        # a prompt that fits one chunk with nothing decoding takes the plain prefill (bit-identical alone)
+        assert _decode(e, other, 5) == want_other[:6]
+    finally:
+        e.close()
+
+
+def test_mixed_prefill_needs_a_chunk_size():
+    with pytest.raises(ValueError, match="--prefill-chunk"):
+        EngineOptions(mixed_prefill=True)
