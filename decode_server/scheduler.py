@@ -4,9 +4,9 @@ Why one thread: a CUDA graph replay, a local prefill and a cache digest must not
 the device, and tokens must come out in step order. Between two steps the thread, in order:
 runs one piece of device work asked for by the servicer (a local prefill, or one chunk of a
 chunked one; a digest), drops the sequences asked to stop (their slots are let go once no queued
-step writes into them),
-admits the sequences whose caches are complete, then queues one step for all of them. A sequence
-leaves when its last token is made. Nothing here waits on a client: tokens go to each
+step writes into them), admits the sequences whose caches are complete, then queues one step for
+all of them; with --mixed-prefill that step also carries the next chunk of one prompt (mixed.py).
+A sequence leaves when its last token is made. Nothing here waits on a client: tokens go to each
 sequence's sink, which never blocks.
 
 One step runs ahead (SGLang's overlap scheduling): step k+1 is queued on the device, its input
@@ -14,7 +14,8 @@ tokens gathered there from step k's argmax, before the thread waits for step k's
 hands them out. The host's share of a step (building inputs, launching the graph, streaming
 tokens) then hides behind the device's. What it costs: a sequence that hits EOS at step k has
 already been queued for step k+1; that row's token is dropped. Slots stay held by every queued
-step that writes into them (`Lease.hold`), so a slot is never handed on while a write is queued.
+step that writes into them (`Lease.hold`), so a slot is never handed on while a write is queued
+(inflight.py queues a step).
 """
 
 from __future__ import annotations
