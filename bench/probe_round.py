@@ -91,7 +91,6 @@ def gemv(model) -> list[dict]:
                              cublas_us=t_cub, triton_us=t_tri, cublas_tbs=nbytes / t_cub / 1e6,
                              triton_tbs=None if t_tri is None else nbytes / t_tri / 1e6, rel_err=err))
             print("gemv", rows[-1], flush=True)
-        del copies
     return rows
 
 
@@ -111,7 +110,6 @@ def step(model, geom) -> list[dict]:
             out.append(dict(gemv=gemv_rows is None, batch=b, step_ms=us / 1e3,
                             row0_rel=((st(tok, pos, slots)[0].float() - ref[0]).norm() / ref[0].norm()).item()))
             print("step", out[-1], flush=True)
-        del st
     return out
 
 
@@ -138,34 +136,6 @@ class GilHog:
         self.t.join()
 
 
-def fused_prefill(runner, ids: torch.Tensor, slot: int) -> torch.Tensor:
-    """The step's fused ops over a whole prompt (one sequence) into pool slot `slot`: ids (n,) -> last logits."""
-    n, eps = ids.shape[0], runner.eps
-    pos = torch.arange(n, device=ids.device)
-    slots = torch.full((n,), slot, dtype=torch.long, device=ids.device)
-    cos, sin = runner.cos[pos], runner.sin[pos]  # (n, D)
-    h, residual = runner.embed[ids], None  # (n, H)
-    q_end, k_end = runner.hq * runner.d, (runner.hq + runner.hkv) * runner.d
-    for i, w in enumerate(runner.layers):
-        if residual is None:
-            x, residual = K.rms_norm(h, w.ln1, eps), h
-        else:
-            x, residual = K.add_rms_norm(h, residual, w.ln1, eps)
-        qkv = F.linear(x, w.qkv, w.qkv_bias)
-        q = qkv[:, :q_end].view(n, runner.hq, runner.d)
-        k = qkv[:, q_end:k_end].view(n, runner.hkv, runner.d)
-        v = qkv[:, k_end:].view(n, runner.hkv, runner.d)
-        kp, vp = runner.pool.layer(i)
-        q = K.rope_store(q, k, v, cos, sin, kp, vp, slots, pos)
-        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kp[slot, :, :n][None], vp[slot, :, :n][None],
-                                           is_causal=True, scale=runner.scale, enable_gqa=True)  # (1, Hq, n, D)
-        h = F.linear(o[0].transpose(0, 1).reshape(n, -1), w.o, w.o_bias)
-        x, residual = K.add_rms_norm(h, residual, w.ln2, eps)
-        h = F.linear(K.silu_mul(F.linear(x, w.gate_up)), w.down)
-    x, _ = K.add_rms_norm(h[-1:], residual[-1:], runner.norm, eps)
-    return F.linear(x, runner.lm_head)[0]
-
-
 def walls_ms(fn, hog) -> float:
     walls = []
     for _ in range(6):
@@ -186,31 +156,20 @@ class _Null:
         return None
 
 
-def prefills(model, geom) -> list[dict]:
+def prefills(model) -> list[dict]:
+    """HF's forward against the fused prefill (kvtransfer/fused_prefill.py, what both servers run)."""
     out = []
-    pool = KVPool(geom, torch.device("cuda"), 1, 1536 + 8)
-    runner = StepRunner(model, pool)
     for n in (512, 1024, 1536):
         ids = torch.randint(3, 1000, (1, n), device="cuda")
-        fused_ok = True
-        try:
-            ref = prefill(model, ids, fused=False)[1].float()
-            got = fused_prefill(runner, ids[0], 0).float()
-            out.append(dict(tokens=n, fused_vs_hf_rel_l2=((got - ref).norm() / ref.norm()).item(),
-                            same_argmax=bool(got.argmax() == ref.argmax())))
-        except Exception as e:  # noqa: BLE001
-            fused_ok = False
-            out.append(dict(tokens=n, fused_error=repr(e)[:300]))
+        ref, got = prefill(model, ids, fused=False)[1].float(), prefill(model, ids)[1].float()
+        out.append(dict(tokens=n, fused_vs_hf_rel_l2=((got - ref).norm() / ref.norm()).item(),
+                        same_argmax=bool(got.argmax() == ref.argmax())))
         print("prefill", out[-1], flush=True)
+        paths = (("hf", lambda: prefill(model, ids, fused=False)), ("fused", lambda: prefill(model, ids)))
         for hog in (None, (100, 700), (1000, 2000)):
-            row = dict(tokens=n, hog_us=hog, hf_wall_ms=walls_ms(lambda: prefill(model, ids, fused=False), hog))
-            if fused_ok:
-                row["fused_wall_ms"] = walls_ms(lambda: fused_prefill(runner, ids[0], 0), hog)
-            out.append(row)
+            out.append(dict(tokens=n, hog_us=hog, **{f"{name}_wall_ms": walls_ms(fn, hog) for name, fn in paths}))
             print("prefill", out[-1], flush=True)
-        for name, fn in (("hf", lambda: prefill(model, ids, fused=False)), ("fused", lambda: fused_prefill(runner, ids[0], 0))):
-            if name == "fused" and not fused_ok:
-                continue
+        for name, fn in paths:
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 fn()
                 torch.cuda.synchronize()
@@ -283,7 +242,7 @@ def main(argv=None) -> None:
             t0 = time.perf_counter()
             try:
                 res[part] = {"gemv": lambda: gemv(model), "step": lambda: step(model, geom),
-                             "prefill": lambda: prefills(model, geom), "host": lambda: host(model, geom),
+                             "prefill": lambda: prefills(model), "host": lambda: host(model, geom),
                              "served": lambda: probe_served.served(a.model, model, a.logs)}[part]()
             except Exception as e:  # noqa: BLE001
                 res[part] = {"error": repr(e)[:500]}
