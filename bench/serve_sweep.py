@@ -23,10 +23,17 @@ from bench.launch import colocated_server, free_port, server_pair
 from bench.serve import ServeConfig, run_serve
 
 
+def extra_args(args, max_batch: int) -> str:
+    """--decode-args, or for the --max-batch 1 baseline --baseline-decode-args when given."""
+    if max_batch == 1 and args.baseline_decode_args is not None:
+        return args.baseline_decode_args
+    return args.decode_args
+
+
 def arm_servers(arm: str, args, max_batch: int, log_dir: str, metrics_port: int):
     decode = ["--max-batch", str(max_batch), "--max-seq-len", str(args.max_seq_len), "--metrics-port",
               str(metrics_port), "--admission-wait-s", "600", "--request-timeout-s", "1200",
-              "--max-inflight", "1024", *shlex.split(args.decode_args), "--log-level", "WARNING"]
+              "--max-inflight", "1024", *shlex.split(extra_args(args, max_batch)), "--log-level", "WARNING"]
     if arm == "colocated":
         return colocated_server(log_dir, args.model, args.dtype, args.device, args=decode)
     common = ["--transport", args.transport, "--log-level", "WARNING"]
@@ -52,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-prompts", type=int, default=8)
     p.add_argument("--decode-args", default="", help="more decode-server flags for every arm, e.g. "
                    "'--prefill-chunk 256 --mixed-prefill'")
+    p.add_argument("--baseline-decode-args", default=None, help="decode-server flags for the --max-batch 1 "
+                   "baseline instead of --decode-args (e.g. '' to hold the baseline to a whole-prompt prefill)")
     p.add_argument("--out", required=True)
     p.add_argument("--log-dir", default="", help="server logs (default: OUT/logs)")
     args = p.parse_args(argv)

@@ -53,7 +53,8 @@ class DecodeEngine:
         self.m, self.options = loaded, options
         self.pool = KVPool(loaded.geometry, loaded.device, options.max_batch, options.max_seq_len)
         self.runner = StepRunner(loaded.model, self.pool)
-        self.step = Step(self.runner, options.max_batch, options.cuda_graphs)
+        self.step = Step(self.runner, options.max_batch, options.cuda_graphs,
+                         options.prefill_chunk if options.mixed_prefill else 0)
         self.scheduler = Scheduler(self.step, loaded.device, on_step)
         eos = getattr(loaded.model.config, "eos_token_id", None)
         self.eos = frozenset([eos] if isinstance(eos, int) else (eos or []))

@@ -6,6 +6,11 @@ up to the next bucket (1, 2, 4, 8, then every 16): padding rows feed token 0 at 
 the pool's scratch slot. Captured eagerly at start-up (time and memory logged) rather than
 lazily: the first request must not pay a capture, and a capture that fails should fail the
 start, not a request. All graphs share one memory pool, largest first.
+
+With --mixed-prefill there is a second graph per bucket: the step over the bucket's rows plus a
+prompt chunk padded to --prefill-chunk rows (mixed.py), keeping the bucket's rows and the chunk's
+last valid row for lm_head. Padding chunk rows, like padding batch rows, write and read only the
+scratch slot.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import time
 
 import torch
 
+from .mixed import Chunk, mixed_forward
 from .runner import StepRunner
 
 log = logging.getLogger("kvtransfer.decode.graphs")
@@ -27,26 +33,30 @@ def buckets(max_batch: int) -> list[int]:
 
 class Step:
     """`step(tokens, positions, slots)` -> logits (n, vocab): eager (CPU, --no-cuda-graphs) or graph replay.
+    `step.mixed(tokens, positions, slots, chunk)` -> (logits (n, vocab), the chunk's last row (vocab,)): the same
+    step with a prompt chunk of up to `chunk` tokens riding along (graphed when `chunk` > 0).
 
     The graphed logits are a view into the graph's output buffer: valid until the next call.
     """
 
-    def __init__(self, runner: StepRunner, max_batch: int, cuda_graphs: bool):
-        self.runner, self.max_batch = runner, max_batch
+    def __init__(self, runner: StepRunner, max_batch: int, cuda_graphs: bool, chunk: int = 0):
+        self.runner, self.max_batch, self.chunk = runner, max_batch, chunk
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.mixed_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.buckets = buckets(max_batch)
         if cuda_graphs and runner.device.type == "cuda":
             self._capture()
 
     def _inputs(self) -> None:
-        dev = self.runner.device
-        self.tokens = torch.zeros(self.max_batch, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(self.max_batch, dtype=torch.long, device=dev)
-        self.slots = torch.full((self.max_batch,), self.runner.pool.scratch, dtype=torch.long, device=dev)
+        dev, rows = self.runner.device, self.max_batch + self.chunk
+        self.tokens = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.slots = torch.full((rows,), self.runner.pool.scratch, dtype=torch.long, device=dev)
+        self.keep = torch.zeros(self.max_batch + 1, dtype=torch.long, device=dev)
 
     def _capture(self) -> None:
         self._inputs()
-        dev = self.runner.device
+        dev, c = self.runner.device, self.chunk
         torch.cuda.synchronize(dev)
         before, t0 = torch.cuda.memory_allocated(dev), time.perf_counter()
         mempool = torch.cuda.graph_pool_handle()
@@ -54,30 +64,68 @@ class Step:
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):  # warm-up off the default stream (Triton compiles here), as capture wants
             for _ in range(2):
-                self.runner.forward(self.tokens, self.positions, self.slots)
+                self.runner.forward(self.tokens[:self.max_batch], self.positions[:self.max_batch],
+                                    self.slots[:self.max_batch])
+                if c:
+                    self.runner.forward(self.tokens, self.positions, self.slots, self.keep)
         torch.cuda.current_stream(dev).wait_stream(side)
+        for b in reversed(self.buckets) if c else ():  # the largest graphs first: they size the shared pool
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=mempool):
+                out = self.runner.forward(self.tokens[:b + c], self.positions[:b + c], self.slots[:b + c],
+                                          self.keep[:b + 1])
+            self.mixed_graphs[b] = (g, out)
         for b in reversed(self.buckets):
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=mempool):
                 out = self.runner.forward(self.tokens[:b], self.positions[:b], self.slots[:b])
             self.graphs[b] = (g, out)
         torch.cuda.synchronize(dev)
-        log.info("captured %d decode-step CUDA graphs (batch %s) in %.1f s, %.0f MiB", len(self.graphs),
-                 ",".join(map(str, self.buckets)), time.perf_counter() - t0,
+        log.info("captured %d decode-step CUDA graphs (batch %s%s) in %.1f s, %.0f MiB",
+                 len(self.graphs) + len(self.mixed_graphs), ",".join(map(str, self.buckets)),
+                 f"; each also with a {c}-token prompt chunk" if c else "", time.perf_counter() - t0,
                  (torch.cuda.memory_allocated(dev) - before) / 2**20)
+
+    def bucket(self, n: int) -> int:
+        return next(x for x in self.buckets if x >= n)
+
+    def _fill(self, n: int, b: int, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """Rows 0..n-1 of the input buffers from the caller's, rows n..b-1 padding (scratch slot, position 0)."""
+        self.tokens[:n].copy_(tokens, non_blocking=True)
+        self.positions[:n].copy_(positions, non_blocking=True)
+        self.slots[:n].copy_(slots, non_blocking=True)
+        if b > n:
+            self.tokens[n:b].zero_()
+            self.positions[n:b].zero_()
+            self.slots[n:b].fill_(self.runner.pool.scratch)
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         n = tokens.shape[0]
         if not self.graphs:
             return self.runner.forward(tokens, positions, slots)
-        b = next(x for x in self.buckets if x >= n)
-        self.tokens[:n].copy_(tokens, non_blocking=True)
-        self.positions[:n].copy_(positions, non_blocking=True)
-        self.slots[:n].copy_(slots, non_blocking=True)
-        if b > n:  # padding rows: scratch slot, position 0
-            self.tokens[n:b].zero_()
-            self.positions[n:b].zero_()
-            self.slots[n:b].fill_(self.runner.pool.scratch)
+        b = self.bucket(n)
+        self._fill(n, b, tokens, positions, slots)
         g, out = self.graphs[b]
         g.replay()
         return out[:n]
+
+    def mixed(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+              chunk: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
+        n, c = tokens.shape[0], chunk.ids.shape[0]
+        if not self.mixed_graphs or c > self.chunk:
+            return mixed_forward(self.runner, tokens, positions, slots, chunk)
+        b, C = self.bucket(n), self.chunk
+        self._fill(n, b, tokens, positions, slots)
+        # rows b .. b + C - 1: the chunk, then padding up to C rows
+        self.tokens[b:b + c].copy_(chunk.ids, non_blocking=True)
+        torch.arange(chunk.start, chunk.start + c, out=self.positions[b:b + c])
+        self.slots[b:b + c].fill_(chunk.slot)
+        if c < C:
+            self.tokens[b + c:b + C].zero_()
+            self.positions[b + c:b + C].zero_()
+            self.slots[b + c:b + C].fill_(self.runner.pool.scratch)
+        torch.arange(b + 1, out=self.keep[:b + 1])
+        self.keep[b].fill_(b + c - 1)  # the bucket's rows + the chunk's last valid row
+        g, out = self.mixed_graphs[b]
+        g.replay()
+        return out[:n], out[b]

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .graphs import Step
-from .mixed import Chunk, MixedPrefill, mixed_forward
+from .mixed import Chunk, MixedPrefill
 from .sequence import Sequence
 
 
@@ -39,7 +39,7 @@ def queue_step(step: Step, dev: torch.device, batch: list[Sequence], prev: InFli
     """Queue one step for `batch` without waiting for the device. A row that was in the step still in flight
     reads its next input token from that step's argmax on the device; a row joining now reads it from the host.
     Positions and slots are the host's. Each row's lease is held until this step has been delivered, so no
-    slot is handed to another request while a queued step may still write into it. With a chunk, one eager
+    slot is handed to another request while a queued step may still write into it. With a chunk, one
     forward runs the decode rows and that prompt chunk together (mixed.py); the chunk's slot is held the same
     way, and its last chunk's first token travels with the step's tokens."""
     n = len(batch)
@@ -60,7 +60,7 @@ def queue_step(step: Step, dev: torch.device, batch: list[Sequence], prev: InFli
         logits = step(tokens, positions, slots)  # (n, vocab): the graph's buffer, overwritten by the next step
         nxt = logits.argmax(dim=-1)  # (n,) on the device
     else:
-        logits, first = mixed_forward(step.runner, tokens, positions, slots, chunk)  # (n, vocab), (vocab,)
+        logits, first = step.mixed(tokens, positions, slots, chunk)  # (n, vocab), (vocab,): graphed on CUDA
         nxt = logits.argmax(dim=-1)
         task.lease.hold()
     rows_out = torch.cat([nxt, first.argmax().view(1)]) if first is not None else nxt  # (n [+ 1],)

@@ -51,11 +51,14 @@ class StepRunner:
         self.gemv_rows = pick_gemv(self, rows) if timed else dict.fromkeys(PROJECTIONS, 0)
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
         """tokens, positions, slots: (B,) int64 on the device -> logits (B, vocab) in the model dtype.
 
         Row b feeds `tokens[b]` at position `positions[b]` of slot `slots[b]`: its K/V are written there, and it
-        attends over positions 0..positions[b] of that slot.
+        attends over positions 0..positions[b] of that slot. Every row's K/V is written before any row attends,
+        so rows of one slot at consecutive positions are a causal prompt chunk (mixed.py rides one along).
+        keep: (K,) int64 row indices; only those rows reach the final norm and lm_head -> logits (K, vocab).
         """
         ops, tri, rows = kernels, self.use_triton, self.gemv_rows  # rows: projection -> GEMV up to this batch
         b = tokens.shape[0]
@@ -80,8 +83,10 @@ class StepRunner:
             x, residual = ops.add_rms_norm(h, residual, w.ln2, self.eps, use_triton=tri)
             act = ops.gate_up_silu(x, w.gate_up, use_triton=tri, max_rows=rows["gate_up"])  # (B, I)
             h = ops.linear(act, w.down, use_triton=tri, max_rows=rows["down"])  # (B, H)
+        if keep is not None:
+            h, residual = h[keep], residual[keep]  # (K, H)
         x, _ = ops.add_rms_norm(h, residual, self.norm, self.eps, use_triton=tri)
-        return ops.linear(x, self.lm_head, use_triton=tri, max_rows=rows["lm_head"])  # (B, vocab)
+        return ops.linear(x, self.lm_head, use_triton=tri, max_rows=rows["lm_head"])  # (B or K, vocab)
 
 
 PROJECTIONS = ("qkv", "o", "gate_up", "down", "lm_head")

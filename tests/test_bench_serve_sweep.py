@@ -25,3 +25,14 @@ def test_serve_sweep_smoke(tmp_path):
         assert rows[(arm, 4)]["speedup_vs_max_batch_1"] is not None
     base = [r for r in result["runs"] if r["server_max_batch"] == 1]
     assert all(r["server_batch"]["running_max"] <= 1 for r in base)
+
+
+def test_baseline_takes_its_own_decode_args_when_given():
+    from argparse import Namespace
+
+    from bench.serve_sweep import extra_args
+
+    mixed = "--prefill-chunk 256 --mixed-prefill"
+    assert extra_args(Namespace(decode_args=mixed, baseline_decode_args=None), 1) == mixed
+    assert extra_args(Namespace(decode_args=mixed, baseline_decode_args=""), 1) == ""
+    assert extra_args(Namespace(decode_args=mixed, baseline_decode_args=""), 64) == mixed

@@ -85,3 +85,40 @@ def test_graph_replay_equals_eager_and_batch_within_tolerance():
         top2 = alone.float().topk(2).values
         if (top2[0] - top2[1]) > GPU_BATCH_TOL * alone.float().abs().max():
             assert int(batch[j].argmax()) == int(alone.argmax())
+
+
+def test_mixed_graph_matches_the_eager_mixed_step_and_the_whole_prefill():
+    """A prompt chunk riding in a graphed step (graphs.py, --mixed-prefill): the decode rows within GPU_BATCH_TOL of
+    the plain step, the chunk's last row and the prompt's cache within it of a whole prefill, and the graph within
+    it of the eager mixed forward (padding changes the GEMM shapes, so not bit for bit)."""
+    from decode_server.mixed import Chunk, mixed_forward
+
+    model, pool, runner = build("smollm2-135m", slots=8)
+    step = Step(runner, max_batch=8, cuda_graphs=True, chunk=64)
+    assert step.mixed_graphs and set(step.mixed_graphs) == set(step.graphs)
+    lengths = [40, 300, 77]
+    firsts = [fill(model, pool, s, random_prompt(model.config.vocab_size, n, seed=n, device="cuda"))
+              for s, n in enumerate(lengths)]
+    tok, pos = torch.tensor(firsts, device="cuda"), torch.tensor(lengths, device="cuda")
+    slots = torch.arange(3, device="cuda")
+    plain = step(tok, pos, slots).clone()
+    prompt = random_prompt(model.config.vocab_size, 150, seed=9, device="cuda")
+    whole_cache, whole_logits = prefill(model, prompt)
+    for start in range(0, 150, 64):  # chunks of 64, 64, 22 (the last padded to 64 rows) into slot 5
+        ids = prompt[0, start:start + 64]
+        chunk = Chunk(ids, 5, start, start + 64 >= 150)
+        dec, last = step.mixed(tok, pos, slots, chunk)
+        dec, last = dec.clone(), last.clone()
+        e_dec, e_last = mixed_forward(runner, tok, pos, slots, chunk)
+        gaps = rel(dec, plain), rel(dec, e_dec), rel(last, e_last)
+        print(f"chunk at {start}: vs plain step {gaps[0]:.5f}, graph vs eager {gaps[1]:.5f} / {gaps[2]:.5f}")
+        assert max(gaps) <= GPU_BATCH_TOL
+    gap = rel(last, whole_logits)
+    print(f"mixed chunks vs whole prefill: last logits {gap:.5f}")
+    assert gap <= GPU_BATCH_TOL
+    top2 = whole_logits.float().topk(2).values
+    if (top2[0] - top2[1]) > GPU_BATCH_TOL * whole_logits.float().abs().max():
+        assert int(last.argmax()) == int(whole_logits.argmax())
+    for (k, v), layer in zip(pool.views(5, 150), whole_cache.layers):
+        assert rel(k, layer.keys) <= GPU_BATCH_TOL and rel(v, layer.values) <= GPU_BATCH_TOL
+    assert (pool.kv[:, :, [3, 4, 6, 7]] == 0).all()  # padding rows wrote only the scratch slot

@@ -88,14 +88,15 @@ def test_prompts_prefilled_inside_decode_steps_decode_to_the_same_tokens(tiny, m
     plain = _engine(tiny)
     want_long, want_other = _decode(plain, long_prompt, 10), _decode(plain, other, 40)
     plain.close()
-    from decode_server import inflight as sched_mod
+    from decode_server.graphs import Step
 
     rows = []  # decode rows of every mixed forward
+    mixed = Step.mixed
 
-    def recording(r, tokens, *a):
+    def recording(self, tokens, *a):
         rows.append(tokens.shape[0])
-        return mixed_forward(r, tokens, *a)
-    monkeypatch.setattr(sched_mod, "mixed_forward", recording)
+        return mixed(self, tokens, *a)
+    monkeypatch.setattr(Step, "mixed", recording)
     e = _engine(tiny, prefill_chunk=16, mixed_prefill=True)
     try:
         started, got = [], {}
