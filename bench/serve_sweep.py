@@ -51,7 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-batch", type=int, default=64)
     p.add_argument("--max-seq-len", type=int, default=2048)
     p.add_argument("--concurrency", default="1,8,32,64")
-    p.add_argument("--baseline-concurrency", default="1,32", help="concurrencies run against --max-batch 1")
+    p.add_argument("--baseline-concurrency", default="1,32", help="concurrencies run against --max-batch 1 "
+                   "('' runs no baseline)")
+    p.add_argument("--baseline-prompts", type=int, default=0, help="prompts per baseline run (0: as the others); "
+                   "one request at a time is stationary, so fewer do")
     p.add_argument("--input-len", type=int, default=1024)
     p.add_argument("--input-len-range", type=float, default=0.5)
     p.add_argument("--output-len", type=int, default=128)
@@ -68,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     runs, failures = [], []
     for arm in args.arms.split(","):
         for max_batch, conc in ((args.max_batch, args.concurrency), (1, args.baseline_concurrency)):
+            if not conc.strip():
+                continue
             port = free_port()
             t0 = time.perf_counter()
             try:
@@ -75,7 +80,10 @@ def main(argv: list[str] | None = None) -> int:
                 with arm_servers(arm, args, max_batch, logs, port) as run:
                     started = time.perf_counter() - t0
                     for c in map(int, conc.split(",")):
-                        cfg = ServeConfig(addr=run.addr, num_prompts=max(args.min_prompts, args.prompts_per_slot * c),
+                        n = max(args.min_prompts, args.prompts_per_slot * c)
+                        if max_batch == 1 and args.baseline_prompts:
+                            n = args.baseline_prompts
+                        cfg = ServeConfig(addr=run.addr, num_prompts=n,
                                           concurrency=c, input_len=args.input_len,
                                           input_len_range=args.input_len_range, output_len=args.output_len,
                                           model=args.model, mode="auto", timeout_s=1200, max_duration_s=1200,

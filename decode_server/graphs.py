@@ -7,10 +7,10 @@ the pool's scratch slot. Captured eagerly at start-up (time and memory logged) r
 lazily: the first request must not pay a capture, and a capture that fails should fail the
 start, not a request. All graphs share one memory pool, largest first.
 
-With --mixed-prefill there is a second graph per bucket: the step over the bucket's rows plus a
-prompt chunk padded to --prefill-chunk rows (mixed.py), keeping the bucket's rows and the chunk's
-last valid row for lm_head. Padding chunk rows, like padding batch rows, write and read only the
-scratch slot.
+With --mixed-prefill there is a second graph per bucket: the step over the bucket's rows plus
+--prefill-chunk rows of prompt chunks (mixed.py: up to MAX_PIECES prompts, padded when they fall
+short), keeping the bucket's rows and MAX_PIECES more for lm_head (each chunk's last row; unused
+ones point at a padding row). Padding rows write and read only the scratch slot.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from .mixed import Chunk, mixed_forward
+from .mixed import MAX_PIECES, Chunk, mixed_forward
 from .runner import StepRunner
 
 log = logging.getLogger("kvtransfer.decode.graphs")
@@ -33,8 +33,8 @@ def buckets(max_batch: int) -> list[int]:
 
 class Step:
     """`step(tokens, positions, slots)` -> logits (n, vocab): eager (CPU, --no-cuda-graphs) or graph replay.
-    `step.mixed(tokens, positions, slots, chunk)` -> (logits (n, vocab), the chunk's last row (vocab,)): the same
-    step with a prompt chunk of up to `chunk` tokens riding along (graphed when `chunk` > 0).
+    `step.mixed(tokens, positions, slots, chunks)` -> (logits (n, vocab), each chunk's last row (P, vocab)): the
+    same step with up to `chunk` prompt tokens riding along in P <= MAX_PIECES chunks (graphed when `chunk` > 0).
 
     The graphed logits are a view into the graph's output buffer: valid until the next call.
     """
@@ -52,7 +52,7 @@ class Step:
         self.tokens = torch.zeros(rows, dtype=torch.long, device=dev)
         self.positions = torch.zeros(rows, dtype=torch.long, device=dev)
         self.slots = torch.full((rows,), self.runner.pool.scratch, dtype=torch.long, device=dev)
-        self.keep = torch.zeros(self.max_batch + 1, dtype=torch.long, device=dev)
+        self.keep = torch.zeros(self.max_batch + MAX_PIECES, dtype=torch.long, device=dev)
 
     def _capture(self) -> None:
         self._inputs()
@@ -73,7 +73,7 @@ class Step:
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=mempool):
                 out = self.runner.forward(self.tokens[:b + c], self.positions[:b + c], self.slots[:b + c],
-                                          self.keep[:b + 1])
+                                          self.keep[:b + MAX_PIECES])
             self.mixed_graphs[b] = (g, out)
         for b in reversed(self.buckets):
             g = torch.cuda.CUDAGraph()
@@ -110,22 +110,26 @@ class Step:
         return out[:n]
 
     def mixed(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-              chunk: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
-        n, c = tokens.shape[0], chunk.ids.shape[0]
-        if not self.mixed_graphs or c > self.chunk:
-            return mixed_forward(self.runner, tokens, positions, slots, chunk)
-        b, C = self.bucket(n), self.chunk
+              chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor]:
+        n, sizes = tokens.shape[0], [c.ids.shape[0] for c in chunks]
+        if not self.mixed_graphs or sum(sizes) > self.chunk or len(chunks) > MAX_PIECES:
+            return mixed_forward(self.runner, tokens, positions, slots, chunks)
+        b, C, total = self.bucket(n), self.chunk, sum(sizes)
         self._fill(n, b, tokens, positions, slots)
-        # rows b .. b + C - 1: the chunk, then padding up to C rows
-        self.tokens[b:b + c].copy_(chunk.ids, non_blocking=True)
-        torch.arange(chunk.start, chunk.start + c, out=self.positions[b:b + c])
-        self.slots[b:b + c].fill_(chunk.slot)
-        if c < C:
-            self.tokens[b + c:b + C].zero_()
-            self.positions[b + c:b + C].zero_()
-            self.slots[b + c:b + C].fill_(self.runner.pool.scratch)
-        torch.arange(b + 1, out=self.keep[:b + 1])
-        self.keep[b].fill_(b + c - 1)  # the bucket's rows + the chunk's last valid row
+        # rows b .. b + C - 1: the chunks one after another, then padding (scratch slot, position 0)
+        pos, at, keep, row = torch.zeros(C, dtype=torch.long), torch.full((C,), self.runner.pool.scratch), [], 0
+        for c, size in zip(chunks, sizes):
+            self.tokens[b + row:b + row + size].copy_(c.ids, non_blocking=True)
+            pos[row:row + size] = torch.arange(c.start, c.start + size)
+            at[row:row + size] = c.slot
+            row += size
+            keep.append(b + row - 1)
+        if total < C:
+            self.tokens[b + total:b + C].zero_()
+        keep += [b + C - 1] * (MAX_PIECES - len(chunks))  # unused: a padding (or the last chunk's) row
+        self.positions[b:b + C].copy_(pos, non_blocking=True)
+        self.slots[b:b + C].copy_(at, non_blocking=True)
+        self.keep[:b + MAX_PIECES].copy_(torch.cat([torch.arange(b), torch.tensor(keep)]), non_blocking=True)
         g, out = self.mixed_graphs[b]
         g.replay()
-        return out[:n], out[b]
+        return out[:n], out[b:b + len(chunks)]

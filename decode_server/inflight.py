@@ -29,19 +29,21 @@ class InFlight:
     rows: dict[int, torch.Tensor]
     left: list[int]  # each row's tokens still to make after this step
     after: list = field(default_factory=list)  # (sequence, Token | Ended) to end once this step is delivered
-    chunk_task: MixedPrefill | None = None  # a prompt chunk rode in this step: its slot is held until delivery
-    first_task: MixedPrefill | None = None  # ... and it was that prompt's last: the host copy ends with its token
-    first_logits: torch.Tensor | None = None  # (vocab,) that token's logits, kept when a digest is wanted
+    chunk_tasks: list[MixedPrefill] = field(default_factory=list)  # prompts with a chunk in this step: their slots
+    # are held until delivery
+    first_tasks: list[MixedPrefill] = field(default_factory=list)  # ... whose last chunk it was: the host copy ends
+    # with their first tokens, in this order
+    first_logits: list[torch.Tensor | None] = field(default_factory=list)  # (vocab,) each, kept when a digest is wanted
 
 
 def queue_step(step: Step, dev: torch.device, batch: list[Sequence], prev: InFlight | None,
-               task: MixedPrefill | None = None, chunk: Chunk | None = None) -> InFlight:
+               pieces: list[tuple[MixedPrefill, Chunk]] = ()) -> InFlight:
     """Queue one step for `batch` without waiting for the device. A row that was in the step still in flight
     reads its next input token from that step's argmax on the device; a row joining now reads it from the host.
     Positions and slots are the host's. Each row's lease is held until this step has been delivered, so no
-    slot is handed to another request while a queued step may still write into it. With a chunk, one
-    forward runs the decode rows and that prompt chunk together (mixed.py); the chunk's slot is held the same
-    way, and its last chunk's first token travels with the step's tokens."""
+    slot is handed to another request while a queued step may still write into it. With pieces (prompt chunks),
+    one forward runs the decode rows and those chunks together (mixed.py); each chunk's slot is held the same
+    way, and a prompt's first token travels with the step's tokens when its last chunk rode in it."""
     n = len(batch)
     where = {id(s): j for j, s in enumerate(prev.batch)} if prev is not None else {}
     fresh = [s for s in batch if id(s) not in where]
@@ -55,15 +57,16 @@ def queue_step(step: Step, dev: torch.device, batch: list[Sequence], prev: InFli
         tokens = src[torch.tensor(gather, dtype=torch.long).to(dev, non_blocking=True)]
     positions = torch.tensor([s.length for s in batch], dtype=torch.long).to(dev, non_blocking=True)
     slots = torch.tensor([s.slot for s in batch], dtype=torch.long).to(dev, non_blocking=True)
-    first = None
-    if chunk is None:
+    done = [j for j, (_, c) in enumerate(pieces) if c.last]  # prompts whose first token this step makes
+    lasts = None
+    if not pieces:
         logits = step(tokens, positions, slots)  # (n, vocab): the graph's buffer, overwritten by the next step
-        nxt = logits.argmax(dim=-1)  # (n,) on the device
     else:
-        logits, first = step.mixed(tokens, positions, slots, chunk)  # (n, vocab), (vocab,): graphed on CUDA
-        nxt = logits.argmax(dim=-1)
-        task.lease.hold()
-    rows_out = torch.cat([nxt, first.argmax().view(1)]) if first is not None else nxt  # (n [+ 1],)
+        logits, lasts = step.mixed(tokens, positions, slots, [c for _, c in pieces])  # (n, vocab), (P, vocab)
+        for task, _ in pieces:
+            task.lease.hold()
+    nxt = logits.argmax(dim=-1)  # (n,) on the device
+    rows_out = torch.cat([nxt, *(lasts[j].argmax().view(1) for j in done)])  # (n + finished prompts,); no H2D index
     rows = {j: logits[j].clone() for j, s in enumerate(batch) if s.want_digest}  # (vocab,) each, kept
     host = torch.empty(rows_out.shape[0], dtype=torch.long, pin_memory=dev.type == "cuda")
     host.copy_(rows_out, non_blocking=True)
@@ -75,7 +78,7 @@ def queue_step(step: Step, dev: torch.device, batch: list[Sequence], prev: InFli
         s.lease.hold()
         s.length += 1
         s.remaining -= 1
-    done = task if chunk is not None and chunk.last else None
+    firsts = [pieces[j][0] for j in done]
     return InFlight(batch, nxt, host, event, rows, [s.remaining for s in batch],
-                    chunk_task=task if chunk is not None else None, first_task=done,
-                    first_logits=first if done is not None and task.want_digest else None)
+                    chunk_tasks=[task for task, _ in pieces], first_tasks=firsts,
+                    first_logits=[lasts[j].clone() if t.want_digest else None for j, t in zip(done, firsts)])

@@ -6,11 +6,14 @@ one-at-a-time baseline (README, "What bounds this"). A chunk of c prompt tokens 
 rows share every GEMM instead: the step costs max(compute of c + B rows, one read of the
 weights), so the decode rows ride nearly free while a prefill is in progress.
 
+A step carries up to --prefill-chunk prompt tokens in all: the next chunk of the prompt in progress,
+and when that ends short of the budget, the first chunk of the next prompt too (up to MAX_PIECES
+prompts a step), so no graph row is padding while prompts wait (Sarathi-Serve's token budget).
 A chunk needs nothing new from the step: c prompt tokens at positions start..start + c - 1 of one
 slot are c more rows of it. The step writes every row's K/V before any row attends, and each row
 attends over positions 0..its own of its slot, which for the chunk's rows is exactly causal
 attention after the chunk's past. `mixed_forward` runs the step over the B decode rows plus the
-chunk's c rows and keeps only the decode rows and the chunk's last row for the final norm and
+chunks' rows and keeps only the decode rows and each chunk's last row for the final norm and
 lm_head. Being the step, it is captured as a CUDA graph per batch bucket with the chunk padded to
 --prefill-chunk rows (graphs.py): eagerly, the host's launches, not the GPU, would set its pace.
 `MixedPrefill` is one prompt's progress through its chunks.
@@ -32,6 +35,8 @@ import torch
 from .pool import Lease
 from .runner import StepRunner
 
+MAX_PIECES = 4  # prompt chunks in one step (each keeps one row for lm_head)
+
 
 @dataclass
 class Chunk:
@@ -43,17 +48,19 @@ class Chunk:
 
 @torch.inference_mode()
 def mixed_forward(r: StepRunner, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                  chunk: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
-    """tokens/positions/slots: (B,) decode rows (B may be 0); chunk: c prompt tokens into chunk.slot. Eager.
-    Returns (decode logits (B, vocab), the chunk's last-row logits (vocab,))."""
-    b, c, dev = tokens.shape[0], chunk.ids.shape[0], chunk.ids.device
-    keep = torch.arange(b + 1, device=dev)
-    keep[b] = b + c - 1  # decode rows + the chunk's last row
-    logits = r.forward(torch.cat([tokens, chunk.ids]),  # (B + c,)
-                       torch.cat([positions, torch.arange(chunk.start, chunk.start + c, device=dev)]),
-                       torch.cat([slots, torch.full((c,), chunk.slot, dtype=torch.long, device=dev)]),
-                       keep)  # (B + 1, vocab)
-    return logits[:b], logits[b]
+                  chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor]:
+    """tokens/positions/slots: (B,) decode rows (B may be 0); chunks: P pieces of prompts, each c_j tokens into its
+    slot. Eager. Returns (decode logits (B, vocab), each chunk's last-row logits (P, vocab))."""
+    b, dev = tokens.shape[0], tokens.device
+    ends = torch.tensor([c.ids.shape[0] for c in chunks]).cumsum(0) + b - 1  # each chunk's last row
+    keep = torch.cat([torch.arange(b), ends]).to(dev, non_blocking=True)  # (B + P,)
+    logits = r.forward(torch.cat([tokens, *(c.ids for c in chunks)]),  # (B + sum c_j,)
+                       torch.cat([positions, *(torch.arange(c.start, c.start + c.ids.shape[0], device=dev)
+                                               for c in chunks)]),
+                       torch.cat([slots, *(torch.full((c.ids.shape[0],), c.slot, dtype=torch.long, device=dev)
+                                           for c in chunks)]),
+                       keep)  # (B + P, vocab)
+    return logits[:b], logits[b:]
 
 
 @dataclass
@@ -68,8 +75,9 @@ class MixedPrefill:
     start: int = 0
     t0: float = field(default_factory=time.perf_counter)  # reset when its first chunk goes (scheduler)
 
-    def next_chunk(self) -> Chunk:
-        end = min(self.ids.shape[0], self.start + self.chunk)
+    def next_chunk(self, budget: int | None = None) -> Chunk:
+        """The next chunk: at most `chunk` tokens, and at most `budget` (the step's prompt tokens still free)."""
+        end = min(self.ids.shape[0], self.start + (self.chunk if budget is None else min(self.chunk, budget)))
         c = Chunk(self.ids[self.start:end], self.lease.slot, self.start, end == self.ids.shape[0])
         self.start = end
         return c

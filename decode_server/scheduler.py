@@ -5,7 +5,8 @@ the device, and tokens must come out in step order. Between two steps the thread
 runs one piece of device work asked for by the servicer (a local prefill, or one chunk of a
 chunked one; a digest), drops the sequences asked to stop (their slots are let go once no queued
 step writes into them), admits the sequences whose caches are complete, then queues one step for
-all of them; with --mixed-prefill that step also carries the next chunk of one prompt (mixed.py).
+all of them; with --mixed-prefill that step also carries up to --prefill-chunk prompt tokens, the
+next chunk of each prompt in progress and then of new ones (mixed.py).
 A sequence leaves when its last token is made. Nothing here waits on a client: tokens go to each
 sequence's sink, which never blocks.
 
@@ -33,7 +34,7 @@ from kvtransfer.reference import logits_digest
 
 from .graphs import Step
 from .inflight import InFlight, queue_step
-from .mixed import MixedPrefill
+from .mixed import MAX_PIECES, Chunk, MixedPrefill
 from .sequence import EndCause, Ended, LocalPrefill, Sequence, Token
 
 log = logging.getLogger("kvtransfer.decode.scheduler")
@@ -50,7 +51,7 @@ class Scheduler:
         self._jobs: deque[tuple[Job, Future]] = deque()
         self._joining: list[Sequence] = []
         self._tasks: deque[MixedPrefill] = deque()  # prompts whose chunks ride in decode steps (--mixed-prefill)
-        self._task: MixedPrefill | None = None
+        self._active: list[MixedPrefill] = []  # ... those with chunks handed out, oldest first (this thread's)
         self.running: list[Sequence] = []
         self.steps = 0
         self._closed = False
@@ -111,7 +112,7 @@ class Scheduler:
         while True:
             with self._cond:
                 while not (self._closed or self._jobs or self._joining or self.running or job or pending
-                           or self._tasks or self._task):
+                           or self._tasks or self._active):
                     self._cond.wait()
                 if self._closed:
                     break
@@ -120,25 +121,17 @@ class Scheduler:
                     if not job[1].set_running_or_notify_cancel():  # cancelled while queued (its request gave up)
                         job[0].close()
                         job = None
-                while self._task is None and self._tasks:
-                    self._task = self._tasks.popleft()
-                    if not self._task.future.set_running_or_notify_cancel():  # its request gave up while queued
-                        self._task = None
-                    else:
-                        self._task.t0 = time.perf_counter()  # its prefill_ms counts from its first chunk
                 joining, self._joining = self._joining, []
             if job is not None and self._advance(*job):
                 job = None
             self.running.extend(joining)
             self._drop_stopped(pending)
             newer = None
-            chunk_of = None
+            pieces: list[tuple[MixedPrefill, Chunk]] = []
             try:
                 launch = [s for s in self.running if s.remaining > 0 and not s.over]
-                chunk_of, chunk = self._task, self._task.next_chunk() if self._task is not None else None
-                if chunk_of is not None and chunk_of.handed_out:
-                    self._task = None  # its last chunk goes now; the next prompt's first may go next step
-                newer = queue_step(self.step, self.device, launch, pending, chunk_of, chunk) if launch or chunk else None
+                pieces = self._pieces()
+                newer = queue_step(self.step, self.device, launch, pending, pieces) if launch or pieces else None
                 if pending is not None:
                     self._deliver(pending, newer)
                 pending = newer
@@ -151,19 +144,42 @@ class Scheduler:
                 pending = self._let_go(pending)
                 if newer is not pending:
                     self._let_go(newer)
-                for task in (chunk_of, self._task):
-                    if task is not None and not task.future.done():
+                for task in [t for t, _ in pieces] + self._active:
+                    if not task.future.done():
                         task.future.set_exception(RuntimeError(f"decode step failed: {e}"))
-                self._task = None
+                self._active = []
         pending = self._let_go(pending)
         for s in self.running + self._joining:
             if not s.over:
                 self._end(s, Ended(EndCause.SHUTDOWN, "the decode server is stopping"))
         for _, fut in self._jobs:
             fut.set_exception(RuntimeError("the decode server is stopping"))
-        for task in [self._task, *self._tasks]:
-            if task is not None and not task.future.done():
+        for task in [*self._active, *self._tasks]:
+            if not task.future.done():
                 task.future.set_exception(RuntimeError("the decode server is stopping"))
+
+    def _pieces(self) -> list[tuple[MixedPrefill, Chunk]]:
+        """This step's prompt chunks (--mixed-prefill): the next chunk of each prompt in progress, oldest first, then
+        of prompts not yet begun, while the step's budget of prompt tokens (Step.chunk) and MAX_PIECES last."""
+        budget, out = getattr(self.step, "chunk", 0), []
+        for task in self._active:
+            if budget <= 0 or len(out) == MAX_PIECES:
+                break
+            out.append((task, task.next_chunk(budget)))
+            budget -= out[-1][1].ids.shape[0]
+        while budget > 0 and len(out) < MAX_PIECES:
+            with self._cond:
+                task = self._tasks.popleft() if self._tasks else None
+            if task is None:
+                break
+            if not task.future.set_running_or_notify_cancel():  # its request gave up while queued
+                continue
+            task.t0 = time.perf_counter()  # its prefill_ms counts from its first chunk
+            self._active.append(task)
+            out.append((task, task.next_chunk(budget)))
+            budget -= out[-1][1].ids.shape[0]
+        self._active = [task for task in self._active if not task.handed_out]
+        return out
 
     @staticmethod
     def _advance(job: Job, fut: Future) -> bool:
@@ -230,12 +246,11 @@ class Scheduler:
             self.running = [s for s in self.running if not s.over]
         for s in done.batch:
             s.lease.release()  # the step's own hold
-        if done.chunk_task is not None:
-            done.chunk_task.lease.release()  # the chunk's hold on its prompt's slot
-        if done.first_task is not None:
-            task = done.first_task
-            digest = logits_digest(done.first_logits) if done.first_logits is not None else ""
-            task.future.set_result(LocalPrefill(tokens[-1], digest, (t - task.t0) * 1e3))
+        for task in done.chunk_tasks:
+            task.lease.release()  # the chunk's hold on its prompt's slot
+        for j, (task, first_logits) in enumerate(zip(done.first_tasks, done.first_logits)):
+            digest = logits_digest(first_logits) if first_logits is not None else ""
+            task.future.set_result(LocalPrefill(tokens[len(done.batch) + j], digest, (t - task.t0) * 1e3))
         for s, item in done.after + ends:
             self._end(s, item)
 
@@ -249,11 +264,11 @@ class Scheduler:
                     log.exception("waiting for the last queued step")
             for s in pending.batch:
                 s.lease.release()
-            if pending.chunk_task is not None:
-                pending.chunk_task.lease.release()
-                if not pending.chunk_task.future.done():
-                    pending.chunk_task.future.set_exception(RuntimeError("the decode step with its chunk failed"))
+            for task in pending.chunk_tasks:
+                task.lease.release()
+                if not task.future.done():
+                    task.future.set_exception(RuntimeError("the decode step with its chunk failed"))
             for s, item in pending.after:
                 self._end(s, item)  # a last token stays valid: only the row queued after it failed
-            pending.batch, pending.after, pending.chunk_task = [], [], None  # let go once
+            pending.batch, pending.after, pending.chunk_tasks = [], [], []  # let go once
         return None

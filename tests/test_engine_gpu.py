@@ -103,22 +103,25 @@ def test_mixed_graph_matches_the_eager_mixed_step_and_the_whole_prefill():
     slots = torch.arange(3, device="cuda")
     plain = step(tok, pos, slots).clone()
     prompt = random_prompt(model.config.vocab_size, 150, seed=9, device="cuda")
-    whole_cache, whole_logits = prefill(model, prompt)
-    for start in range(0, 150, 64):  # chunks of 64, 64, 22 (the last padded to 64 rows) into slot 5
-        ids = prompt[0, start:start + 64]
-        chunk = Chunk(ids, 5, start, start + 64 >= 150)
-        dec, last = step.mixed(tok, pos, slots, chunk)
-        dec, last = dec.clone(), last.clone()
-        e_dec, e_last = mixed_forward(runner, tok, pos, slots, chunk)
-        gaps = rel(dec, plain), rel(dec, e_dec), rel(last, e_last)
+    other = random_prompt(model.config.vocab_size, 40, seed=10, device="cuda")  # shares the last step's budget
+    for start in range(0, 150, 64):  # chunks of 64, 64, then 22 + the 40 of `other` (padded to 64 rows)
+        chunks = [Chunk(prompt[0, start:start + 64], 5, start, start + 64 >= 150)]
+        if start + 64 >= 150:
+            chunks.append(Chunk(other[0], 6, 0, True))
+        dec, lasts = step.mixed(tok, pos, slots, chunks)
+        dec, lasts = dec.clone(), lasts.clone()
+        e_dec, e_lasts = mixed_forward(runner, tok, pos, slots, chunks)
+        gaps = rel(dec, plain), rel(dec, e_dec), rel(lasts, e_lasts)
         print(f"chunk at {start}: vs plain step {gaps[0]:.5f}, graph vs eager {gaps[1]:.5f} / {gaps[2]:.5f}")
         assert max(gaps) <= GPU_BATCH_TOL
-    gap = rel(last, whole_logits)
-    print(f"mixed chunks vs whole prefill: last logits {gap:.5f}")
-    assert gap <= GPU_BATCH_TOL
-    top2 = whole_logits.float().topk(2).values
-    if (top2[0] - top2[1]) > GPU_BATCH_TOL * whole_logits.float().abs().max():
-        assert int(last.argmax()) == int(whole_logits.argmax())
-    for (k, v), layer in zip(pool.views(5, 150), whole_cache.layers):
-        assert rel(k, layer.keys) <= GPU_BATCH_TOL and rel(v, layer.values) <= GPU_BATCH_TOL
-    assert (pool.kv[:, :, [3, 4, 6, 7]] == 0).all()  # padding rows wrote only the scratch slot
+    for ids, slot, last in ((prompt, 5, lasts[0]), (other, 6, lasts[1])):
+        whole_cache, whole_logits = prefill(model, ids)
+        gap = rel(last, whole_logits)
+        print(f"mixed chunks vs whole prefill ({ids.shape[1]} tokens): last logits {gap:.5f}")
+        assert gap <= GPU_BATCH_TOL
+        top2 = whole_logits.float().topk(2).values
+        if (top2[0] - top2[1]) > GPU_BATCH_TOL * whole_logits.float().abs().max():
+            assert int(last.argmax()) == int(whole_logits.argmax())
+        for (k, v), layer in zip(pool.views(slot, ids.shape[1]), whole_cache.layers):
+            assert rel(k, layer.keys) <= GPU_BATCH_TOL and rel(v, layer.values) <= GPU_BATCH_TOL
+    assert (pool.kv[:, :, [3, 4, 7]] == 0).all()  # padding rows wrote only the scratch slot

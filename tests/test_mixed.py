@@ -48,12 +48,34 @@ def test_mixed_forward_matches_the_step_and_the_whole_prefill(tiny):
     last = None
     for start in range(0, 45, 16):  # three chunks into slot 2, each riding with the two decode rows
         ids = prompt[start:start + 16]
-        dec, last = mixed_forward(r, tokens, positions, slots, Chunk(ids, 2, start, start + 16 >= 45))
+        dec, lasts = mixed_forward(r, tokens, positions, slots, [Chunk(ids, 2, start, start + 16 >= 45)])
         assert (dec - plain).abs().max().item() <= TOL
+        last = lasts[0]
     assert (last - whole_logits).abs().max().item() <= TOL
     for i, (k, v) in enumerate(cache_layers(whole_cache)):
         assert (pool.layer(i)[0][2, :, :45] - k[0]).abs().max().item() <= TOL
         assert (pool.layer(i)[1][2, :, :45] - v[0]).abs().max().item() <= TOL
+
+
+def test_two_prompts_share_a_step_each_within_tolerance_of_its_whole_prefill(tiny):
+    """The token budget (Step.chunk) packs the end of one prompt and the start of the next into one forward: each
+    chunk's last-row logits and each prompt's cache still match its own whole prefill."""
+    g = CacheGeometry.from_config(tiny.config, torch.float32)
+    pool = KVPool(g, torch.device("cpu"), slots=4, max_seq=128)
+    r = StepRunner(tiny, pool)
+    a, b = (random_prompt(tiny.config.vocab_size, n, seed=n)[0] for n in (45, 30))
+    none = torch.zeros(0, dtype=torch.long)
+    steps = [[Chunk(a[:24], 2, 0, False)],  # a budget of 24 prompt tokens a step
+             [Chunk(a[24:], 2, 24, True), Chunk(b[:3], 3, 0, False)],
+             [Chunk(b[3:27], 3, 3, False)],
+             [Chunk(b[27:], 3, 27, True)]]
+    lasts = [mixed_forward(r, none, none, none, chunks)[1] for chunks in steps]
+    for prompt, slot, got in ((a, 2, lasts[1][0]), (b, 3, lasts[3][0])):
+        cache, want = prefill(tiny, prompt[None])
+        assert (got - want).abs().max().item() <= TOL
+        for i, (k, v) in enumerate(cache_layers(cache)):
+            assert (pool.layer(i)[0][slot, :, :len(prompt)] - k[0]).abs().max().item() <= TOL
+            assert (pool.layer(i)[1][slot, :, :len(prompt)] - v[0]).abs().max().item() <= TOL
 
 
 def _engine(model, **kw) -> DecodeEngine:
@@ -90,12 +112,13 @@ def test_prompts_prefilled_inside_decode_steps_decode_to_the_same_tokens(tiny, m
     plain.close()
     from decode_server.graphs import Step
 
-    rows = []  # decode rows of every mixed forward
+    rows, pieces = [], []  # decode rows and prompt chunks of every mixed forward
     mixed = Step.mixed
 
-    def recording(self, tokens, *a):
+    def recording(self, tokens, positions, slots, chunks):
         rows.append(tokens.shape[0])
-        return mixed(self, tokens, *a)
+        pieces.append([(c.slot, c.start, c.ids.shape[0]) for c in chunks])
+        return mixed(self, tokens, positions, slots, chunks)
     monkeypatch.setattr(Step, "mixed", recording)
     e = _engine(tiny, prefill_chunk=16, mixed_prefill=True)
     try:
@@ -112,6 +135,26 @@ def test_prompts_prefilled_inside_decode_steps_decode_to_the_same_tokens(tiny, m
         assert len(rows) == 4 and all(b == 1 for b in rows)  # 61 tokens = 4 chunks, each beside the decoding row
         # a prompt that fits one chunk with nothing decoding takes the plain prefill (bit-identical alone)
         assert _decode(e, other, 5) == want_other[:6]
+        # two prompts asked for together while one decodes: the end of the first and the start of the second
+        # share a step's 16-token budget, and both decode to the plain engine's tokens
+        short = random_prompt(tiny.config.vocab_size, 20, seed=5)[0].tolist()
+        want_short = _decode(plain_engine := _engine(tiny), short, 6)
+        plain_engine.close()
+        started.clear()
+        t = threading.Thread(target=lambda: got.update(other=_decode(e, other, 40, started)))
+        t.start()
+        while not started:
+            pass
+        del pieces[:]
+        leases = [e.pool.try_lease(), e.pool.try_lease()]
+        futs = [e.prefill(p, lease, False) for p, lease in zip((short, other), leases)]
+        firsts = [f.result(timeout=60).first for f in futs]
+        assert [firsts[0], firsts[1]] == [want_short[0], want_other[0]]
+        assert [[(start, n) for _, start, n in p] for p in pieces] == [[(0, 16)], [(16, 4), (0, 12)]]  # 20 + 12 tokens
+        for lease in leases:
+            lease.release()
+        t.join(timeout=60)
+        assert got["other"] == want_other and e.pool.used() == 0
     finally:
         e.close()
 
