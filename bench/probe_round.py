@@ -9,6 +9,8 @@ stalls decodes ~110 ms against 35 ms in the ttft bench. This measures, on one GP
            thread that holds the GIL in bursts (the server's event loop streaming tokens)
   host     the scheduler's per-step host work at batch 32 vs bare graph replay
   served   the local prefill's time in-process through the engine, then inside a colocated server
+  shapes   the fused prefill at prompt lengths it has not seen yet against lengths it has, with SDPA free to
+           pick its backend and with the cuDNN backend excluded (served prompts vary in length)
 Prints one JSON object; `--only` picks parts.
 
     python -m bench.probe_round --model qwen2.5-7b --out result.json
@@ -217,6 +219,38 @@ def host(model, geom) -> dict:
                 digest_of_one_row_ms=timeit_ms(lambda: logits_digest(st(tok, pos, slots)[0])))
 
 
+def shapes(model) -> dict:
+    """Fused prefill wall time (synchronized) at new and at repeated lengths, per SDPA backend set."""
+    from torch.nn.attention import SDPBackend
+
+    from kvtransfer import fused_prefill
+
+    sets = {"default": None, "no_cudnn": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
+            "flash_only": [SDPBackend.FLASH_ATTENTION], "cudnn_only": [SDPBackend.CUDNN_ATTENTION]}
+    out, base = {}, 700
+    for name, backends in sets.items():
+        rows = []
+        for i in range(6):
+            n = base + 37 * i + 1  # never seen before in this process
+            ids = torch.randint(3, 1000, (1, n), device="cuda")
+            for label in ("new", "again"):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                fused_prefill.SDPA_BACKENDS = backends  # the set the fused prefill runs its attention under
+                try:
+                    prefill(model, ids)
+                    torch.cuda.synchronize()
+                    rows.append(dict(tokens=n, seen=label, ms=(time.perf_counter() - t0) * 1e3))
+                except Exception as e:  # noqa: BLE001 - a backend that cannot run these shapes
+                    rows.append(dict(tokens=n, seen=label, error=repr(e)[:200]))
+        base += 400
+        out[name] = rows
+        fused_prefill.SDPA_BACKENDS = sets["no_cudnn"]
+        print(f"shapes {name}:", [(r["tokens"], r["seen"], round(r.get("ms", -1), 1)) for r in rows], flush=True)
+    out["cudnn_sdp_enabled"] = torch.backends.cuda.cudnn_sdp_enabled()
+    return out
+
+
 def timeit_ms(fn) -> float:
     walls = []
     for _ in range(6):
@@ -243,7 +277,8 @@ def main(argv=None) -> None:
             try:
                 res[part] = {"gemv": lambda: gemv(model), "step": lambda: step(model, geom),
                              "prefill": lambda: prefills(model), "host": lambda: host(model, geom),
-                             "served": lambda: probe_served.served(a.model, model, a.logs)}[part]()
+                             "served": lambda: probe_served.served(a.model, model, a.logs),
+                             "shapes": lambda: shapes(model)}[part]()
             except Exception as e:  # noqa: BLE001
                 res[part] = {"error": repr(e)[:500]}
             print(f"{part}: {time.perf_counter() - t0:.1f} s", flush=True)

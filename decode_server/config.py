@@ -47,8 +47,9 @@ class DecodeConfig:
     max_seq_len: int = flag(4096, "tokens per KV pool slot: prompt + max_new_tokens must fit")
     cuda_graphs: bool = flag(True, "capture the decode step as CUDA graphs per batch bucket (CUDA only)")
     prefill_chunk: int = flag(0, "colocated/recompute prefill: tokens per chunk between decode steps (0: whole)")
-    mixed_prefill: bool = flag(False, "each --prefill-chunk chunk rides in a decode step's forward (Sarathi-style "
-                               "piggybacking) instead of running between two steps")
+    mixed_prefill: bool = flag(False, "prompt chunks ride in the decode steps' forward (Sarathi-style piggybacking) "
+                               "instead of running between two steps; --prefill-chunk is then the rows of such a "
+                               "step, decode rows included (>= 2 x --max-batch; 256 on an H200)")
     admission_wait_s: float = flag(10.0, "longest wait for a free pool slot, s; then RESOURCE_EXHAUSTED")
     stream_buffer_tokens: int = flag(1024, "tokens a client may leave unread; then its request ends")
     max_receive_bytes: int = flag(64 << 30, "one transfer's receive buffer limit; larger caches: RESOURCE_EXHAUSTED")
@@ -90,7 +91,10 @@ class DecodeConfig:
         if self.prefill_chunk < 0:
             raise ValueError("--prefill-chunk must be >= 0 (0: prefill in one piece)")
         if self.mixed_prefill and self.prefill_chunk < 1:
-            raise ValueError("--mixed-prefill needs --prefill-chunk N (the tokens of a prompt that ride in one step)")
+            raise ValueError("--mixed-prefill needs --prefill-chunk N (the rows of a step, decode rows included)")
+        if self.mixed_prefill and self.prefill_chunk < 2 * self.max_batch:
+            raise ValueError(f"--prefill-chunk {self.prefill_chunk} with --mixed-prefill is the rows of a step, decode "
+                             f"rows included: it must be >= 2 x --max-batch ({2 * self.max_batch})")
         if self.admission_wait_s < 0:
             raise ValueError("--admission-wait-s must be >= 0")
         check_positive(self, "request_timeout_s", "handshake_timeout_s", "peer_timeout_s", "peer_keepalive_s",

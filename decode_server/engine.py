@@ -41,11 +41,12 @@ class EngineOptions:
     max_seq_len: int = 4096  # tokens per slot (prompt + generated)
     cuda_graphs: bool = True  # capture the step per bucketed batch size (CUDA only)
     prefill_chunk: int = 0  # local prefill: tokens per piece between decode steps (0: the whole prompt at once)
-    mixed_prefill: bool = False  # those pieces ride in the decode steps' forward (mixed.py); needs prefill_chunk
+    mixed_prefill: bool = False  # prompt chunks ride in the decode steps' forward (mixed.py); prefill_chunk is then
+    # the rows of such a step, decode rows included (graphs.py checks it is >= 2 x max_batch)
 
     def __post_init__(self):
         if self.mixed_prefill and self.prefill_chunk < 1:
-            raise ValueError("--mixed-prefill needs --prefill-chunk N (the tokens of a prompt that ride in one step)")
+            raise ValueError("--mixed-prefill needs --prefill-chunk N (the rows of a step, decode rows included)")
 
 
 class DecodeEngine:

@@ -6,9 +6,10 @@ one-at-a-time baseline (README, "What bounds this"). A chunk of c prompt tokens 
 rows share every GEMM instead: the step costs max(compute of c + B rows, one read of the
 weights), so the decode rows ride nearly free while a prefill is in progress.
 
-A step carries up to --prefill-chunk prompt tokens in all: the next chunk of the prompt in progress,
-and when that ends short of the budget, the first chunk of the next prompt too (up to MAX_PIECES
-prompts a step), so no graph row is padding while prompts wait (Sarathi-Serve's token budget).
+A step has --prefill-chunk rows in all, its decode rows included (Sarathi-Serve's token budget): the
+rows left carry the next chunk of the prompt in progress, and when that ends short of them, the first
+chunk of the next prompt too (up to MAX_PIECES prompts a step), so no graph row is padding while
+prompts wait.
 A chunk needs nothing new from the step: c prompt tokens at positions start..start + c - 1 of one
 slot are c more rows of it. The step writes every row's K/V before any row attends, and each row
 attends over positions 0..its own of its slot, which for the chunk's rows is exactly causal

@@ -5,8 +5,8 @@ the device, and tokens must come out in step order. Between two steps the thread
 runs one piece of device work asked for by the servicer (a local prefill, or one chunk of a
 chunked one; a digest), drops the sequences asked to stop (their slots are let go once no queued
 step writes into them), admits the sequences whose caches are complete, then queues one step for
-all of them; with --mixed-prefill that step also carries up to --prefill-chunk prompt tokens, the
-next chunk of each prompt in progress and then of new ones (mixed.py).
+all of them; with --mixed-prefill that step also carries prompt tokens up to --prefill-chunk rows in
+all: the next chunk of each prompt in progress, then of new ones (mixed.py).
 A sequence leaves when its last token is made. Nothing here waits on a client: tokens go to each
 sequence's sink, which never blocks.
 
@@ -130,7 +130,7 @@ class Scheduler:
             pieces: list[tuple[MixedPrefill, Chunk]] = []
             try:
                 launch = [s for s in self.running if s.remaining > 0 and not s.over]
-                pieces = self._pieces()
+                pieces = self._pieces(len(launch))
                 newer = queue_step(self.step, self.device, launch, pending, pieces) if launch or pieces else None
                 if pending is not None:
                     self._deliver(pending, newer)
@@ -158,10 +158,13 @@ class Scheduler:
             if not task.future.done():
                 task.future.set_exception(RuntimeError("the decode server is stopping"))
 
-    def _pieces(self) -> list[tuple[MixedPrefill, Chunk]]:
+    def _pieces(self, n: int) -> list[tuple[MixedPrefill, Chunk]]:
         """This step's prompt chunks (--mixed-prefill): the next chunk of each prompt in progress, oldest first, then
-        of prompts not yet begun, while the step's budget of prompt tokens (Step.chunk) and MAX_PIECES last."""
-        budget, out = getattr(self.step, "chunk", 0), []
+        of prompts not yet begun, while the step's budget of prompt tokens beside n decode rows and MAX_PIECES
+        last."""
+        if not (self._active or self._tasks):
+            return []
+        budget, out = self.step.chunk_budget(n), []
         for task in self._active:
             if budget <= 0 or len(out) == MAX_PIECES:
                 break

@@ -13,17 +13,34 @@ forward, cache and logits (tests/test_fused_prefill.py). On CUDA the Triton norm
 SDPA's GQA path round differently from HF's ops: equal within bf16 tolerance, not bit for bit.
 Only whole prompts of Llama/Qwen2/Mistral-style decoders take it (anything else, and the later
 chunks of a chunked prefill, run the HF forward).
+
+Attention never runs on SDPA's cuDNN backend (SDPA_BACKENDS): cuDNN builds a graph for every new
+sequence length, and served prompts rarely repeat one. On one H200 a served 1k prefill took 70-126
+ms at lengths it had not seen and ~29 ms at lengths it had (bench/results/
+serve-h200-2026-12-01-mixed-graphs); flash attention has no per-length setup.
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.cache_utils import DynamicLayer
 
 from kvtransfer import kernels
 from kvtransfer.fused import UnsupportedModel, check_supported, fused_layers
 from kvtransfer.streaming import LayerCallback, StreamingCache
+
+
+# SDPA may pick among these, in this order (None: SDPA's own choice, cuDNN included; bench.probe_round compares)
+SDPA_BACKENDS: list | None = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def no_cudnn():
+    """Context: SDPA without its cuDNN backend (no per-length graph build)."""
+    return sdpa_kernel(SDPA_BACKENDS) if SDPA_BACKENDS else nullcontext()
 
 
 def supports(model, seq_len: int) -> bool:
@@ -76,8 +93,9 @@ def fused_prefill(model, input_ids: torch.Tensor, on_layer: LayerCallback | None
         cache.layers[i].keys, cache.layers[i].values = kl, vl
         if on_layer is not None:
             on_layer(i, kl, vl)
-        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kl, vl, is_causal=True, scale=scale,
-                                           enable_gqa=hq != hkv)  # (1, Hq, n, D)
+        with no_cudnn():
+            o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kl, vl, is_causal=True, scale=scale,
+                                               enable_gqa=hq != hkv)  # (1, Hq, n, D)
         h = F.linear(o[0].transpose(0, 1).reshape(n, q_end), w.o, w.o_bias)  # (n, H)
         x, residual = kernels.add_rms_norm(h, residual, w.ln2, eps)
         h = F.linear(kernels.silu_mul(F.linear(x, w.gate_up)), w.down)  # (n, H)

@@ -120,7 +120,7 @@ def test_prompts_prefilled_inside_decode_steps_decode_to_the_same_tokens(tiny, m
         pieces.append([(c.slot, c.start, c.ids.shape[0]) for c in chunks])
         return mixed(self, tokens, positions, slots, chunks)
     monkeypatch.setattr(Step, "mixed", recording)
-    e = _engine(tiny, prefill_chunk=16, mixed_prefill=True)
+    e = _engine(tiny, prefill_chunk=17, mixed_prefill=True)  # 16 prompt rows beside one decode row
     try:
         started, got = [], {}
         t = threading.Thread(target=lambda: got.update(other=_decode(e, other, 40, started)))
@@ -157,6 +157,16 @@ def test_prompts_prefilled_inside_decode_steps_decode_to_the_same_tokens(tiny, m
         assert got["other"] == want_other and e.pool.used() == 0
     finally:
         e.close()
+
+
+def test_a_mixed_step_leaves_rows_for_prompt_chunks(tiny):
+    from decode_server.graphs import Step
+
+    pool = KVPool(CacheGeometry.from_config(tiny.config, torch.float32), torch.device("cpu"), slots=8, max_seq=64)
+    with pytest.raises(ValueError, match=r"2 x --max-batch \(16\)"):
+        Step(StepRunner(tiny, pool), max_batch=8, cuda_graphs=False, chunk=15)
+    step = Step(StepRunner(tiny, pool), max_batch=8, cuda_graphs=False, chunk=24)
+    assert [step.chunk_budget(n) for n in (0, 1, 3, 8)] == [23, 23, 20, 16]  # rows left beside each bucket
 
 
 def test_mixed_prefill_needs_a_chunk_size():
