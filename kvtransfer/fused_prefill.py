@@ -14,10 +14,16 @@ SDPA's GQA path round differently from HF's ops: equal within bf16 tolerance, no
 Only whole prompts of Llama/Qwen2/Mistral-style decoders take it (anything else, and the later
 chunks of a chunked prefill, run the HF forward).
 
-Attention never runs on SDPA's cuDNN backend (SDPA_BACKENDS): cuDNN builds a graph for every new
-sequence length, and served prompts rarely repeat one. On one H200 a served 1k prefill took 70-126
-ms at lengths it had not seen and ~29 ms at lengths it had (bench/results/
-serve-h200-2026-12-01-mixed-graphs); flash attention has no per-length setup.
+Below CUDNN_MIN_TOKENS, attention never runs on SDPA's cuDNN backend (which SDPA prefers on an
+H200): cuDNN builds a graph for every new sequence length, and served prompts rarely repeat one.
+Measured on one H200, qwen2.5-7b: a 0.7-2k prefill took 107-126 ms at a length cuDNN had not seen
+and 26-46 ms at one it had, 26-43 ms without cuDNN (bench/results/serve-h200-2026-12-01-mixed-graphs,
+probe-shapes); the served prefill's mean fell from 80 to 37 ms. Warm, cuDNN is faster: the whole
+1k prefill 22.0 vs 24.4 ms, 32k 997 vs 1,305 ms (ttft runs ...-fused-prefill and ...-flash-prefill).
+So long prompts, whose attention saving outweighs a ~0.1 s build, keep SDPA's own choice. The
+threshold is where a two-point model (attention ~ n^2, the 32k saving) breaks even with one build,
+not a measured crossover. Both servers run this function, so the choice (a function of n) never
+splits colocated from disaggregated.
 """
 
 from __future__ import annotations
@@ -34,13 +40,21 @@ from kvtransfer.fused import UnsupportedModel, check_supported, fused_layers
 from kvtransfer.streaming import LayerCallback, StreamingCache
 
 
-# SDPA may pick among these, in this order (None: SDPA's own choice, cuDNN included; bench.probe_round compares)
+# Below CUDNN_MIN_TOKENS SDPA may pick among these, in this order (None: SDPA's own choice, cuDNN included;
+# bench.probe_round compares); from it on, SDPA's own choice.
 SDPA_BACKENDS: list | None = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+CUDNN_MIN_TOKENS = 16384
 
 
-def no_cudnn():
-    """Context: SDPA without its cuDNN backend (no per-length graph build)."""
-    return sdpa_kernel(SDPA_BACKENDS) if SDPA_BACKENDS else nullcontext()
+def sdpa_backends(kv_len: int) -> list | None:
+    """The SDPA backends attention over `kv_len` keys may use (None: any)."""
+    return SDPA_BACKENDS if kv_len < CUDNN_MIN_TOKENS else None
+
+
+def no_cudnn(kv_len: int):
+    """Context: SDPA without its cuDNN backend (no per-length graph build) when `kv_len` is short."""
+    backends = sdpa_backends(kv_len)
+    return sdpa_kernel(backends) if backends else nullcontext()
 
 
 def supports(model, seq_len: int) -> bool:
@@ -93,7 +107,7 @@ def fused_prefill(model, input_ids: torch.Tensor, on_layer: LayerCallback | None
         cache.layers[i].keys, cache.layers[i].values = kl, vl
         if on_layer is not None:
             on_layer(i, kl, vl)
-        with no_cudnn():
+        with no_cudnn(n):
             o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kl, vl, is_causal=True, scale=scale,
                                                enable_gqa=hq != hkv)  # (1, Hq, n, D)
         h = F.linear(o[0].transpose(0, 1).reshape(n, q_end), w.o, w.o_bias)  # (n, H)

@@ -50,3 +50,14 @@ def test_a_sliding_window_shorter_than_the_prompt_runs_the_hf_forward():
     cache, logits = prefill(model, ids)
     hf_cache, hf_logits = prefill(model, ids, fused=False)
     assert same_bytes(logits, hf_logits) and caches_equal(cache_layers(cache), cache_layers(hf_cache))
+
+
+def test_short_prompts_never_take_cudnn_attention_long_ones_keep_sdpas_choice():
+    """cuDNN builds a graph per new length (~0.1 s on an H200): short prompts skip it, long ones amortize it."""
+    from torch.nn.attention import SDPBackend
+
+    from kvtransfer.fused_prefill import CUDNN_MIN_TOKENS, sdpa_backends
+
+    short = sdpa_backends(1024)
+    assert short and SDPBackend.CUDNN_ATTENTION not in short and SDPBackend.FLASH_ATTENTION == short[0]
+    assert sdpa_backends(CUDNN_MIN_TOKENS - 1) == short and sdpa_backends(CUDNN_MIN_TOKENS) is None
