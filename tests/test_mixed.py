@@ -172,3 +172,11 @@ def test_a_mixed_step_leaves_rows_for_prompt_chunks(tiny):
 def test_mixed_prefill_needs_a_chunk_size():
     with pytest.raises(ValueError, match="--prefill-chunk"):
         EngineOptions(mixed_prefill=True)
+
+
+def test_the_server_refuses_a_mixed_step_with_no_room_for_prompt_rows():
+    from decode_server.config import DecodeConfig
+
+    with pytest.raises(ValueError, match=r"--prefill-chunk 64 with --mixed-prefill .* >= 2 x --max-batch \(128\)"):
+        DecodeConfig(colocated=True, max_batch=64, prefill_chunk=64, mixed_prefill=True)
+    DecodeConfig(colocated=True, max_batch=64, prefill_chunk=256, mixed_prefill=True)
