@@ -42,3 +42,27 @@ def test_transfer_error_refuses_an_unknown_cause():
     import pytest
     with pytest.raises(ValueError):
         TransferError("exploded", "no such cause")
+
+
+def test_a_call_cancelled_at_its_deadline_counts_as_deadline_exceeded():
+    """The client's deadline runs out a few ms before the server's: that cancellation is the deadline's."""
+    import asyncio
+
+    from kvtransfer.lifecycle import DEADLINE_SLACK_S, outcome
+
+    class Ctx:
+        def __init__(self, left):
+            self.left = left
+
+        def code(self):
+            return None
+
+        def time_remaining(self):
+            return self.left
+
+    cancelled = asyncio.CancelledError()
+    assert outcome(Ctx(0.004), cancelled) == "DEADLINE_EXCEEDED"
+    assert outcome(Ctx(-1.0), cancelled) == "DEADLINE_EXCEEDED"
+    assert outcome(Ctx(DEADLINE_SLACK_S + 1.0), cancelled) == "CANCELLED"
+    assert outcome(Ctx(None), cancelled) == "CANCELLED"  # no deadline at all
+    assert outcome(Ctx(0.0), None) == "OK"
