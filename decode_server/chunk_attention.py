@@ -17,7 +17,7 @@ from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from kvtransfer.fused_prefill import no_cudnn
+from kvtransfer.fused_prefill import prompt_attention
 
 NAME = "kvt_chunk"
 
@@ -26,7 +26,7 @@ def chunk_attention(module, query, key, value, attention_mask, scaling=None, dro
     """query (b, hq, q, d), key/value (b, hkv, p + q, d) -> ((b, q, hq, d), None), as HF's attention functions."""
     q_len, kv_len = query.shape[2], key.shape[2]
     mask = causal_lower_right(q_len, kv_len) if kv_len > q_len else None
-    with no_cudnn(kv_len):  # no cuDNN graph build per new length (kvtransfer/fused_prefill.py)
+    with prompt_attention(kv_len):  # no cuDNN graph build per new length (kvtransfer/fused_prefill.py)
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=mask is None,
                                              scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
     return out.transpose(1, 2).contiguous(), None

@@ -16,6 +16,8 @@ from kvtransfer.security import check_tls_flags, check_token_flags
 from kvtransfer.serving import CONTROL_MESSAGE_LIMIT, check_message_limit, check_metrics_flags
 from kvtransfer.transport.registry import options_from
 
+from .mixed import check_mixed_rows
+
 ON_FAILURE = ("fail", "recompute")
 
 
@@ -92,9 +94,8 @@ class DecodeConfig:
             raise ValueError("--prefill-chunk must be >= 0 (0: prefill in one piece)")
         if self.mixed_prefill and self.prefill_chunk < 1:
             raise ValueError("--mixed-prefill needs --prefill-chunk N (the rows of a step, decode rows included)")
-        if self.mixed_prefill and self.prefill_chunk < 2 * self.max_batch:
-            raise ValueError(f"--prefill-chunk {self.prefill_chunk} with --mixed-prefill is the rows of a step, decode "
-                             f"rows included: it must be >= 2 x --max-batch ({2 * self.max_batch})")
+        if self.mixed_prefill:
+            check_mixed_rows(self.prefill_chunk, self.max_batch)
         if self.admission_wait_s < 0:
             raise ValueError("--admission-wait-s must be >= 0")
         check_positive(self, "request_timeout_s", "handshake_timeout_s", "peer_timeout_s", "peer_keepalive_s",

@@ -105,7 +105,7 @@ class DecodeEngine:
         o = self.options
         if o.mixed_prefill and (len(token_ids) > o.prefill_chunk or self.scheduler.active()):
             ids = torch.tensor(token_ids, dtype=torch.long).to(self.m.device)  # (n,)
-            return self.scheduler.submit_mixed(MixedPrefill(ids, lease, o.prefill_chunk, want_digest))
+            return self.scheduler.submit_mixed(MixedPrefill(ids, lease, want_digest))
         return self.scheduler.submit(self.prefill_job(token_ids, lease, want_digest))
 
     def digest(self, slot: int, seq_len: int):

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from .mixed import MAX_PIECES, Chunk, mixed_forward
+from .mixed import MAX_PIECES, Chunk, check_mixed_rows, mixed_forward
 from .runner import StepRunner
 
 log = logging.getLogger("kvtransfer.decode.graphs")
@@ -43,9 +43,8 @@ class Step:
     """
 
     def __init__(self, runner: StepRunner, max_batch: int, cuda_graphs: bool, chunk: int = 0):
-        if chunk and chunk < 2 * max_batch:
-            raise ValueError(f"--prefill-chunk {chunk} with --mixed-prefill is the rows of a step, decode rows "
-                             f"included: it must be >= 2 x --max-batch ({2 * max_batch})")
+        if chunk:
+            check_mixed_rows(chunk, max_batch)
         self.runner, self.max_batch, self.chunk = runner, max_batch, chunk
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.mixed_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}

@@ -39,6 +39,13 @@ from .runner import StepRunner
 MAX_PIECES = 4  # prompt chunks in one step (each keeps one row for lm_head)
 
 
+def check_mixed_rows(rows: int, max_batch: int) -> None:
+    """A mixed step of `rows` rows must leave room for prompt rows beside a full batch."""
+    if rows < 2 * max_batch:
+        raise ValueError(f"--prefill-chunk {rows} with --mixed-prefill is the rows of a step, decode rows included: "
+                         f"it must be >= 2 x --max-batch ({2 * max_batch})")
+
+
 @dataclass
 class Chunk:
     ids: torch.Tensor  # (c,) int64 on the device
@@ -70,15 +77,14 @@ class MixedPrefill:
 
     ids: torch.Tensor  # (n,) int64 on the device
     lease: Lease
-    chunk: int
     want_digest: bool
     future: Future = field(default_factory=Future)
     start: int = 0
     t0: float = field(default_factory=time.perf_counter)  # reset when its first chunk goes (scheduler)
 
-    def next_chunk(self, budget: int | None = None) -> Chunk:
-        """The next chunk: at most `chunk` tokens, and at most `budget` (the step's prompt tokens still free)."""
-        end = min(self.ids.shape[0], self.start + (self.chunk if budget is None else min(self.chunk, budget)))
+    def next_chunk(self, budget: int) -> Chunk:
+        """The next chunk: at most `budget` tokens (the step's prompt rows still free)."""
+        end = min(self.ids.shape[0], self.start + budget)
         c = Chunk(self.ids[self.start:end], self.lease.slot, self.start, end == self.ids.shape[0])
         self.start = end
         return c

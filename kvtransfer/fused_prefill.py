@@ -51,8 +51,8 @@ def sdpa_backends(kv_len: int) -> list | None:
     return SDPA_BACKENDS if kv_len < CUDNN_MIN_TOKENS else None
 
 
-def no_cudnn(kv_len: int):
-    """Context: SDPA without its cuDNN backend (no per-length graph build) when `kv_len` is short."""
+def prompt_attention(kv_len: int):
+    """Context for a prompt's SDPA: no cuDNN backend (no per-length graph build) when `kv_len` is short."""
     backends = sdpa_backends(kv_len)
     return sdpa_kernel(backends) if backends else nullcontext()
 
@@ -107,7 +107,7 @@ def fused_prefill(model, input_ids: torch.Tensor, on_layer: LayerCallback | None
         cache.layers[i].keys, cache.layers[i].values = kl, vl
         if on_layer is not None:
             on_layer(i, kl, vl)
-        with no_cudnn(n):
+        with prompt_attention(n):
             o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kl, vl, is_causal=True, scale=scale,
                                                enable_gqa=hq != hkv)  # (1, Hq, n, D)
         h = F.linear(o[0].transpose(0, 1).reshape(n, q_end), w.o, w.o_bias)  # (n, H)
