@@ -145,6 +145,11 @@ def serve_tables(result: dict) -> list[Table]:
     if sb := result.get("server_batch"):
         head.rows += [["server: decode steps", str(sb["steps"])],
                       ["server: mean batch per step", num(sb["mean_batch_per_step"])],
+                      ["server: prompt tokens in decode steps", str(sb.get("prompt_rows_in_steps", 0))],
+                      ["server: steps with prompt rows, by rows",
+                       ", ".join(f"{k}: {v}" for k, v in (sb.get("mixed_steps_by_rows") or {}).items()) or "-"],
+                      ["server: device busy (step time / wall)",
+                       f"{sb['device_busy']:.0%}" if sb.get("device_busy") is not None else "-"],
                       ["server: running requests p50 / max", f"{num(sb['running_p50'])} / {num(sb['running_max'])}"]]
     lat = Table("Latency (ms)", ["metric", "mean", "median", "std", "p90", "p99"])
     for m, label in (("ttft", "TTFT"), ("tpot", "TPOT (excl. 1st token)"), ("itl", "ITL"), ("e2el", "E2EL")):

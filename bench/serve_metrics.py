@@ -5,6 +5,8 @@ guess. Before and after the run we read the step histogram (`kvt_decode_batch_si
 so sum/count is the mean batch of the steps taken); during the run we sample the running gauge
 (`kvt_decode_running`) every SAMPLE_S for its distribution over time. The local prefill histogram
 (`kvt_prefill_ms`, colocated and recompute prefills) gives the mean prefill time inside the server.
+The steps' device time (`kvt_decode_device_seconds`, CUDA events) over the wall time between the two
+reads says how busy the scheduler kept the GPU: what is left is host time or an empty queue.
 """
 
 from __future__ import annotations
@@ -21,17 +23,30 @@ SAMPLE_S = 0.1
 
 def scrape(url: str) -> dict[str, float]:
     """The decode_* series, and the local prefill histogram's sum and count (summed over its mode label)."""
-    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    return parse(urllib.request.urlopen(url, timeout=5).read().decode())
+
+
+def parse(text: str) -> dict[str, float]:
+    """`scrape` of a /metrics text already read."""
     out = {m.group(1): float(m.group(2)) for m in re.finditer(r"^(kvt_decode_\w+) (\S+)$", text, re.M)}
+    for m in re.finditer(r'^kvt_decode_mixed_steps_total{rows="(\d+)"} (\S+)$', text, re.M):
+        out[f"kvt_decode_mixed_steps_total:{m.group(1)}"] = float(m.group(2))
     for key in ("sum", "count"):
         out[f"kvt_prefill_ms_{key}"] = sum(float(m.group(1)) for m in re.finditer(
             rf"^kvt_prefill_ms_{key}(?:{{[^}}]*}})? (\S+)$", text, re.M))
     return out
 
 
+def mixed_steps(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    """Steps that carried prompt rows during the run, by step size in rows."""
+    key = "kvt_decode_mixed_steps_total:"
+    return {k[len(key):]: v - before.get(k, 0.0) for k, v in after.items() if k.startswith(key)}
+
+
 class BatchWatch:
     def __init__(self, url: str):
         self.url, self.before, self.samples = url, scrape(url), []  # samples: (s since start, running)
+        self.t0 = time.perf_counter()
 
     async def sample(self, start: float) -> None:
         while True:
@@ -41,12 +56,21 @@ class BatchWatch:
 
     def report(self) -> dict:
         after = scrape(self.url)
+        wall = time.perf_counter() - self.t0
+
+        def delta(name: str) -> float:
+            return after.get(name, 0.0) - self.before.get(name, 0.0)
         steps = after.get("kvt_decode_batch_size_count", 0) - self.before.get("kvt_decode_batch_size_count", 0)
         rows = after.get("kvt_decode_batch_size_sum", 0) - self.before.get("kvt_decode_batch_size_sum", 0)
         running = np.asarray([r for _, r in self.samples] or [0.0])
+        busy = delta("kvt_decode_device_seconds_total")
         n_pre = after["kvt_prefill_ms_count"] - self.before["kvt_prefill_ms_count"]
         ms_pre = after["kvt_prefill_ms_sum"] - self.before["kvt_prefill_ms_sum"]
         return {"steps": int(steps), "mean_batch_per_step": rows / steps if steps else None,
                 "local_prefills": int(n_pre), "local_prefill_ms_mean": ms_pre / n_pre if n_pre else None,
+                "prompt_rows_in_steps": int(delta("kvt_decode_prompt_rows_total")),
+                "mixed_steps_by_rows": {k: int(v) for k, v in sorted(
+                    mixed_steps(after, self.before).items(), key=lambda kv: int(kv[0])) if v},
+                "device_busy": busy / wall if busy > 0 and wall > 0 else None,  # None on CPU (no CUDA events)
                 "running_p50": float(np.median(running)), "running_max": float(running.max()),
                 "timeline": self.samples[:: max(1, len(self.samples) // 200)]}

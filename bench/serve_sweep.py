@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
                         print(json.dumps({k: r.get(k) for k in ("arm", "server_max_batch", "max_concurrency",
                               "completed", "output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms",
                               "p99_itl_ms")} | {k: (r.get("server_batch") or {}).get(v) for k, v in (
-                              ("mean_batch", "mean_batch_per_step"), ("prefill_ms", "local_prefill_ms_mean"))}),
+                              ("mean_batch", "mean_batch_per_step"), ("prefill_ms", "local_prefill_ms_mean"),
+                              ("device_busy", "device_busy"), ("mixed_steps", "mixed_steps_by_rows"))}),
                               file=sys.stderr, flush=True)
             except Exception as e:  # a server that did not start: recorded, the other arms still run
                 failures.append(f"{arm} max-batch {max_batch}: {e}")
@@ -110,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                                                        if b and b["output_throughput"] else None),
                             "mean_batch": (r.get("server_batch") or {}).get("mean_batch_per_step"),
                             "local_prefill_ms_mean": (r.get("server_batch") or {}).get("local_prefill_ms_mean"),
+                            "device_busy": (r.get("server_batch") or {}).get("device_busy"),
                             **{k: r[k] for k in ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms")}})
     result = {"kind": "serve_sweep", "ok": not failures, "failures": failures, "config": vars(args),
               "summary": summary, "runs": runs}

@@ -31,8 +31,8 @@ async def serve(config: DecodeConfig) -> None:
     loaded = load(config.spec, device, config.deterministic)
     metrics = start_metrics("decode", config.metrics_port, config.metrics_addr)
     engine = DecodeEngine(loaded, EngineOptions(config.max_batch, config.max_seq_len, config.cuda_graphs,
-                                                config.prefill_chunk, config.mixed_prefill),
-                          on_step=metrics.batch_size.observe)
+                                                config.prefill_chunk, config.mixed_prefill, config.mixed_max_rows),
+                          on_step=metrics.stepped)
     pairing, health = None, new_health()
     if not config.colocated:
         backend = registry.resolve(config.transport, device.type)

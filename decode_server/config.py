@@ -52,6 +52,9 @@ class DecodeConfig:
     mixed_prefill: bool = flag(False, "prompt chunks ride in the decode steps' forward (Sarathi-style piggybacking) "
                                "instead of running between two steps; --prefill-chunk is then the rows of such a "
                                "step, decode rows included (>= 2 x --max-batch; 256 on an H200)")
+    mixed_max_rows: int = flag(0, "with --mixed-prefill: also capture steps of 2, 4 .. x --prefill-chunk rows, up to "
+                               "this; a step takes the largest size that the prompt tokens waiting fill (drains a "
+                               "burst of prompts in fewer steps; those steps' ITL grows). 0: --prefill-chunk only")
     admission_wait_s: float = flag(10.0, "longest wait for a free pool slot, s; then RESOURCE_EXHAUSTED")
     stream_buffer_tokens: int = flag(1024, "tokens a client may leave unread; then its request ends")
     max_receive_bytes: int = flag(64 << 30, "one transfer's receive buffer limit; larger caches: RESOURCE_EXHAUSTED")
@@ -94,8 +97,13 @@ class DecodeConfig:
             raise ValueError("--prefill-chunk must be >= 0 (0: prefill in one piece)")
         if self.mixed_prefill and self.prefill_chunk < 1:
             raise ValueError("--mixed-prefill needs --prefill-chunk N (the rows of a step, decode rows included)")
+        if self.mixed_max_rows < 0:
+            raise ValueError("--mixed-max-rows must be >= 0 (0: steps of --prefill-chunk rows only)")
+        if self.mixed_max_rows and not self.mixed_prefill:
+            raise ValueError("--mixed-max-rows sizes the steps of --mixed-prefill: add --mixed-prefill, or drop "
+                             "--mixed-max-rows")
         if self.mixed_prefill:
-            check_mixed_rows(self.prefill_chunk, self.max_batch)
+            check_mixed_rows(self.prefill_chunk, self.max_batch, self.mixed_max_rows)
         if self.admission_wait_s < 0:
             raise ValueError("--admission-wait-s must be >= 0")
         check_positive(self, "request_timeout_s", "handshake_timeout_s", "peer_timeout_s", "peer_keepalive_s",

@@ -43,6 +43,7 @@ class EngineOptions:
     prefill_chunk: int = 0  # local prefill: tokens per piece between decode steps (0: the whole prompt at once)
     mixed_prefill: bool = False  # prompt chunks ride in the decode steps' forward (mixed.py); prefill_chunk is then
     # the rows of such a step, decode rows included (graphs.py checks it is >= 2 x max_batch)
+    mixed_max_rows: int = 0  # mixed: steps of 2, 4 .. x prefill_chunk rows too, up to this (0: prefill_chunk only)
 
     def __post_init__(self):
         if self.mixed_prefill and self.prefill_chunk < 1:
@@ -55,7 +56,7 @@ class DecodeEngine:
         self.pool = KVPool(loaded.geometry, loaded.device, options.max_batch, options.max_seq_len)
         self.runner = StepRunner(loaded.model, self.pool)
         self.step = Step(self.runner, options.max_batch, options.cuda_graphs,
-                         options.prefill_chunk if options.mixed_prefill else 0)
+                         options.prefill_chunk if options.mixed_prefill else 0, options.mixed_max_rows)
         self.scheduler = Scheduler(self.step, loaded.device, on_step)
         eos = getattr(loaded.model.config, "eos_token_id", None)
         self.eos = frozenset([eos] if isinstance(eos, int) else (eos or []))

@@ -34,6 +34,13 @@ class InFlight:
     first_tasks: list[MixedPrefill] = field(default_factory=list)  # ... whose last chunk it was: the host copy ends
     # with their first tokens, in this order
     first_logits: list[torch.Tensor | None] = field(default_factory=list)  # (vocab,) each, kept when a digest is wanted
+    start: torch.cuda.Event | None = None  # recorded before the step's work: start -> event is its device time
+    prompt_rows: int = 0  # prompt tokens that rode in this step
+    step_rows: int = 0  # the mixed step's size (Step.rows_for; 0: a plain step, or eager)
+
+    def device_s(self) -> float:
+        """The step's device time, s (0 on CPU); call after `event` completed."""
+        return self.start.elapsed_time(self.event) / 1e3 if self.start is not None else 0.0
 
 
 def queue_step(step: Step, dev: torch.device, batch: list[Sequence], prev: InFlight | None,
@@ -45,6 +52,10 @@ def queue_step(step: Step, dev: torch.device, batch: list[Sequence], prev: InFli
     one forward runs the decode rows and those chunks together (mixed.py); each chunk's slot is held the same
     way, and a prompt's first token travels with the step's tokens when its last chunk rode in it."""
     n = len(batch)
+    start = None
+    if dev.type == "cuda":
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
     where = {id(s): j for j, s in enumerate(prev.batch)} if prev is not None else {}
     fresh = [s for s in batch if id(s) not in where]
     host_tokens = torch.tensor([s.last_token for s in fresh], dtype=torch.long).to(dev, non_blocking=True)
@@ -58,11 +69,11 @@ def queue_step(step: Step, dev: torch.device, batch: list[Sequence], prev: InFli
     positions = torch.tensor([s.length for s in batch], dtype=torch.long).to(dev, non_blocking=True)
     slots = torch.tensor([s.slot for s in batch], dtype=torch.long).to(dev, non_blocking=True)
     done = [j for j, (_, c) in enumerate(pieces) if c.last]  # prompts whose first token this step makes
-    lasts = None
+    lasts, chunks = None, [c for _, c in pieces]
     if not pieces:
         logits = step(tokens, positions, slots)  # (n, vocab): the graph's buffer, overwritten by the next step
     else:
-        logits, lasts = step.mixed(tokens, positions, slots, [c for _, c in pieces])  # (n, vocab), (P, vocab)
+        logits, lasts = step.mixed(tokens, positions, slots, chunks)  # (n, vocab), (P, vocab)
         for task, _ in pieces:
             task.lease.hold()
     nxt = logits.argmax(dim=-1)  # (n,) on the device
@@ -72,7 +83,7 @@ def queue_step(step: Step, dev: torch.device, batch: list[Sequence], prev: InFli
     host.copy_(rows_out, non_blocking=True)
     event = None
     if dev.type == "cuda":
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(enable_timing=True)
         event.record()
     for s in batch:
         s.lease.hold()
@@ -81,4 +92,6 @@ def queue_step(step: Step, dev: torch.device, batch: list[Sequence], prev: InFli
     firsts = [pieces[j][0] for j in done]
     return InFlight(batch, nxt, host, event, rows, [s.remaining for s in batch],
                     chunk_tasks=[task for task, _ in pieces], first_tasks=firsts,
-                    first_logits=[lasts[j].clone() if t.want_digest else None for j, t in zip(done, firsts)])
+                    first_logits=[lasts[j].clone() if t.want_digest else None for j, t in zip(done, firsts)],
+                    start=start, prompt_rows=sum(c.ids.shape[0] for c in chunks),
+                    step_rows=step.rows_for(n, sum(c.ids.shape[0] for c in chunks)) if pieces else 0)

@@ -10,12 +10,16 @@ A step has --prefill-chunk rows in all, its decode rows included (Sarathi-Serve'
 rows left carry the next chunk of the prompt in progress, and when that ends short of them, the first
 chunk of the next prompt too (up to MAX_PIECES prompts a step), so no graph row is padding while
 prompts wait.
+With --mixed-max-rows N there are larger steps too (2, 4 .. x --prefill-chunk rows, up to N, each its
+own graph): a step takes the largest size that the prompt tokens waiting fill, so a burst of arrivals
+drains in fewer, fuller steps and its requests join the batch sooner; when few wait, the smallest size.
 A chunk needs nothing new from the step: c prompt tokens at positions start..start + c - 1 of one
 slot are c more rows of it. The step writes every row's K/V before any row attends, and each row
 attends over positions 0..its own of its slot, which for the chunk's rows is exactly causal
-attention after the chunk's past. `mixed_forward` runs the step over the B decode rows plus the
-chunks' rows and keeps only the decode rows and each chunk's last row for the final norm and
-lm_head. Being the step, it is captured as a CUDA graph per batch bucket with the chunk padded to
+attention after the chunk's past; the chunks' rows attend flash style (kernels.chunk_attention:
+each K/V tile read once for 64 rows, where the decode kernel would stream the slot once per row).
+`mixed_forward` runs the step over the B decode rows plus the chunks' rows and keeps only the
+decode rows and each chunk's last row for the final norm and lm_head. Being the step, it is captured as a CUDA graph per batch bucket with the chunk padded to
 --prefill-chunk rows (graphs.py): eagerly, the host's launches, not the GPU, would set its pace.
 `MixedPrefill` is one prompt's progress through its chunks.
 
@@ -39,11 +43,22 @@ from .runner import StepRunner
 MAX_PIECES = 4  # prompt chunks in one step (each keeps one row for lm_head)
 
 
-def check_mixed_rows(rows: int, max_batch: int) -> None:
-    """A mixed step of `rows` rows must leave room for prompt rows beside a full batch."""
+def check_mixed_rows(rows: int, max_batch: int, max_rows: int = 0) -> None:
+    """A mixed step of `rows` rows must leave room for prompt rows beside a full batch; larger sizes double it."""
     if rows < 2 * max_batch:
         raise ValueError(f"--prefill-chunk {rows} with --mixed-prefill is the rows of a step, decode rows included: "
                          f"it must be >= 2 x --max-batch ({2 * max_batch})")
+    if max_rows and max_rows < 2 * rows:
+        raise ValueError(f"--mixed-max-rows {max_rows} must be >= 2 x --prefill-chunk ({2 * rows}): the larger steps "
+                         "are 2, 4 .. x --prefill-chunk rows (0: --prefill-chunk only)")
+
+
+def step_sizes(rows: int, max_rows: int) -> list[int]:
+    """The mixed steps' row counts: rows, 2 x rows, 4 x rows .. up to max_rows."""
+    out = [rows]
+    while out[-1] * 2 <= max_rows:
+        out.append(out[-1] * 2)
+    return out
 
 
 @dataclass
@@ -62,13 +77,25 @@ def mixed_forward(r: StepRunner, tokens: torch.Tensor, positions: torch.Tensor, 
     b, dev = tokens.shape[0], tokens.device
     ends = torch.tensor([c.ids.shape[0] for c in chunks]).cumsum(0) + b - 1  # each chunk's last row
     keep = torch.cat([torch.arange(b), ends]).to(dev, non_blocking=True)  # (B + P,)
+    pieces = piece_table(chunks, len(chunks)).to(dev, non_blocking=True)  # (P, 4)
     logits = r.forward(torch.cat([tokens, *(c.ids for c in chunks)]),  # (B + sum c_j,)
                        torch.cat([positions, *(torch.arange(c.start, c.start + c.ids.shape[0], device=dev)
                                                for c in chunks)]),
                        torch.cat([slots, *(torch.full((c.ids.shape[0],), c.slot, dtype=torch.long, device=dev)
                                            for c in chunks)]),
-                       keep)  # (B + P, vocab)
+                       keep, (b, pieces))  # (B + P, vocab)
     return logits[:b], logits[b:]
+
+
+def piece_table(chunks: list[Chunk], rows: int) -> torch.Tensor:
+    """(rows, 4) int32 on the host, one row per chunk laid out one after another: first row, rows, slot, start;
+    then unused pieces (0 rows). What kernels.chunk_attention reads."""
+    table, at = torch.zeros(rows, 4, dtype=torch.int32), 0
+    for j, c in enumerate(chunks):
+        n = c.ids.shape[0]
+        table[j] = torch.tensor([at, n, c.slot, c.start], dtype=torch.int32)
+        at += n
+    return table
 
 
 @dataclass
@@ -88,6 +115,11 @@ class MixedPrefill:
         c = Chunk(self.ids[self.start:end], self.lease.slot, self.start, end == self.ids.shape[0])
         self.start = end
         return c
+
+    @property
+    def left(self) -> int:
+        """Prompt tokens not yet handed out."""
+        return self.ids.shape[0] - self.start
 
     @property
     def handed_out(self) -> bool:

@@ -52,13 +52,15 @@ class StepRunner:
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                keep: torch.Tensor | None = None) -> torch.Tensor:
+                keep: torch.Tensor | None = None, chunks: tuple[int, torch.Tensor] | None = None) -> torch.Tensor:
         """tokens, positions, slots: (B,) int64 on the device -> logits (B, vocab) in the model dtype.
 
         Row b feeds `tokens[b]` at position `positions[b]` of slot `slots[b]`: its K/V are written there, and it
         attends over positions 0..positions[b] of that slot. Every row's K/V is written before any row attends,
         so rows of one slot at consecutive positions are a causal prompt chunk (mixed.py rides one along).
         keep: (K,) int64 row indices; only those rows reach the final norm and lm_head -> logits (K, vocab).
+        chunks: (d, pieces): rows 0..d-1 decode, rows d.. prompt chunks, pieces (P, 4) int32 (first row counted from
+        d, rows, slot, start; kernels.chunk_attention), attending flash style instead of one decode row each.
         """
         ops, tri, rows = kernels, self.use_triton, self.gemv_rows  # rows: projection -> GEMV up to this batch
         b = tokens.shape[0]
@@ -78,7 +80,14 @@ class StepRunner:
             v = qkv[:, k_end:].view(b, self.hkv, self.d)
             kp, vp = self.pool.layer(i)  # (slots + 1, Hkv, max_seq, D) each
             q = ops.rope_store(q, k, v, cos, sin, kp, vp, slots, positions, use_triton=tri)
-            o = ops.decode_attention(q, kp, vp, slots, lengths, self.scale, use_triton=tri)  # (B, Hq, D)
+            if chunks is None:
+                o = ops.decode_attention(q, kp, vp, slots, lengths, self.scale, use_triton=tri)  # (B, Hq, D)
+            else:
+                d, pieces = chunks
+                o = ops.chunk_attention(q[d:], kp, vp, pieces, self.scale, use_triton=tri)  # (B - d, Hq, D)
+                if d:
+                    o = torch.cat([ops.decode_attention(q[:d], kp, vp, slots[:d], lengths[:d], self.scale,
+                                                        use_triton=tri), o])  # (B, Hq, D)
             h = ops.linear(o.reshape(b, self.hq * self.d), w.o, w.o_bias, use_triton=tri, max_rows=rows["o"])
             x, residual = ops.add_rms_norm(h, residual, w.ln2, self.eps, use_triton=tri)
             act = ops.gate_up_silu(x, w.gate_up, use_triton=tri, max_rows=rows["gate_up"])  # (B, I)

@@ -27,6 +27,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import torch
 
@@ -39,12 +40,22 @@ from .sequence import EndCause, Ended, LocalPrefill, Sequence, Token
 
 log = logging.getLogger("kvtransfer.decode.scheduler")
 
+@dataclass(frozen=True)
+class StepStats:
+    """What one delivered step did, for the metrics."""
+
+    rows: int  # decode rows (sequences advanced)
+    prompt_rows: int  # prompt tokens that rode along (--mixed-prefill)
+    step_rows: int  # the mixed step's size in rows, padding included (0: a plain decode step)
+    device_s: float  # its device time from CUDA events, s (0 on CPU)
+
+
 # A piece of device work: a generator run one `next()` per gap between steps; its return value resolves the future.
 Job = Iterator[None]
 
 
 class Scheduler:
-    def __init__(self, step: Step, device: torch.device, on_step: Callable[[int], None] | None = None):
+    def __init__(self, step: Step, device: torch.device, on_step: Callable[[StepStats], None] | None = None):
         self.step, self.device, self.on_step = step, device, on_step
         self.max_batch = step.max_batch
         self._cond = threading.Condition()
@@ -160,11 +171,13 @@ class Scheduler:
 
     def _pieces(self, n: int) -> list[tuple[MixedPrefill, Chunk]]:
         """This step's prompt chunks (--mixed-prefill): the next chunk of each prompt in progress, oldest first, then
-        of prompts not yet begun, while the step's budget of prompt tokens beside n decode rows and MAX_PIECES
-        last."""
+        of prompts not yet begun, while the step's budget of prompt tokens beside n decode rows and its count of
+        prompts last (Step.prompt_budget: the largest step size that the prompt tokens waiting fill)."""
         if not (self._active or self._tasks):
             return []
-        budget, out = self.step.chunk_budget(n), []
+        with self._cond:
+            waiting = sum(task.left for task in self._active) + sum(task.left for task in self._tasks)
+        budget, out = self.step.prompt_budget(n, waiting), []
         for task in self._active:
             if budget <= 0 or len(out) == MAX_PIECES:
                 break
@@ -229,8 +242,8 @@ class Scheduler:
         t = time.perf_counter()
         if done.batch:
             self.steps += 1
-            if self.on_step is not None:
-                self.on_step(len(done.batch))
+        if self.on_step is not None:
+            self.on_step(StepStats(len(done.batch), done.prompt_rows, done.step_rows, done.device_s()))
         ends: list[tuple[Sequence, Token | Ended]] = []
         queued = {id(s) for s in newer.batch} if newer is not None else set()
         for j, s in enumerate(done.batch):

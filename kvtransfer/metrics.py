@@ -45,6 +45,12 @@ class Metrics:
                              registry=r)
         self.batch_size = Histogram("kvt_decode_batch_size", "decode: sequences advanced per step",
                                     buckets=(1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256), registry=r)
+        self.prompt_rows = Counter("kvt_decode_prompt_rows", "decode: prompt tokens that rode in decode steps "
+                                   "(--mixed-prefill)", registry=r)
+        self.mixed_steps = Counter("kvt_decode_mixed_steps", "decode: steps that carried prompt rows, by the step's "
+                                   "size in rows (--prefill-chunk, --mixed-max-rows; 0: eager)", ["rows"], registry=r)
+        self.device_s = Counter("kvt_decode_device_seconds", "decode: device time of the decode steps (CUDA events; "
+                                "over wall time: how busy the scheduler keeps the GPU)", registry=r)
         self.pairings = Counter("kvt_pairings", "pairings with the peer (the first one and every re-pairing)",
                                 registry=r)
 
@@ -61,3 +67,12 @@ class Metrics:
         self.transfer_ms.labels(mode).observe(seconds * 1e3)
         if seconds > 0:
             self.gbps.set(nbytes / seconds / 1e9)
+
+    def stepped(self, stats) -> None:
+        """One delivered decode step (decode_server.scheduler.StepStats)."""
+        if stats.rows:
+            self.batch_size.observe(stats.rows)
+        self.prompt_rows.inc(stats.prompt_rows)
+        if stats.prompt_rows:
+            self.mixed_steps.labels(str(stats.step_rows)).inc()
+        self.device_s.inc(stats.device_s)

@@ -94,8 +94,8 @@ def test_mixed_graph_matches_the_eager_mixed_step_and_the_whole_prefill():
     from decode_server.mixed import Chunk, mixed_forward
 
     model, pool, runner = build("smollm2-135m", slots=8)
-    step = Step(runner, max_batch=8, cuda_graphs=True, chunk=68)  # 68 rows: 64 prompt rows beside bucket 4
-    assert step.mixed_graphs and set(step.mixed_graphs) == set(step.graphs)
+    step = Step(runner, max_batch=8, cuda_graphs=True, chunk=68, max_rows=136)  # 68 rows: 64 beside bucket 4
+    assert set(step.mixed_graphs) == {(c, b) for c in (68, 136) for b in step.graphs}
     lengths = [40, 300, 77]
     firsts = [fill(model, pool, s, random_prompt(model.config.vocab_size, n, seed=n, device="cuda"))
               for s, n in enumerate(lengths)]
@@ -125,4 +125,12 @@ def test_mixed_graph_matches_the_eager_mixed_step_and_the_whole_prefill():
             assert int(last.argmax()) == int(whole_logits.argmax())
         for (k, v), layer in zip(pool.views(slot, ids.shape[1]), whole_cache.layers):
             assert rel(k, layer.keys) <= GPU_BATCH_TOL and rel(v, layer.values) <= GPU_BATCH_TOL
+    big = [Chunk(random_prompt(model.config.vocab_size, 120, seed=11, device="cuda")[0], 5, 0, True)]
+    assert step.rows_for(3, 120) == 136  # the larger graph
+    dec, lasts = step.mixed(tok, pos, slots, big)
+    dec, lasts = dec.clone(), lasts.clone()
+    e_dec, e_lasts = mixed_forward(runner, tok, pos, slots, big)
+    gaps = rel(dec, plain), rel(dec, e_dec), rel(lasts, e_lasts)
+    print(f"136-row step: vs plain step {gaps[0]:.5f}, graph vs eager {gaps[1]:.5f} / {gaps[2]:.5f}")
+    assert max(gaps) <= GPU_BATCH_TOL
     assert (pool.kv[:, :, [3, 4, 7]] == 0).all()  # padding rows wrote only the scratch slot

@@ -186,3 +186,38 @@ def test_linear_and_gate_up_silu_fall_back_to_torch_on_cpu():
         K.gate_up_silu(x, w[:9])
     with pytest.raises(ValueError, match="columns"):
         K.linear(x, w[:, :5])
+
+
+def _chunk_case(dtype, hq=4, hkv=2, d=16, seed=7):
+    g = torch.Generator().manual_seed(seed)
+    k_pool = torch.randn(4, hkv, 160, d, generator=g).to(dtype)
+    v_pool = torch.randn(4, hkv, 160, d, generator=g).to(dtype)
+    q = torch.randn(96, hq, d, generator=g).to(dtype)
+    # (first row, rows, slot, start): a chunk after a long past, one from position 0 longer than a 64-row
+    # block, a one-row chunk, an unused piece; rows 78..79 and 84..95 belong to none
+    pieces = torch.tensor([[0, 5, 1, 130], [5, 73, 0, 0], [80, 4, 3, 17], [0, 0, 0, 0]], dtype=torch.int32)
+    return q, k_pool, v_pool, pieces
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunk_attention_ref_is_the_decode_reference_row_by_row(dtype):
+    """A chunk row at position p attends exactly as a decode row of length p + 1 in the same slot."""
+    q, k_pool, v_pool, pieces = _chunk_case(dtype)
+    out = K.chunk_attention(q, k_pool, v_pool, pieces, 0.25)  # CPU: the reference
+    slots, lengths = torch.zeros(96, dtype=torch.long), torch.ones(96, dtype=torch.long)
+    for row0, rows, slot, start in pieces.tolist():
+        slots[row0:row0 + rows] = slot
+        lengths[row0:row0 + rows] = torch.arange(start + 1, start + rows + 1)
+    want = K.decode_attention_ref(q, k_pool, v_pool, slots, lengths, 0.25)
+    inside = torch.zeros(96, dtype=torch.bool)
+    for row0, rows, _, _ in pieces.tolist():
+        inside[row0:row0 + rows] = True
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert (out[inside].float() - want[inside].float()).abs().max() <= tol
+    assert (out[~inside] == 0).all()
+
+
+def test_chunk_attention_refuses_bad_pieces():
+    q, k_pool, v_pool, pieces = _chunk_case(torch.float32)
+    with pytest.raises(ValueError, match=r"\(P, 4\) int32"):
+        K.chunk_attention(q, k_pool, v_pool, pieces.long(), 0.25)

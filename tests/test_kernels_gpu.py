@@ -240,3 +240,36 @@ def test_gate_up_silu_matches_the_unfused_path(rows, inter, hidden):
     err = ((got.float() - ref.float()).abs().amax(1) / ref.float().abs().amax(1)).max().item()
     assert err <= 2e-2, err  # gate and up each rounded once to bf16 before SiLU, as the unfused path
     assert torch.equal(K.gate_up_silu(x, w, max_rows=0), K.silu_mul(torch.nn.functional.linear(x, w)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_chunk_attention_qwen_shapes(dtype):
+    """Prompt-chunk rows (a 224-row chunk at position 1,000, a 70-row one from 0, a one-row one) against the same
+    rows as decode rows through the decode kernel's fp64 gold, in a graph replayed with a new table."""
+    hq, hkv, d = QWEN
+    g = torch.Generator(device="cuda").manual_seed(5)
+    k_pool = torch.randn(4, hkv, 1536, d, device="cuda", generator=g).to(dtype)
+    v_pool = torch.randn(4, hkv, 1536, d, device="cuda", generator=g).to(dtype)
+    q = torch.randn(300, hq, d, device="cuda", generator=g).to(dtype)
+
+    def gold(pieces):
+        slots, lengths = torch.zeros(300, dtype=torch.long), torch.ones(300, dtype=torch.long)
+        for row0, rows, slot, start in pieces.tolist():
+            slots[row0:row0 + rows] = slot
+            lengths[row0:row0 + rows] = torch.arange(start + 1, start + rows + 1)
+        return attention_gold(DecodeCase(q, k_pool, v_pool, slots.cuda(), lengths.cuda(), 3))
+
+    first = torch.tensor([[0, 224, 1, 1000], [224, 70, 2, 0], [294, 1, 0, 7], [0, 0, 0, 0]], dtype=torch.int32)
+    second = torch.tensor([[0, 5, 3, 1500], [5, 200, 0, 300], [0, 0, 0, 0], [0, 0, 0, 0]], dtype=torch.int32)
+    table = first.cuda()
+    K.chunk_attention(q, k_pool, v_pool, table, d ** -0.5)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = K.chunk_attention(q, k_pool, v_pool, table, d ** -0.5)
+    for pieces in (first, second):
+        table.copy_(pieces)
+        graph.replay()
+        rows = sum(r for _, r, _, _ in pieces.tolist())
+        assert row_rel_err(out[:rows], gold(pieces)[:rows]) <= ATT_TOL[dtype]
+        assert (out[rows:] == 0).all()

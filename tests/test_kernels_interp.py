@@ -158,3 +158,20 @@ def test_rms_norm_fp32_weight_promotes_like_hf():
     ref = K.rms_norm(x, w, 1e-5)
     assert out.dtype == ref.dtype == torch.float32
     torch.testing.assert_close(out, ref, rtol=8e-3, atol=8e-3)  # h is rounded (truncated) to bf16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(4, 2, 16), (6, 2, 80)], ids=["G2", "D80-not-pow2"])
+def test_chunk_attention_matches_reference(dtype, heads):
+    hq, hkv, d = heads
+    g = torch.Generator().manual_seed(11)
+    k_pool = torch.randn(4, hkv, 160, d, generator=g).to(dtype)
+    v_pool = torch.randn(4, hkv, 160, d, generator=g).to(dtype)
+    q = (torch.randn(96, hq, d, generator=g) * 2).to(dtype)
+    # a chunk after a long past, one from 0 longer than a 64-row block, a one-row chunk, an unused piece
+    pieces = torch.tensor([[0, 5, 1, 130], [5, 73, 0, 0], [80, 1, 3, 17], [0, 0, 0, 0]], dtype=torch.int32)
+    ref = K.chunk_attention(q, k_pool, v_pool, pieces, d ** -0.5, use_triton=False)
+    out = K.chunk_attention(q, k_pool, v_pool, pieces, d ** -0.5, use_triton=True)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert _rel_err(out, ref.float()) <= ATT_TOL[dtype]
+    assert (out[78:80] == 0).all() and (out[81:] == 0).all()  # rows in no chunk

@@ -180,3 +180,77 @@ def test_the_server_refuses_a_mixed_step_with_no_room_for_prompt_rows():
     with pytest.raises(ValueError, match=r"--prefill-chunk 64 with --mixed-prefill .* >= 2 x --max-batch \(128\)"):
         DecodeConfig(colocated=True, max_batch=64, prefill_chunk=64, mixed_prefill=True)
     DecodeConfig(colocated=True, max_batch=64, prefill_chunk=256, mixed_prefill=True)
+
+
+def test_a_larger_step_runs_only_when_the_prompt_tokens_waiting_fill_it(tiny):
+    """--mixed-max-rows: steps of 24, 48 and 96 rows (not 192: over 100); beside n decode rows (bucket b) a step
+    takes the largest size whose c - b prompt rows the tokens waiting fill, else the smallest."""
+    from decode_server.graphs import Step
+    from decode_server.mixed import step_sizes
+
+    assert step_sizes(24, 100) == [24, 48, 96] and step_sizes(24, 0) == [24]
+    pool = KVPool(CacheGeometry.from_config(tiny.config, torch.float32), torch.device("cpu"), slots=8, max_seq=64)
+    with pytest.raises(ValueError, match=r"--mixed-max-rows 40 must be >= 2 x --prefill-chunk \(48\)"):
+        Step(StepRunner(tiny, pool), max_batch=8, cuda_graphs=False, chunk=24, max_rows=40)
+    step = Step(StepRunner(tiny, pool), max_batch=8, cuda_graphs=False, chunk=24, max_rows=100)
+    assert step.sizes == [24, 48, 96]
+    # n = 3 decode rows: bucket 4
+    assert [step.prompt_budget(3, w) for w in (1, 43, 44, 91, 92, 500)] == [20, 20, 44, 44, 92, 92]
+    assert [step.rows_for(3, r) for r in (1, 20, 21, 44, 45, 92, 93)] == [24, 24, 48, 48, 96, 96, 0]
+    assert Step(StepRunner(tiny, pool), 8, False, chunk=24).prompt_budget(3, 500) == 20  # one size only
+
+
+def test_prompts_waiting_together_ride_in_one_larger_step(tiny, monkeypatch):
+    """Two 20-token prompts queued while one request decodes (--prefill-chunk 17, --mixed-max-rows 34): one step
+    of 34 rows carries 33 of their 40 tokens (one of 17 would carry 16), the rest ride in a 17-row step, and
+    every request decodes to the plain engine's tokens."""
+    import threading
+
+    from decode_server.graphs import Step
+
+    prompts = [random_prompt(tiny.config.vocab_size, 20, seed=s)[0].tolist() for s in (5, 6)]
+    other = random_prompt(tiny.config.vocab_size, 12, seed=4)[0].tolist()
+    plain = _engine(tiny)
+    want = [_decode(plain, p, 1) for p in prompts]
+    want_other = _decode(plain, other, 40)
+    plain.close()
+    pieces, rows = [], []
+    mixed = Step.mixed
+
+    def recording(self, tokens, positions, slots, chunks):
+        pieces.append([(c.start, c.ids.shape[0]) for c in chunks])
+        rows.append(self.rows_for(tokens.shape[0], sum(c.ids.shape[0] for c in chunks)))
+        return mixed(self, tokens, positions, slots, chunks)
+    monkeypatch.setattr(Step, "mixed", recording)
+    e = _engine(tiny, prefill_chunk=17, mixed_prefill=True, mixed_max_rows=34)
+    try:
+        started, got = [], {}
+        t = threading.Thread(target=lambda: got.update(other=_decode(e, other, 40, started)))
+        t.start()
+        while not started:
+            pass
+        gate = threading.Event()
+        held = e.scheduler.call(gate.wait, 60)  # the device thread waits here, between two steps
+        leases = [e.pool.try_lease(), e.pool.try_lease()]
+        futs = [e.prefill(p, lease, False) for p, lease in zip(prompts, leases)]
+        gate.set()
+        held.result(timeout=60)
+        firsts = [f.result(timeout=60).first for f in futs]
+        assert firsts == [w[0] for w in want]
+        assert pieces[:2] == [[(0, 20), (0, 13)], [(13, 7)]] and rows[:2] == [34, 17]
+        for lease in leases:
+            lease.release()
+        t.join(timeout=60)
+        assert got["other"] == want_other and e.pool.used() == 0
+    finally:
+        e.close()
+
+
+def test_mixed_max_rows_need_mixed_prefill_and_room():
+    from decode_server.config import DecodeConfig
+
+    with pytest.raises(ValueError, match="--mixed-max-rows sizes the steps of --mixed-prefill"):
+        DecodeConfig(colocated=True, mixed_max_rows=1024)
+    with pytest.raises(ValueError, match=r"--mixed-max-rows 300 must be >= 2 x --prefill-chunk \(512\)"):
+        DecodeConfig(colocated=True, max_batch=64, prefill_chunk=256, mixed_prefill=True, mixed_max_rows=300)
+    DecodeConfig(colocated=True, max_batch=64, prefill_chunk=256, mixed_prefill=True, mixed_max_rows=1024)

@@ -34,6 +34,7 @@ from kvtransfer.kernels._checks import (
 )
 from kvtransfer.kernels.reference import (
     add_rms_norm_ref,
+    chunk_attention_ref,
     decode_attention_ref,
     rms_norm_ref,
     rope_store_ref,
@@ -43,6 +44,7 @@ from kvtransfer.kernels.reference import (
 __all__ = [
     "triton_available",
     "decode_attention",
+    "chunk_attention",
     "rope_store",
     "rms_norm",
     "add_rms_norm",
@@ -50,6 +52,7 @@ __all__ = [
     "linear",
     "gate_up_silu",
     "decode_attention_ref",
+    "chunk_attention_ref",
     "rope_store_ref",
     "rms_norm_ref",
     "add_rms_norm_ref",
@@ -110,6 +113,37 @@ def decode_attention(
     return decode_attention_triton(
         last_dim_unit(q), k_pool, v_pool, slots, lengths, scale, num_splits=num_splits
     )
+
+
+def chunk_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    pieces: torch.Tensor,
+    scale: float,
+    *,
+    use_triton: bool | None = None,
+) -> torch.Tensor:
+    """Causal attention of prompt-chunk rows over their slot's cache (a mixed step's prompt rows).
+
+    q: (R, Hq, D); k_pool/v_pool: (S, Hkv, T, D), q's dtype; pieces: (P, 4) int32 on q's device, one row per
+    chunk: first row in q, rows, slot, position of the first row (unused: 0 rows). Row r of a chunk attends
+    over positions 0..start + r of its slot, as `decode_attention` with length start + r + 1 would. Returns a
+    new (R, Hq, D) tensor in q.dtype, zero on rows outside every chunk. Pieces must not overlap or run past R.
+    """
+    check_float("q", q, 3)
+    rows, q_heads, head_dim = q.shape
+    check_pools(k_pool, v_pool, head_dim, q.dtype)
+    check_groups(q_heads, k_pool.shape[1])
+    require(q.device == k_pool.device, f"q is on {q.device}, pools on {k_pool.device}")
+    require(isinstance(pieces, torch.Tensor) and pieces.dtype == torch.int32 and pieces.dim() == 2
+            and pieces.shape[1] == 4, "pieces must be a (P, 4) int32 tensor: first row, rows, slot, start")
+    require(pieces.device == q.device, f"pieces is on {pieces.device}, expected {q.device}")
+    if not _use_triton(use_triton, q.device):
+        return chunk_attention_ref(q, k_pool, v_pool, pieces, scale)
+    from kvtransfer.kernels.triton_chunk_attention import chunk_attention_triton
+
+    return chunk_attention_triton(last_dim_unit(q), k_pool, v_pool, pieces, scale)
 
 
 def rope_store(

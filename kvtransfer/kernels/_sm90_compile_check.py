@@ -99,11 +99,16 @@ def main() -> int:
         cs, pool = torch.empty(batch, d), torch.empty(batch + 1, hkv, 1024, d, dtype=bf16)
         idx, pos = torch.zeros(batch, dtype=torch.int64), torch.zeros(batch, dtype=torch.int32)
         _run(lambda: tr.rope_store_triton(q, k, k, cs, cs, pool, pool, idx, pos))
+    from kvtransfer.kernels import triton_chunk_attention as tc
+    for hq, hkv, d, dtype in ((28, 4, 128, bf16), (28, 4, 128, torch.float32), (9, 3, 64, bf16)):
+        pool = torch.empty(3, hkv, 1024, d, dtype=dtype)
+        _run(lambda: tc.chunk_attention_triton(torch.empty(224, hq, d, dtype=dtype), pool, pool,
+                                               torch.zeros(4, 4, dtype=torch.int32), 0.1))
     x, w = torch.empty(64, 3584, dtype=bf16), torch.empty(3584, dtype=bf16)
     _run(lambda: tn.rms_norm_triton(x, w, 1e-6))
     _run(lambda: tn.rms_norm_triton(x, w, 1e-6, residual=x))
     _run(lambda: tn.silu_mul_triton(torch.empty(64, 2 * 18944, dtype=bf16)))
-    expected = 2 * 10 + 2 + 3
+    expected = 2 * 10 + 2 + 3 + 3
     print(f"compiled {len(done)} of {expected} kernels for sm_90")
     return 0 if len(done) == expected else 1
 

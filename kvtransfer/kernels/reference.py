@@ -57,6 +57,37 @@ def decode_attention_ref(
     return out
 
 
+def chunk_attention_ref(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    pieces: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of prompt-chunk rows over their slot, HF eager math.
+
+    q: (R, Hq, D); pools: (S, Hkv, T, D); pieces: (P, 4) int32, one row per chunk: first row in q, rows, slot,
+    position of the first row -> out (R, Hq, D) in q.dtype, zero outside the pieces. Row r of a chunk at
+    position start + r attends over positions 0..start + r of its slot: what `decode_attention_ref` gives that
+    row alone with length start + r + 1. Host sync: reads pieces on the host (CPU reference).
+    """
+    groups = q.shape[1] // k_pool.shape[1]
+    out = torch.zeros_like(q)
+    for row0, rows, slot, start in pieces.tolist():
+        if rows <= 0:
+            continue
+        end = start + rows
+        k = repeat_kv(k_pool[slot, :, :end], groups)  # (Hq, end, D)
+        v = repeat_kv(v_pool[slot, :, :end], groups)
+        qc = q[row0:row0 + rows].transpose(0, 1)  # (Hq, rows, D)
+        scores = torch.matmul(qc, k.transpose(1, 2)) * scale  # (Hq, rows, end)
+        future = torch.arange(end, device=q.device)[None, :] > torch.arange(start, end, device=q.device)[:, None]
+        scores = scores.masked_fill(future, float("-inf"))  # (rows, end): key after the row's position
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out[row0:row0 + rows] = torch.matmul(probs, v).transpose(0, 1)  # (rows, Hq, D)
+    return out
+
+
 def apply_rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """HF's apply_rotary_pos_emb for one tensor: x (B, H, D), cos/sin (B, D) -> (B, H, D).
 

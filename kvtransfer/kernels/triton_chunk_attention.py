@@ -1,0 +1,112 @@
+"""Causal attention of prompt-chunk rows over their slot's cache, flash style (Triton).
+
+Why: a mixed step (decode_server/mixed.py) carries up to MAX_PIECES prompt chunks as rows of the
+decode step. Through the decode kernel each such row streams its slot's K/V on its own: a
+1,024-token prompt then reads ~n^2/2 positions per layer, ~5 ms of the 7B model's step time on
+an H200 against ~1.6 ms for flash attention over the same rows (bench/probe_round --only mixed).
+Here one program takes BLOCK_M consecutive rows of one chunk and one query head, and reads
+each K/V tile once for all of them, on tensor cores.
+
+Inputs are static-shaped, so a CUDA graph replays it for any pieces: `pieces` is a (P, 4) int32
+device tensor, one row per chunk: first row in q, rows, slot, position of its first row (unused
+pieces have 0 rows). Row r of a chunk sits at position start + r of its slot and attends over
+positions 0..start + r of it (its own K/V already written, as the step writes all before any
+row attends). Rows outside every chunk are left at zero.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_M = 64
+BLOCK_N = 64
+
+
+@triton.jit
+def _chunk_attention(
+    Q, K, V, Pieces, Out,
+    qk_scale_log2,
+    stride_qr, stride_qh,
+    stride_ks, stride_kh, stride_kt,
+    stride_vs, stride_vh, stride_vt,
+    stride_or, stride_oh,
+    blocks_per_piece,
+    GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):
+    # grid (P * blocks_per_piece, Hq); Pieces (P, 4) int32: first row, rows, slot, start position.
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    piece = pid // blocks_per_piece
+    block = pid % blocks_per_piece
+    row0 = tl.load(Pieces + piece * 4)
+    n_rows = tl.load(Pieces + piece * 4 + 1)
+    if block * BLOCK_M < n_rows:
+        slot = tl.load(Pieces + piece * 4 + 2).to(tl.int64)
+        start = tl.load(Pieces + piece * 4 + 3)
+        offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < n_rows
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_d = offs_d < HEAD_DIM
+        rows = (row0 + offs_m).to(tl.int64)  # (BLOCK_M,) rows of q / out
+        q = tl.load(Q + rows[:, None] * stride_qr + h * stride_qh + offs_d[None, :],
+                    mask=mask_m[:, None] & mask_d[None, :], other=0.0)  # (BLOCK_M, BLOCK_D)
+        kv_head = (h // GROUPS).to(tl.int64)
+        k_base = K + slot * stride_ks + kv_head * stride_kh
+        v_base = V + slot * stride_vs + kv_head * stride_vh
+        pos = start + offs_m  # (BLOCK_M,) each row's position
+        end = start + tl.minimum((block + 1) * BLOCK_M, n_rows)  # keys 0..end - 1 cover every row's past
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        for n0 in range(0, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < end
+            k = tl.load(k_base + offs_n[None, :] * stride_kt + offs_d[:, None],
+                        mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # (BLOCK_D, BLOCK_N)
+            if UPCAST_DOT:
+                s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
+            else:
+                s = tl.dot(q, k)
+            # causal: key n <= the row's position; key 0 always qualifies, so m_new is finite
+            s = tl.where((offs_n[None, :] <= pos[:, None]) & mask_n[None, :], s * qk_scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.math.exp2(m_i - m_new)
+            p = tl.math.exp2(s - m_new[:, None])  # (BLOCK_M, BLOCK_N)
+            v = tl.load(v_base + offs_n[:, None] * stride_vt + offs_d[None, :],
+                        mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # (BLOCK_N, BLOCK_D)
+            p_kv = p.to(v.dtype)  # P rounded to the KV dtype, as the decode kernel and HF do
+            if UPCAST_DOT:
+                pv = tl.dot(p_kv.to(tl.float32), v.to(tl.float32), input_precision="ieee")
+            else:
+                pv = tl.dot(p_kv, v)
+            acc = acc * alpha[:, None] + pv
+            l_i = l_i * alpha + tl.sum(p, 1)
+            m_i = m_new
+        tl.store(Out + rows[:, None] * stride_or + h * stride_oh + offs_d[None, :],
+                 (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+
+
+def chunk_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, pieces: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """Shapes as `kvtransfer.kernels.chunk_attention` (checked there): q (R, Hq, D) unit stride on D, pools
+    (S, Hkv, T, D) contiguous, pieces (P, 4) int32 -> a new (R, Hq, D) tensor, zero outside the pieces."""
+    rows, q_heads, head_dim = q.shape
+    groups = q_heads // k_pool.shape[1]
+    out = torch.zeros_like(q)
+    blocks = max(1, triton.cdiv(rows, BLOCK_M))  # a piece has at most R rows
+    upcast = q.dtype == torch.float32 or q.device.type != "cuda"  # as the decode kernel (interpreter: fp32 dots)
+    _chunk_attention[(pieces.shape[0] * blocks, q_heads)](
+        q, k_pool, v_pool, pieces, out,
+        scale * 1.4426950408889634,  # log2(e): exp2 in the kernel
+        q.stride(0), q.stride(1),
+        k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+        v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
+        out.stride(0), out.stride(1),
+        blocks,
+        GROUPS=groups, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, UPCAST_DOT=upcast, num_warps=4, num_stages=2,
+    )
+    return out
