@@ -100,11 +100,22 @@ def _decode(e: DecodeEngine, prompt: list[int], steps: int, started: list | None
             return out
 
 
+def _decoding_meanwhile(e: DecodeEngine, prompt: list[int], steps: int, got: dict):
+    """Start decoding `prompt` on a thread (its tokens into got["other"]); returns the thread once the request is
+    in the running batch (its second token arrived)."""
+    import threading
+
+    started: list = []
+    t = threading.Thread(target=lambda: got.update(other=_decode(e, prompt, steps, started)))
+    t.start()
+    while not started:
+        pass
+    return t
+
+
 def test_prompts_prefilled_inside_decode_steps_decode_to_the_same_tokens(tiny, monkeypatch):
     """A long prompt (4 chunks) prefilled while another request decodes, its chunks riding in that request's steps:
     both requests' tokens equal those of the plain engine, and every slot is free afterwards."""
-    import threading
-
     long_prompt = random_prompt(tiny.config.vocab_size, 61, seed=3)[0].tolist()
     other = random_prompt(tiny.config.vocab_size, 12, seed=4)[0].tolist()
     plain = _engine(tiny)
@@ -122,11 +133,8 @@ def test_prompts_prefilled_inside_decode_steps_decode_to_the_same_tokens(tiny, m
     monkeypatch.setattr(Step, "mixed", recording)
     e = _engine(tiny, prefill_chunk=17, mixed_prefill=True)  # 16 prompt rows beside one decode row
     try:
-        started, got = [], {}
-        t = threading.Thread(target=lambda: got.update(other=_decode(e, other, 40, started)))
-        t.start()
-        while not started:
-            pass
+        got = {}
+        t = _decoding_meanwhile(e, other, 40, got)
         steps_before = e.scheduler.steps
         got["long"] = _decode(e, long_prompt, 10)
         t.join(timeout=60)
@@ -140,11 +148,7 @@ def test_prompts_prefilled_inside_decode_steps_decode_to_the_same_tokens(tiny, m
         short = random_prompt(tiny.config.vocab_size, 20, seed=5)[0].tolist()
         want_short = _decode(plain_engine := _engine(tiny), short, 6)
         plain_engine.close()
-        started.clear()
-        t = threading.Thread(target=lambda: got.update(other=_decode(e, other, 40, started)))
-        t.start()
-        while not started:
-            pass
+        t = _decoding_meanwhile(e, other, 40, got)
         del pieces[:]
         leases = [e.pool.try_lease(), e.pool.try_lease()]
         futs = [e.prefill(p, lease, False) for p, lease in zip((short, other), leases)]
@@ -224,11 +228,8 @@ def test_prompts_waiting_together_ride_in_one_larger_step(tiny, monkeypatch):
     monkeypatch.setattr(Step, "mixed", recording)
     e = _engine(tiny, prefill_chunk=17, mixed_prefill=True, mixed_max_rows=34)
     try:
-        started, got = [], {}
-        t = threading.Thread(target=lambda: got.update(other=_decode(e, other, 40, started)))
-        t.start()
-        while not started:
-            pass
+        got = {}
+        t = _decoding_meanwhile(e, other, 40, got)
         gate = threading.Event()
         held = e.scheduler.call(gate.wait, 60)  # the device thread waits here, between two steps
         leases = [e.pool.try_lease(), e.pool.try_lease()]
