@@ -39,8 +39,9 @@ def buckets(max_batch: int) -> list[int]:
 class Step:
     """`step(tokens, positions, slots)` -> logits (n, vocab): eager (CPU, --no-cuda-graphs) or graph replay.
     `step.mixed(tokens, positions, slots, chunks)` -> (logits (n, vocab), each chunk's last row (P, vocab)): the
-    same step with up to `chunk_budget(n)` prompt tokens riding along in P <= MAX_PIECES chunks: `chunk` rows in
-    all, or one of the larger `sizes` (graphed when `chunk` > 0; `prompt_budget` picks the size).
+    same step with prompt tokens riding along in P <= MAX_PIECES chunks, in the smallest of `sizes` (`chunk` rows,
+    then 2, 4 .. x chunk) that holds them beside the bucket (graphed when `chunk` > 0; `prompt_budget` says how
+    many to hand it).
 
     The graphed logits are a view into the graph's output buffer: valid until the next call.
     """

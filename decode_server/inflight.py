@@ -34,7 +34,7 @@ class InFlight:
     first_tasks: list[MixedPrefill] = field(default_factory=list)  # ... whose last chunk it was: the host copy ends
     # with their first tokens, in this order
     first_logits: list[torch.Tensor | None] = field(default_factory=list)  # (vocab,) each, kept when a digest is wanted
-    start: torch.cuda.Event | None = None  # recorded before the step's work: start -> event is its device time
+    start: torch.cuda.Event | None = None  # recorded just before the step's launch: start -> event is its device time
     prompt_rows: int = 0  # prompt tokens that rode in this step
     step_rows: int = 0  # the mixed step's size (Step.rows_for; 0: a plain step, or eager)
 
@@ -52,10 +52,6 @@ def queue_step(step: Step, dev: torch.device, batch: list[Sequence], prev: InFli
     one forward runs the decode rows and those chunks together (mixed.py); each chunk's slot is held the same
     way, and a prompt's first token travels with the step's tokens when its last chunk rode in it."""
     n = len(batch)
-    start = None
-    if dev.type == "cuda":
-        start = torch.cuda.Event(enable_timing=True)
-        start.record()
     where = {id(s): j for j, s in enumerate(prev.batch)} if prev is not None else {}
     fresh = [s for s in batch if id(s) not in where]
     host_tokens = torch.tensor([s.last_token for s in fresh], dtype=torch.long).to(dev, non_blocking=True)
@@ -70,6 +66,10 @@ def queue_step(step: Step, dev: torch.device, batch: list[Sequence], prev: InFli
     slots = torch.tensor([s.slot for s in batch], dtype=torch.long).to(dev, non_blocking=True)
     done = [j for j, (_, c) in enumerate(pieces) if c.last]  # prompts whose first token this step makes
     lasts, chunks = None, [c for _, c in pieces]
+    start = None
+    if dev.type == "cuda":  # from here to `event`: the step's launch (a replay; eager: its launches too) and work
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
     if not pieces:
         logits = step(tokens, positions, slots)  # (n, vocab): the graph's buffer, overwritten by the next step
     else:
@@ -94,4 +94,5 @@ def queue_step(step: Step, dev: torch.device, batch: list[Sequence], prev: InFli
                     chunk_tasks=[task for task, _ in pieces], first_tasks=firsts,
                     first_logits=[lasts[j].clone() if t.want_digest else None for j, t in zip(done, firsts)],
                     start=start, prompt_rows=sum(c.ids.shape[0] for c in chunks),
-                    step_rows=step.rows_for(n, sum(c.ids.shape[0] for c in chunks)) if pieces else 0)
+                    step_rows=step.rows_for(n, sum(c.ids.shape[0] for c in chunks))
+                    if pieces and step.mixed_graphs else 0)

@@ -5,8 +5,9 @@ the device, and tokens must come out in step order. Between two steps the thread
 runs one piece of device work asked for by the servicer (a local prefill, or one chunk of a
 chunked one; a digest), drops the sequences asked to stop (their slots are let go once no queued
 step writes into them), admits the sequences whose caches are complete, then queues one step for
-all of them; with --mixed-prefill that step also carries prompt tokens up to --prefill-chunk rows in
-all: the next chunk of each prompt in progress, then of new ones (mixed.py).
+all of them; with --mixed-prefill that step also carries prompt tokens, in a step of --prefill-chunk
+rows in all (or a larger size, --mixed-max-rows): the next chunk of each prompt in progress, then of
+new ones (mixed.py).
 A sequence leaves when its last token is made. Nothing here waits on a client: tokens go to each
 sequence's sink, which never blocks.
 
@@ -175,8 +176,9 @@ class Scheduler:
         prompts last (Step.prompt_budget: the largest step size that the prompt tokens waiting fill)."""
         if not (self._active or self._tasks):
             return []
-        with self._cond:
-            waiting = sum(task.left for task in self._active) + sum(task.left for task in self._tasks)
+        with self._cond:  # the prompt tokens this step could take: of the first MAX_PIECES live prompts
+            live = [task for task in (*self._active, *self._tasks) if not task.future.cancelled()][:MAX_PIECES]
+        waiting = sum(task.left for task in live)
         budget, out = self.step.prompt_budget(n, waiting), []
         for task in self._active:
             if budget <= 0 or len(out) == MAX_PIECES:

@@ -48,9 +48,11 @@ class Metrics:
         self.prompt_rows = Counter("kvt_decode_prompt_rows", "decode: prompt tokens that rode in decode steps "
                                    "(--mixed-prefill)", registry=r)
         self.mixed_steps = Counter("kvt_decode_mixed_steps", "decode: steps that carried prompt rows, by the step's "
-                                   "size in rows (--prefill-chunk, --mixed-max-rows; 0: eager)", ["rows"], registry=r)
-        self.device_s = Counter("kvt_decode_device_seconds", "decode: device time of the decode steps (CUDA events; "
-                                "over wall time: how busy the scheduler keeps the GPU)", registry=r)
+                                   "size in rows (--prefill-chunk, --mixed-max-rows; 0: eager, no graphs)", ["rows"],
+                                   registry=r)
+        self.device_s = Counter("kvt_decode_device_seconds", "decode: device time of the decode steps, launch to "
+                                "end (CUDA events; over wall time: how busy the scheduler keeps the GPU; an eager "
+                                "step's span includes its host launches)", registry=r)
         self.pairings = Counter("kvt_pairings", "pairings with the peer (the first one and every re-pairing)",
                                 registry=r)
 

@@ -128,6 +128,7 @@ def test_mixed_graph_matches_the_eager_mixed_step_and_the_whole_prefill():
     big = [Chunk(random_prompt(model.config.vocab_size, 120, seed=11, device="cuda")[0], 5, 0, True)]
     assert step.rows_for(3, 120) == 136  # the larger graph
     dec, lasts = step.mixed(tok, pos, slots, big)
+    assert dec.data_ptr() == step.mixed_graphs[136, 4][1].data_ptr()  # its output buffer: replayed, not eager
     dec, lasts = dec.clone(), lasts.clone()
     e_dec, e_lasts = mixed_forward(runner, tok, pos, slots, big)
     gaps = rel(dec, plain), rel(dec, e_dec), rel(lasts, e_lasts)

@@ -194,7 +194,7 @@ def _chunk_case(dtype, hq=4, hkv=2, d=16, seed=7):
     v_pool = torch.randn(4, hkv, 160, d, generator=g).to(dtype)
     q = torch.randn(96, hq, d, generator=g).to(dtype)
     # (first row, rows, slot, start): a chunk after a long past, one from position 0 longer than a 64-row
-    # block, a one-row chunk, an unused piece; rows 78..79 and 84..95 belong to none
+    # block, a 4-row chunk, an unused piece; rows 78..79 and 84..95 belong to none
     pieces = torch.tensor([[0, 5, 1, 130], [5, 73, 0, 0], [80, 4, 3, 17], [0, 0, 0, 0]], dtype=torch.int32)
     return q, k_pool, v_pool, pieces
 

@@ -255,3 +255,46 @@ def test_mixed_max_rows_need_mixed_prefill_and_room():
     with pytest.raises(ValueError, match=r"--mixed-max-rows 300 must be >= 2 x --prefill-chunk \(512\)"):
         DecodeConfig(colocated=True, max_batch=64, prefill_chunk=256, mixed_prefill=True, mixed_max_rows=300)
     DecodeConfig(colocated=True, max_batch=64, prefill_chunk=256, mixed_prefill=True, mixed_max_rows=1024)
+
+
+def test_a_larger_step_counts_only_the_prompts_that_can_ride_in_it(tiny, monkeypatch):
+    """Eight 5-token prompts queued while one request decodes (--prefill-chunk 18, --mixed-max-rows 36): a step
+    takes at most MAX_PIECES = 4 prompts, 20 tokens, which do not fill the 36-row step's 35 prompt rows, so the
+    18-row step runs full (17 prompt rows) instead of a 36-row one padded by 15 rows."""
+    import threading
+
+    from decode_server.graphs import Step
+
+    prompts = [random_prompt(tiny.config.vocab_size, 5, seed=20 + s)[0].tolist() for s in range(8)]
+    other = random_prompt(tiny.config.vocab_size, 12, seed=4)[0].tolist()
+    rows, pieces = [], []
+    mixed = Step.mixed
+
+    def recording(self, tokens, positions, slots, chunks):
+        pieces.append([(c.start, c.ids.shape[0]) for c in chunks])
+        rows.append(self.rows_for(tokens.shape[0], sum(c.ids.shape[0] for c in chunks)))
+        return mixed(self, tokens, positions, slots, chunks)
+    monkeypatch.setattr(Step, "mixed", recording)
+    lm = LoadedModel(ModelSpec("tiny", "float32", 0), tiny, CacheGeometry.from_config(tiny.config, torch.float32),
+                     torch.device("cpu"))
+    e = DecodeEngine(lm, EngineOptions(max_batch=9, max_seq_len=256, cuda_graphs=False, prefill_chunk=18,
+                                       mixed_prefill=True, mixed_max_rows=36))
+    try:
+        got = {}
+        t = _decoding_meanwhile(e, other, 40, got)
+        gate = threading.Event()
+        held = e.scheduler.call(gate.wait, 60)
+        leases = [e.pool.try_lease() for _ in prompts]
+        futs = [e.prefill(p, lease, False) for p, lease in zip(prompts, leases)]
+        gate.set()
+        held.result(timeout=60)
+        for f in futs:
+            f.result(timeout=60)
+        # bucket(1) = 1: the 18-row step has 17 prompt rows, the 36-row one 35
+        assert pieces[0] == [(0, 5), (0, 5), (0, 5), (0, 2)] and rows[0] == 18
+        for lease in leases:
+            lease.release()
+        t.join(timeout=60)
+        assert e.pool.used() == 0
+    finally:
+        e.close()

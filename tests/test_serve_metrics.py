@@ -52,3 +52,45 @@ def test_no_device_time_reads_as_unknown_not_idle(monkeypatch):
     watch = sm.BatchWatch("http://unused")
     m.stepped(StepStats(rows=2, prompt_rows=0, step_rows=0, device_s=0.0))  # CPU: no CUDA events
     assert watch.report()["device_busy"] is None
+
+
+def test_the_scheduler_reports_every_delivered_step_once():
+    """A 61-token prompt prefilled in 17-row mixed steps while nothing decodes (prompt-only steps), then decoded
+    for 10 tokens while a 12-token prompt rides in its steps and decodes 6: the steps' prompt rows add up to the
+    prompts, their decode rows to the tokens the steps made, and every step with decode rows is one of the
+    scheduler's steps."""
+    import queue
+
+    import torch
+
+    from decode_server.engine import DecodeEngine, EngineOptions
+    from decode_server.sequence import Ended, Sequence
+    from kvtransfer.geometry import CacheGeometry
+    from kvtransfer.models import ModelSpec, load_model
+    from kvtransfer.reference import random_prompt
+    from kvtransfer.serving import LoadedModel
+
+    model = load_model(ModelSpec("tiny", "float32", 0))
+    lm = LoadedModel(ModelSpec("tiny", "float32", 0), model, CacheGeometry.from_config(model.config, torch.float32),
+                     torch.device("cpu"))
+    stats: list[StepStats] = []
+    e = DecodeEngine(lm, EngineOptions(max_batch=4, max_seq_len=256, cuda_graphs=False, prefill_chunk=17,
+                                       mixed_prefill=True), on_step=stats.append)
+    try:
+        q: queue.Queue = queue.Queue()
+        for n, steps in ((61, 10), (12, 6)):
+            prompt = random_prompt(model.config.vocab_size, n, seed=n)[0].tolist()
+            lease = e.pool.try_lease()
+            first = e.prefill(prompt, lease, False).result(timeout=60).first
+            e.scheduler.add(Sequence(n, lease, n, first, steps, q.put))
+        done = 0
+        while done < 2:
+            item = q.get(timeout=60)
+            assert not isinstance(item, Ended), item
+            done += item.last
+    finally:
+        e.close()
+    assert sum(s.prompt_rows for s in stats) == 61 + 12  # the 12 rode in a step of the first one's decode
+    assert sum(s.rows for s in stats) == 10 + 6
+    assert sum(1 for s in stats if s.rows) == e.scheduler.steps
+    assert [s.step_rows for s in stats if s.prompt_rows] == [0] * 5  # 4 steps of the 61, 1 of the 12; eager: 0

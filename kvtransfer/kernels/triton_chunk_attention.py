@@ -20,11 +20,13 @@ import torch
 import triton
 import triton.language as tl
 
+from kvtransfer.kernels import triton_attention
+
 BLOCK_M = 64
 BLOCK_N = 64
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["blocks_per_piece"])  # one compile for every graph size and bucket
 def _chunk_attention(
     Q, K, V, Pieces, Out,
     qk_scale_log2,
@@ -97,7 +99,7 @@ def chunk_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     groups = q_heads // k_pool.shape[1]
     out = torch.zeros_like(q)
     blocks = max(1, triton.cdiv(rows, BLOCK_M))  # a piece has at most R rows
-    upcast = q.dtype == torch.float32 or q.device.type != "cuda"  # as the decode kernel (interpreter: fp32 dots)
+    upcast = triton_attention._upcast_dots(q)  # as the decode kernel (fp32 pools, the interpreter: fp32 dots)
     _chunk_attention[(pieces.shape[0] * blocks, q_heads)](
         q, k_pool, v_pool, pieces, out,
         scale * 1.4426950408889634,  # log2(e): exp2 in the kernel
