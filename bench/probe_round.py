@@ -12,7 +12,7 @@ stalls decodes ~110 ms against 35 ms in the ttft bench. This measures, on one GP
   shapes   the fused prefill at prompt lengths it has not seen yet against lengths it has, with SDPA free to
            pick its backend and with the cuDNN backend excluded (served prompts vary in length)
   mixed    a mixed step's device and host time at 256..2048 rows, graphed and eager, and its attention
-           over prompt rows: the decode kernel, the chunk kernel, flash causal attention
+           over prompt rows: the decode kernel, the chunk kernel, flash causal attention (probe_mixed.py)
 Prints one JSON object; `--only` picks parts.
 
     python -m bench.probe_round --model qwen2.5-7b --out result.json
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from bench import probe_served
+from bench import probe_mixed, probe_served
 from bench.stats import summarize
 from decode_server.graphs import Step
 from decode_server.pool import KVPool
@@ -253,72 +253,6 @@ def shapes(model) -> dict:
     return out
 
 
-def mixed(model, geom) -> dict:
-    """Where a mixed step's time goes: 32 decode rows at position 1100 plus R - 32 rows of one prompt chunk at
-    positions 512.., graphed at 256/512/1024 rows, and eager at 256..2048 from position 0 (device time from
-    events; host time to return, unsynchronized); then the attention alone per layer over R rows of one prompt
-    from position 0: the decode kernel (one row at a time), the chunk kernel and SDPA's flash causal attention."""
-    from decode_server.mixed import Chunk, mixed_forward, piece_table
-
-    pool = KVPool(geom, torch.device("cuda"), 33, 2304)
-    pool.kv.normal_()
-    runner = StepRunner(model, pool)
-    st = Step(runner, 32, cuda_graphs=True, chunk=256, max_rows=1024)
-    tok = torch.randint(0, 1000, (32,), device="cuda")
-    pos = torch.full((32,), 1100, dtype=torch.long, device="cuda")
-    slots = torch.arange(32, device="cuda")
-    ids = torch.randint(3, 1000, (2048,), device="cuda")
-    out = {"plain_step_ms": loop_us(lambda: st(tok, pos, slots), 20) / 1e3, "graphed": []}
-    for rows in st.sizes:
-        chunk = [Chunk(ids[:rows - 32], 32, 512, False)]
-        out["graphed"].append(dict(rows=rows, ms=loop_us(lambda: st.mixed(tok, pos, slots, chunk), 10) / 1e3))
-        print("mixed graphed", out["graphed"][-1], flush=True)
-    eager = []
-    for rows in (256, 512, 1024, 2048):
-        chunk = [Chunk(ids[:rows - 32], 32, 0, False)]
-        mixed_forward(runner, tok, pos, slots, chunk)
-        torch.cuda.synchronize()
-        dev, hostt = [], []
-        for _ in range(5):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            t0 = time.perf_counter()
-            mixed_forward(runner, tok, pos, slots, chunk)
-            hostt.append(time.perf_counter() - t0)
-            b.record()
-            torch.cuda.synchronize()
-            dev.append(a.elapsed_time(b) / 1e3)
-        eager.append(dict(rows=rows, device_ms=summarize(dev, 1e3)["median"], host_ms=summarize(hostt, 1e3)["median"]))
-        print("mixed eager", eager[-1], flush=True)
-    out["eager"] = eager
-    att = []
-    kp, vp = pool.layer(0)
-    for n in (224, 1024, 2048):
-        q = torch.randn(n, runner.hq, runner.d, device="cuda", dtype=torch.bfloat16)
-        sl = torch.full((n,), 32, dtype=torch.long, device="cuda")
-        ln = torch.arange(1, n + 1, dtype=torch.int32, device="cuda")
-        table = piece_table([Chunk(ids[:n], 32, 0, True)], 4).cuda()
-        row = dict(rows=n)
-        for name, fn in (("decode_kernel", lambda: K.decode_attention(q, kp, vp, sl, ln, runner.scale)),
-                         ("chunk_kernel", lambda: K.chunk_attention(q, kp, vp, table, runner.scale))):
-            fn()
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                fn()
-            row[f"{name}_us"] = loop_us(g.replay, 10)  # in a graph: the host's launch cost left out
-        qh = q.transpose(0, 1).unsqueeze(0)  # (1, Hq, n, D)
-        kh, vh = kp[32:33, :, :n], vp[32:33, :, :n]  # (1, Hkv, n, D)
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-            row["flash_causal_us"] = loop_us(lambda: F.scaled_dot_product_attention(qh, kh, vh, is_causal=True,
-                                                                                    enable_gqa=True), 10)
-        att.append(row)
-        print("attention", att[-1], flush=True)
-    out["attention_per_layer"] = att
-    return out
-
-
 def timeit_ms(fn) -> float:
     walls = []
     for _ in range(6):
@@ -346,7 +280,7 @@ def main(argv=None) -> None:
                 res[part] = {"gemv": lambda: gemv(model), "step": lambda: step(model, geom),
                              "prefill": lambda: prefills(model), "host": lambda: host(model, geom),
                              "served": lambda: probe_served.served(a.model, model, a.logs),
-                             "shapes": lambda: shapes(model), "mixed": lambda: mixed(model, geom)}[part]()
+                             "shapes": lambda: shapes(model), "mixed": lambda: probe_mixed.mixed(model, geom)}[part]()
             except Exception as e:  # noqa: BLE001
                 res[part] = {"error": repr(e)[:500]}
             print(f"{part}: {time.perf_counter() - t0:.1f} s", flush=True)

@@ -78,10 +78,39 @@ def test_two_prompts_share_a_step_each_within_tolerance_of_its_whole_prefill(tin
             assert (pool.layer(i)[1][slot, :, :len(prompt)] - v[0]).abs().max().item() <= TOL
 
 
-def _engine(model, **kw) -> DecodeEngine:
+def _engine(model, max_batch: int = 4, **kw) -> DecodeEngine:
     lm = LoadedModel(ModelSpec("tiny", "float32", 0), model, CacheGeometry.from_config(model.config, torch.float32),
                      torch.device("cpu"))
-    return DecodeEngine(lm, EngineOptions(max_batch=4, max_seq_len=256, cuda_graphs=False, **kw))
+    return DecodeEngine(lm, EngineOptions(max_batch=max_batch, max_seq_len=256, cuda_graphs=False, **kw))
+
+
+def _record_steps(monkeypatch) -> tuple[list, list]:
+    """Every mixed step from now on: its chunks as (start, tokens) and its size (Step.rows_for)."""
+    from decode_server.graphs import Step
+
+    pieces, rows = [], []
+    mixed = Step.mixed
+
+    def recording(self, tokens, positions, slots, chunks):
+        pieces.append([(c.start, c.ids.shape[0]) for c in chunks])
+        rows.append(self.rows_for(tokens.shape[0], sum(c.ids.shape[0] for c in chunks)))
+        return mixed(self, tokens, positions, slots, chunks)
+    monkeypatch.setattr(Step, "mixed", recording)
+    return pieces, rows
+
+
+def _queued_together(e: DecodeEngine, prompts: list[list[int]]) -> tuple[list, list]:
+    """Ask for all the prompts' prefills while the device thread waits between two steps, so the next step sees
+    them all queued; returns (their first tokens, their leases)."""
+    import threading
+
+    gate = threading.Event()
+    held = e.scheduler.call(gate.wait, 60)
+    leases = [e.pool.try_lease() for _ in prompts]
+    futs = [e.prefill(p, lease, False) for p, lease in zip(prompts, leases)]
+    gate.set()
+    held.result(timeout=60)
+    return [f.result(timeout=60).first for f in futs], leases
 
 
 def _decode(e: DecodeEngine, prompt: list[int], steps: int, started: list | None = None) -> list[int]:
@@ -208,35 +237,18 @@ def test_prompts_waiting_together_ride_in_one_larger_step(tiny, monkeypatch):
     """Two 20-token prompts queued while one request decodes (--prefill-chunk 17, --mixed-max-rows 34): one step
     of 34 rows carries 33 of their 40 tokens (one of 17 would carry 16), the rest ride in a 17-row step, and
     every request decodes to the plain engine's tokens."""
-    import threading
-
-    from decode_server.graphs import Step
-
     prompts = [random_prompt(tiny.config.vocab_size, 20, seed=s)[0].tolist() for s in (5, 6)]
     other = random_prompt(tiny.config.vocab_size, 12, seed=4)[0].tolist()
     plain = _engine(tiny)
     want = [_decode(plain, p, 1) for p in prompts]
     want_other = _decode(plain, other, 40)
     plain.close()
-    pieces, rows = [], []
-    mixed = Step.mixed
-
-    def recording(self, tokens, positions, slots, chunks):
-        pieces.append([(c.start, c.ids.shape[0]) for c in chunks])
-        rows.append(self.rows_for(tokens.shape[0], sum(c.ids.shape[0] for c in chunks)))
-        return mixed(self, tokens, positions, slots, chunks)
-    monkeypatch.setattr(Step, "mixed", recording)
+    pieces, rows = _record_steps(monkeypatch)
     e = _engine(tiny, prefill_chunk=17, mixed_prefill=True, mixed_max_rows=34)
     try:
         got = {}
         t = _decoding_meanwhile(e, other, 40, got)
-        gate = threading.Event()
-        held = e.scheduler.call(gate.wait, 60)  # the device thread waits here, between two steps
-        leases = [e.pool.try_lease(), e.pool.try_lease()]
-        futs = [e.prefill(p, lease, False) for p, lease in zip(prompts, leases)]
-        gate.set()
-        held.result(timeout=60)
-        firsts = [f.result(timeout=60).first for f in futs]
+        firsts, leases = _queued_together(e, prompts)
         assert firsts == [w[0] for w in want]
         assert pieces[:2] == [[(0, 20), (0, 13)], [(13, 7)]] and rows[:2] == [34, 17]
         for lease in leases:
@@ -261,35 +273,14 @@ def test_a_larger_step_counts_only_the_prompts_that_can_ride_in_it(tiny, monkeyp
     """Eight 5-token prompts queued while one request decodes (--prefill-chunk 18, --mixed-max-rows 36): a step
     takes at most MAX_PIECES = 4 prompts, 20 tokens, which do not fill the 36-row step's 35 prompt rows, so the
     18-row step runs full (17 prompt rows) instead of a 36-row one padded by 15 rows."""
-    import threading
-
-    from decode_server.graphs import Step
-
     prompts = [random_prompt(tiny.config.vocab_size, 5, seed=20 + s)[0].tolist() for s in range(8)]
     other = random_prompt(tiny.config.vocab_size, 12, seed=4)[0].tolist()
-    rows, pieces = [], []
-    mixed = Step.mixed
-
-    def recording(self, tokens, positions, slots, chunks):
-        pieces.append([(c.start, c.ids.shape[0]) for c in chunks])
-        rows.append(self.rows_for(tokens.shape[0], sum(c.ids.shape[0] for c in chunks)))
-        return mixed(self, tokens, positions, slots, chunks)
-    monkeypatch.setattr(Step, "mixed", recording)
-    lm = LoadedModel(ModelSpec("tiny", "float32", 0), tiny, CacheGeometry.from_config(tiny.config, torch.float32),
-                     torch.device("cpu"))
-    e = DecodeEngine(lm, EngineOptions(max_batch=9, max_seq_len=256, cuda_graphs=False, prefill_chunk=18,
-                                       mixed_prefill=True, mixed_max_rows=36))
+    pieces, rows = _record_steps(monkeypatch)
+    e = _engine(tiny, max_batch=9, prefill_chunk=18, mixed_prefill=True, mixed_max_rows=36)
     try:
         got = {}
         t = _decoding_meanwhile(e, other, 40, got)
-        gate = threading.Event()
-        held = e.scheduler.call(gate.wait, 60)
-        leases = [e.pool.try_lease() for _ in prompts]
-        futs = [e.prefill(p, lease, False) for p, lease in zip(prompts, leases)]
-        gate.set()
-        held.result(timeout=60)
-        for f in futs:
-            f.result(timeout=60)
+        _, leases = _queued_together(e, prompts)
         # bucket(1) = 1: the 18-row step has 17 prompt rows, the 36-row one 35
         assert pieces[0] == [(0, 5), (0, 5), (0, 5), (0, 2)] and rows[0] == 18
         for lease in leases:
