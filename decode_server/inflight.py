@@ -66,6 +66,7 @@ def queue_step(step: Step, dev: torch.device, batch: list[Sequence], prev: InFli
     slots = torch.tensor([s.slot for s in batch], dtype=torch.long).to(dev, non_blocking=True)
     done = [j for j, (_, c) in enumerate(pieces) if c.last]  # prompts whose first token this step makes
     lasts, chunks = None, [c for _, c in pieces]
+    prompt_rows = sum(c.ids.shape[0] for c in chunks)
     start = None
     if dev.type == "cuda":  # from here to `event`: the step's launch (a replay; eager: its launches too) and work
         start = torch.cuda.Event(enable_timing=True)
@@ -93,6 +94,5 @@ def queue_step(step: Step, dev: torch.device, batch: list[Sequence], prev: InFli
     return InFlight(batch, nxt, host, event, rows, [s.remaining for s in batch],
                     chunk_tasks=[task for task, _ in pieces], first_tasks=firsts,
                     first_logits=[lasts[j].clone() if t.want_digest else None for j, t in zip(done, firsts)],
-                    start=start, prompt_rows=sum(c.ids.shape[0] for c in chunks),
-                    step_rows=step.rows_for(n, sum(c.ids.shape[0] for c in chunks))
-                    if pieces and step.mixed_graphs else 0)
+                    start=start, prompt_rows=prompt_rows,
+                    step_rows=step.rows_for(n, prompt_rows) if pieces and step.mixed_graphs else 0)
