@@ -195,9 +195,24 @@ def run_serve(cfg: ServeConfig, step: Step = lambda _: None, metadata=None) -> d
               "input_lens": [r["input_len"] for r in done], "output_lens": [len(r["times"]) for r in done]}
     for name, xs in zip(METRICS, (ttft, tpot, itl, e2el)):
         result |= summary(xs, name)
+    result |= sustained(sent, cfg.concurrency if not math.isfinite(cfg.request_rate) else 0)
     if watch is not None:
         result["server_batch"] = watch.report()
     return result
+
+
+def sustained(sent: list[dict], concurrency: int) -> dict:
+    """Output tok/s over the run's middle, while every one of `concurrency` clients had a request in flight: from the
+    first re-send (the (c+1)-th send: the first completion, so the opening burst of c prompts at once is behind) to
+    the last send (after it, clients go idle one by one as the prompts run out). A finite run's whole-run figure
+    pays for that opening burst and that tail; this is the steady state between them. None when no client re-sent
+    (num_prompts <= concurrency, or no concurrency bound)."""
+    starts = sorted(r["start"] for r in sent)
+    if not concurrency or len(starts) <= concurrency + 1:
+        return {"sustained_output_throughput": None, "sustained_window_s": None}
+    lo, hi = starts[concurrency], starts[-1]
+    tokens = sum(lo <= r["start"] + t < hi for r in sent if r["code"] is None for t in r["times"])
+    return {"sustained_output_throughput": tokens / (hi - lo) if hi > lo else None, "sustained_window_s": hi - lo}
 
 
 def total_steps(cfg: ServeConfig) -> int:

@@ -5,7 +5,9 @@ the same run, at several concurrencies; starting each server (model load, CUDA-g
 pointing `kvtransfer-bench serve` at it by hand invites mixing runs. For each arm (colocated, or a
 pair over --transport) and each --max-batch (the batching server, then the baseline), this starts
 fresh servers with a metrics port, runs `serve` at each concurrency with num_prompts =
-max(min_prompts, prompts_per_slot x concurrency), and writes every result plus a summary.
+max(min_prompts, prompts_per_slot x concurrency) (at most max_prompts), and writes every result plus a
+summary. The summary gives both the whole-run throughput (vLLM's output_throughput) and the steady state
+between the opening burst and the tail (serve.sustained), each against the baseline's.
 
     python -m bench.serve_sweep --model qwen2.5-7b --transport cuda_ipc --out DIR
 """
@@ -41,6 +43,20 @@ def arm_servers(arm: str, args, max_batch: int, log_dir: str, metrics_port: int)
                        decode_args=decode[:-2])
 
 
+def prompt_count(args, concurrency: int) -> int:
+    """max(--min-prompts, --prompts-per-slot x concurrency), capped by --max-prompts when given."""
+    n = max(args.min_prompts, args.prompts_per_slot * concurrency)
+    return min(n, args.max_prompts) if args.max_prompts else n
+
+
+def sustained_speedup(r: dict, base: dict | None) -> dict:
+    """The steady-state figures (serve.sustained): this run's, and its ratio to the baseline's (its whole-run figure
+    when it has none: one request at a time is steady from the start)."""
+    mine = r.get("sustained_output_throughput")
+    theirs = base and (base.get("sustained_output_throughput") or base.get("output_throughput"))
+    return {"sustained_tok_s": mine, "sustained_speedup_vs_max_batch_1": mine / theirs if mine and theirs else None}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen2.5-7b")
@@ -60,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--prompts-per-slot", type=int, default=2)
     p.add_argument("--min-prompts", type=int, default=8)
+    p.add_argument("--max-prompts", type=int, default=0, help="at most this many prompts per run (0: no cap), e.g. "
+                   "1024 with a large --prompts-per-slot: vLLM's bench sends 1,000")
     p.add_argument("--decode-args", default="", help="more decode-server flags for every arm, e.g. "
                    "'--prefill-chunk 256 --mixed-prefill'")
     p.add_argument("--baseline-decode-args", default=None, help="decode-server flags for the --max-batch 1 "
@@ -80,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
                 with arm_servers(arm, args, max_batch, logs, port) as run:
                     started = time.perf_counter() - t0
                     for c in map(int, conc.split(",")):
-                        n = max(args.min_prompts, args.prompts_per_slot * c)
+                        n = prompt_count(args, c)
                         if max_batch == 1 and args.baseline_prompts:
                             n = args.baseline_prompts
                         cfg = ServeConfig(addr=run.addr, num_prompts=n,
@@ -109,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                             "baseline_max_batch_1_tok_s": b["output_throughput"] if b else None,
                             "speedup_vs_max_batch_1": (r["output_throughput"] / b["output_throughput"]
                                                        if b and b["output_throughput"] else None),
+                            **sustained_speedup(r, b),
                             "mean_batch": (r.get("server_batch") or {}).get("mean_batch_per_step"),
                             "local_prefill_ms_mean": (r.get("server_batch") or {}).get("local_prefill_ms_mean"),
                             "device_busy": (r.get("server_batch") or {}).get("device_busy"),

@@ -9,7 +9,7 @@ import pytest
 
 from bench.cli import main
 from bench.launch import colocated_server
-from bench.serve import METRICS, PERCENTILES, ServeConfig, make_prompts
+from bench.serve import METRICS, PERCENTILES, ServeConfig, make_prompts, sustained
 
 VLLM_KEYS = ["duration", "completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput",
              "output_throughput", "total_token_throughput"] + [
@@ -42,6 +42,24 @@ def test_serve_concurrency(server, capsys, tmp_path):
     assert r["median_ttft_ms"] <= r["median_e2el_ms"]
     assert r["request_throughput"] == pytest.approx(8 / r["duration"])
     assert (tmp_path / "result.json").exists() and "TTFT" in (tmp_path / "report.md").read_text()
+    assert r["sustained_output_throughput"] > 0 and 0 < r["sustained_window_s"] < r["duration"]
+
+
+def _req(start: float, *times: float, code=None) -> dict:
+    return {"start": start, "times": list(times), "code": code}
+
+
+def test_sustained_counts_tokens_between_first_resend_and_last_send():
+    # two clients: r0 and r1 open at t=0; r2 is the first re-send (t=2.5), r3 the last send (t=3.5)
+    sent = [_req(0.0, 1.0, 2.0), _req(0.0, 1.5, 2.0, 2.6, 3.2), _req(2.5, 0.5, 1.0, 1.5), _req(3.5, 0.2)]
+    r = sustained(sent, 2)
+    # in [2.5, 3.5): r1 at 2.6 and 3.2, r2 at 3.0; the opening burst's tokens before 2.5 and r2's at 3.5, 4.0 are out
+    assert r["sustained_window_s"] == pytest.approx(1.0)
+    assert r["sustained_output_throughput"] == pytest.approx(3.0)
+    failed = [sent[0], {**sent[1], "code": "CANCELLED"}, *sent[2:]]  # a failed request's tokens do not count
+    assert sustained(failed, 2)["sustained_output_throughput"] == pytest.approx(1.0)
+    assert sustained(sent[:3], 2)["sustained_output_throughput"] is None  # no re-send after the first
+    assert sustained(sent, 0)["sustained_output_throughput"] is None  # no concurrency bound (or a request rate)
 
 
 def test_serve_poisson_and_failures_by_code(server, capsys):

@@ -23,6 +23,7 @@ def test_serve_sweep_smoke(tmp_path):
     for arm in ("colocated", "pair"):
         assert rows[(arm, 4)]["mean_batch"] > 1  # the batching server advanced several requests per step
         assert rows[(arm, 4)]["speedup_vs_max_batch_1"] is not None
+        assert rows[(arm, 4)]["sustained_tok_s"] > 0 and rows[(arm, 4)]["sustained_speedup_vs_max_batch_1"] > 0
     base = [r for r in result["runs"] if r["server_max_batch"] == 1]
     assert all(r["server_batch"]["running_max"] <= 1 for r in base)
 
@@ -36,3 +37,25 @@ def test_baseline_takes_its_own_decode_args_when_given():
     assert extra_args(Namespace(decode_args=mixed, baseline_decode_args=None), 1) == mixed
     assert extra_args(Namespace(decode_args=mixed, baseline_decode_args=""), 1) == ""
     assert extra_args(Namespace(decode_args=mixed, baseline_decode_args=""), 64) == mixed
+
+
+def test_sustained_speedup_against_the_baselines_steady_state_or_its_whole_run():
+    from bench.serve_sweep import sustained_speedup
+
+    run = {"sustained_output_throughput": 300.0}
+    assert sustained_speedup(run, {"sustained_output_throughput": 20.0, "output_throughput": 30.0}) == {
+        "sustained_tok_s": 300.0, "sustained_speedup_vs_max_batch_1": 15.0}
+    assert sustained_speedup(run, {"sustained_output_throughput": None, "output_throughput": 30.0})[
+        "sustained_speedup_vs_max_batch_1"] == 10.0
+    assert sustained_speedup({"sustained_output_throughput": None}, None) == {
+        "sustained_tok_s": None, "sustained_speedup_vs_max_batch_1": None}
+
+
+def test_prompt_count_per_concurrency_and_its_cap():
+    from argparse import Namespace
+
+    from bench.serve_sweep import prompt_count
+
+    args = Namespace(min_prompts=8, prompts_per_slot=32, max_prompts=1024)
+    assert [prompt_count(args, c) for c in (1, 8, 32, 64)] == [32, 256, 1024, 1024]
+    assert prompt_count(Namespace(min_prompts=8, prompts_per_slot=2, max_prompts=0), 1) == 8
