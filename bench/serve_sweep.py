@@ -57,6 +57,36 @@ def sustained_speedup(r: dict, base: dict | None) -> dict:
     return {"sustained_tok_s": mine, "sustained_speedup_vs_max_batch_1": mine / theirs if mine and theirs else None}
 
 
+def summarize(args, runs: list[dict]) -> list[dict]:
+    """One row per batching-server run: its figures beside the baseline's (same arm and concurrency, else the
+    arm's largest baseline concurrency)."""
+    summary = []
+    for arm in args.arms.split(","):
+        base = {r["max_concurrency"]: r for r in runs if r["arm"] == arm and r["server_max_batch"] == 1}
+        for r in (r for r in runs if r["arm"] == arm and r["server_max_batch"] == args.max_batch):
+            b = base.get(r["max_concurrency"]) or (base[max(base)] if base else None)
+            summary.append({"arm": arm, "concurrency": r["max_concurrency"], "output_tok_s": r["output_throughput"],
+                            "baseline_max_batch_1_tok_s": b["output_throughput"] if b else None,
+                            "speedup_vs_max_batch_1": (r["output_throughput"] / b["output_throughput"]
+                                                       if b and b["output_throughput"] else None),
+                            **sustained_speedup(r, b),
+                            "mean_batch": (r.get("server_batch") or {}).get("mean_batch_per_step"),
+                            "local_prefill_ms_mean": (r.get("server_batch") or {}).get("local_prefill_ms_mean"),
+                            "device_busy": (r.get("server_batch") or {}).get("device_busy"),
+                            **{k: r[k] for k in ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms")}})
+    return summary
+
+
+def write_result(args, runs: list[dict], failures: list[str], complete: bool) -> dict:
+    """OUT/result.json, rewritten after every run (complete: False until the last), so a sweep cut short by a
+    time limit keeps the runs it finished."""
+    result = {"kind": "serve_sweep", "ok": complete and not failures, "complete": complete, "failures": failures,
+              "config": vars(args), "summary": summarize(args, runs), "runs": runs}
+    with open(os.path.join(args.out, "result.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen2.5-7b")
@@ -110,33 +140,17 @@ def main(argv: list[str] | None = None) -> int:
                         r.update(arm=arm, server_max_batch=max_batch, server_start_s=started)
                         runs.append(r)
                         failures += [f"{arm} max-batch {max_batch} c={c}: {f}" for f in r["failures"]]
+                        write_result(args, runs, failures, complete=False)  # what a cut-short sweep still keeps
                         print(json.dumps({k: r.get(k) for k in ("arm", "server_max_batch", "max_concurrency",
-                              "completed", "output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms",
+                              "completed", "output_throughput", "sustained_output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms",
                               "p99_itl_ms")} | {k: (r.get("server_batch") or {}).get(v) for k, v in (
                               ("mean_batch", "mean_batch_per_step"), ("prefill_ms", "local_prefill_ms_mean"),
                               ("device_busy", "device_busy"), ("mixed_steps", "mixed_steps_by_rows"))}),
                               file=sys.stderr, flush=True)
             except Exception as e:  # a server that did not start: recorded, the other arms still run
                 failures.append(f"{arm} max-batch {max_batch}: {e}")
-    summary = []
-    for arm in args.arms.split(","):
-        base = {r["max_concurrency"]: r for r in runs if r["arm"] == arm and r["server_max_batch"] == 1}
-        for r in (r for r in runs if r["arm"] == arm and r["server_max_batch"] == args.max_batch):
-            b = base.get(r["max_concurrency"]) or (base[max(base)] if base else None)  # else the largest baseline
-            summary.append({"arm": arm, "concurrency": r["max_concurrency"], "output_tok_s": r["output_throughput"],
-                            "baseline_max_batch_1_tok_s": b["output_throughput"] if b else None,
-                            "speedup_vs_max_batch_1": (r["output_throughput"] / b["output_throughput"]
-                                                       if b and b["output_throughput"] else None),
-                            **sustained_speedup(r, b),
-                            "mean_batch": (r.get("server_batch") or {}).get("mean_batch_per_step"),
-                            "local_prefill_ms_mean": (r.get("server_batch") or {}).get("local_prefill_ms_mean"),
-                            "device_busy": (r.get("server_batch") or {}).get("device_busy"),
-                            **{k: r[k] for k in ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms")}})
-    result = {"kind": "serve_sweep", "ok": not failures, "failures": failures, "config": vars(args),
-              "summary": summary, "runs": runs}
-    with open(os.path.join(args.out, "result.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    print(json.dumps({"ok": result["ok"], "failures": failures, "summary": summary}))
+    result = write_result(args, runs, failures, complete=True)
+    print(json.dumps({"ok": result["ok"], "failures": failures, "summary": result["summary"]}))
     return 0 if result["ok"] else 1
 
 

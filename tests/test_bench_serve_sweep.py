@@ -17,7 +17,7 @@ def test_serve_sweep_smoke(tmp_path):
                        cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stderr[-3000:]
     result = json.loads((tmp_path / "result.json").read_text())
-    assert result["ok"] and len(result["runs"]) == 6
+    assert result["ok"] and result["complete"] and len(result["runs"]) == 6
     rows = {(s["arm"], s["concurrency"]): s for s in result["summary"]}
     assert set(rows) == {("colocated", 1), ("colocated", 4), ("pair", 1), ("pair", 4)}
     for arm in ("colocated", "pair"):
@@ -59,3 +59,18 @@ def test_prompt_count_per_concurrency_and_its_cap():
     args = Namespace(min_prompts=8, prompts_per_slot=32, max_prompts=1024)
     assert [prompt_count(args, c) for c in (1, 8, 32, 64)] == [32, 256, 1024, 1024]
     assert prompt_count(Namespace(min_prompts=8, prompts_per_slot=2, max_prompts=0), 1) == 8
+
+
+def test_a_cut_short_sweep_keeps_its_runs_marked_incomplete(tmp_path):
+    from argparse import Namespace
+
+    from bench.serve_sweep import write_result
+
+    args = Namespace(arms="colocated", max_batch=64, out=str(tmp_path))
+    run = {"arm": "colocated", "server_max_batch": 64, "max_concurrency": 8, "output_throughput": 100.0,
+           "sustained_output_throughput": 110.0, "median_ttft_ms": 1, "p99_ttft_ms": 2, "median_itl_ms": 3,
+           "p99_itl_ms": 4}
+    write_result(args, [run], [], complete=False)
+    on_disk = json.loads((tmp_path / "result.json").read_text())
+    assert not on_disk["ok"] and not on_disk["complete"] and on_disk["runs"] == [run]
+    assert on_disk["summary"][0]["output_tok_s"] == 100.0 and on_disk["summary"][0]["baseline_max_batch_1_tok_s"] is None

@@ -78,6 +78,33 @@ def _row_length_and_chunk(Lengths, b, max_seq, num_splits, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def dot(a, b, UPCAST_DOT: tl.constexpr):
+    """a @ b in fp32: IEEE dots on fp32 copies when UPCAST_DOT (see _upcast_dots), else tensor cores."""
+    if UPCAST_DOT:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        out = tl.dot(a, b)
+    return out
+
+
+@triton.jit
+def online_softmax_step(acc, l_i, m_i, s, v, UPCAST_DOT: tl.constexpr):
+    """One K/V tile of flash attention's online softmax, shared by the decode and the chunk kernel.
+
+    acc (M, D), l_i (M,), m_i (M,) fp32: the running output, sum and max; s (M, N) scores in log2 units, masked
+    to -inf (each row with >= 1 finite score, so the new max is finite); v (N, D). P is rounded to the KV
+    dtype before @ V, as flash attention does and as HF rounds the softmax. Returns the updated (acc, l_i, m_i).
+    """
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(s - m_new[:, None])  # (M, N)
+    pv = dot(p.to(v.dtype), v, UPCAST_DOT)  # (M, D)
+    acc = acc * alpha[:, None] + pv
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return acc, l_i, m_new
+
+
+@triton.jit
 def _decode_stage1(
     Q, K, V, Slots, Lengths, MidO, MidLse,
     qk_scale_log2,
@@ -125,27 +152,13 @@ def _decode_stage1(
                 k_base + offs_n[None, :] * stride_kt + offs_d[:, None],
                 mask=mask_n[None, :] & mask_d[:, None], other=0.0,
             )  # (BLOCK_D, BLOCK_N)
-            if UPCAST_DOT:
-                s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
-            else:
-                s = tl.dot(q, k)
             # Every step has >= 1 valid position, so m_new is finite for every row.
-            s = tl.where(mask_n[None, :], s * qk_scale_log2, float("-inf"))  # (BLOCK_H, BLOCK_N)
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.math.exp2(m_i - m_new)
-            p = tl.math.exp2(s - m_new[:, None])
+            s = tl.where(mask_n[None, :], dot(q, k, UPCAST_DOT) * qk_scale_log2, float("-inf"))  # (BLOCK_H, BLOCK_N)
             v = tl.load(
                 v_base + offs_n[:, None] * stride_vt + offs_d[None, :],
                 mask=mask_n[:, None] & mask_d[None, :], other=0.0,
             )  # (BLOCK_N, BLOCK_D)
-            p_kv = p.to(v.dtype)  # P rounded to the KV dtype, as HF rounds softmax before @ V
-            if UPCAST_DOT:
-                pv = tl.dot(p_kv.to(tl.float32), v.to(tl.float32), input_precision="ieee")
-            else:
-                pv = tl.dot(p_kv, v)
-            acc = acc * alpha[:, None] + pv
-            l_i = l_i * alpha + tl.sum(p, 1)
-            m_i = m_new
+            acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, v, UPCAST_DOT)
 
         row = (b64 * Q_HEADS + heads) * num_splits + split  # (BLOCK_H,) index into (B, Hq, S)
         tl.store(

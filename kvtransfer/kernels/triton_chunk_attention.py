@@ -11,7 +11,9 @@ Inputs are static-shaped, so a CUDA graph replays it for any pieces: `pieces` is
 device tensor, one row per chunk: first row in q, rows, slot, position of its first row (unused
 pieces have 0 rows). Row r of a chunk sits at position start + r of its slot and attends over
 positions 0..start + r of it (its own K/V already written, as the step writes all before any
-row attends). Rows outside every chunk are left at zero.
+row attends). Rows outside every chunk are left at zero. The online softmax over each K/V tile is the
+decode kernel's own (`triton_attention.online_softmax_step`): the two kernels tile different axes (64
+rows of one head here; one row's query heads over a split there) but round the same way.
 """
 
 from __future__ import annotations
@@ -68,25 +70,12 @@ def _chunk_attention(
             mask_n = offs_n < end
             k = tl.load(k_base + offs_n[None, :] * stride_kt + offs_d[:, None],
                         mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # (BLOCK_D, BLOCK_N)
-            if UPCAST_DOT:
-                s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
-            else:
-                s = tl.dot(q, k)
-            # causal: key n <= the row's position; key 0 always qualifies, so m_new is finite
-            s = tl.where((offs_n[None, :] <= pos[:, None]) & mask_n[None, :], s * qk_scale_log2, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.math.exp2(m_i - m_new)
-            p = tl.math.exp2(s - m_new[:, None])  # (BLOCK_M, BLOCK_N)
+            # causal: key n <= the row's position; key 0 always qualifies, so every row has a finite score
+            s = tl.where((offs_n[None, :] <= pos[:, None]) & mask_n[None, :],
+                         triton_attention.dot(q, k, UPCAST_DOT) * qk_scale_log2, float("-inf"))  # (BLOCK_M, BLOCK_N)
             v = tl.load(v_base + offs_n[:, None] * stride_vt + offs_d[None, :],
                         mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # (BLOCK_N, BLOCK_D)
-            p_kv = p.to(v.dtype)  # P rounded to the KV dtype, as the decode kernel and HF do
-            if UPCAST_DOT:
-                pv = tl.dot(p_kv.to(tl.float32), v.to(tl.float32), input_precision="ieee")
-            else:
-                pv = tl.dot(p_kv, v)
-            acc = acc * alpha[:, None] + pv
-            l_i = l_i * alpha + tl.sum(p, 1)
-            m_i = m_new
+            acc, l_i, m_i = triton_attention.online_softmax_step(acc, l_i, m_i, s, v, UPCAST_DOT)
         tl.store(Out + rows[:, None] * stride_or + h * stride_oh + offs_d[None, :],
                  (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
