@@ -5,7 +5,8 @@ Why not the HF forward: HF decodes one request per call through a DynamicCache, 
 This step reads the same weights (the HF modules' own parameters, fused in place: q/k/v and
 gate/up become views of one tensor each, kvtransfer/fused.py, so the HF forward still runs on them), feeds
 B rows at their own positions, writes each row's new K/V into its pool slot and attends over
-exactly its valid length. Its inputs are three (B,) tensors, so it can be captured as a CUDA
+exactly its valid length (the layer loop itself is kvtransfer/decoder_stack.py, shared with the
+fused prefill; what is the step's own is where K/V go and how rows attend). Its inputs are three (B,) tensors, so it can be captured as a CUDA
 graph per batch size (graphs.py). The math mirrors HF's Llama/Qwen2/Mistral decoder; what
 differs from HF is kernel choice, so logits agree with the HF forward within a stated
 tolerance (tests/test_engine.py), not bit for bit.
@@ -18,6 +19,7 @@ import logging
 import torch
 
 from kvtransfer import kernels
+from kvtransfer.decoder_stack import run_layers
 from kvtransfer.fused import UnsupportedModel, check_supported, fused_layers
 
 from .pool import KVPool
@@ -63,35 +65,28 @@ class StepRunner:
         d, rows, slot, start; kernels.chunk_attention), attending flash style instead of one decode row each.
         """
         ops, tri, rows = kernels, self.use_triton, self.gemv_rows  # rows: projection -> GEMV up to this batch
-        b = tokens.shape[0]
         lengths = (positions + 1).to(torch.int32)  # (B,)
         cos, sin = self.cos[positions], self.sin[positions]  # (B, D)
-        h = self.embed[tokens]  # (B, H)
-        residual = None
-        q_end, k_end = self.hq * self.d, (self.hq + self.hkv) * self.d
-        for i, w in enumerate(self.layers):
-            if residual is None:
-                x, residual = ops.rms_norm(h, w.ln1, self.eps, use_triton=tri), h
-            else:
-                x, residual = ops.add_rms_norm(h, residual, w.ln1, self.eps, use_triton=tri)
-            qkv = ops.linear(x, w.qkv, w.qkv_bias, use_triton=tri, max_rows=rows["qkv"])  # (B, (Hq + 2 Hkv) * D)
-            q = qkv[:, :q_end].view(b, self.hq, self.d)
-            k = qkv[:, q_end:k_end].view(b, self.hkv, self.d)
-            v = qkv[:, k_end:].view(b, self.hkv, self.d)
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             kp, vp = self.pool.layer(i)  # (slots + 1, Hkv, max_seq, D) each
             q = ops.rope_store(q, k, v, cos, sin, kp, vp, slots, positions, use_triton=tri)
             if chunks is None:
-                o = ops.decode_attention(q, kp, vp, slots, lengths, self.scale, use_triton=tri)  # (B, Hq, D)
-            else:
-                d, pieces = chunks
-                o = ops.chunk_attention(q[d:], kp, vp, pieces, self.scale, use_triton=tri)  # (B - d, Hq, D)
-                if d:
-                    o = torch.cat([ops.decode_attention(q[:d], kp, vp, slots[:d], lengths[:d], self.scale,
-                                                        use_triton=tri), o])  # (B, Hq, D)
-            h = ops.linear(o.reshape(b, self.hq * self.d), w.o, w.o_bias, use_triton=tri, max_rows=rows["o"])
-            x, residual = ops.add_rms_norm(h, residual, w.ln2, self.eps, use_triton=tri)
-            act = ops.gate_up_silu(x, w.gate_up, use_triton=tri, max_rows=rows["gate_up"])  # (B, I)
-            h = ops.linear(act, w.down, use_triton=tri, max_rows=rows["down"])  # (B, H)
+                return ops.decode_attention(q, kp, vp, slots, lengths, self.scale, use_triton=tri)  # (B, Hq, D)
+            d, pieces = chunks
+            o = ops.chunk_attention(q[d:], kp, vp, pieces, self.scale, use_triton=tri)  # (B - d, Hq, D)
+            if d:
+                o = torch.cat([ops.decode_attention(q[:d], kp, vp, slots[:d], lengths[:d], self.scale,
+                                                    use_triton=tri), o])  # (B, Hq, D)
+            return o
+
+        def project(name: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            if name == "gate_up":
+                return ops.gate_up_silu(x, w, use_triton=tri, max_rows=rows[name])  # (B, I)
+            return ops.linear(x, w, bias, use_triton=tri, max_rows=rows[name])
+
+        h, residual = run_layers(self.layers, self.embed[tokens], self.eps, (self.hq, self.hkv, self.d), attend,
+                                 project, use_triton=tri)  # (B, H) each
         if keep is not None:
             h, residual = h[keep], residual[keep]  # (K, H)
         x, _ = ops.add_rms_norm(h, residual, self.norm, self.eps, use_triton=tri)

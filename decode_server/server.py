@@ -34,7 +34,7 @@ from .engine import DecodeEngine
 from .pairing import DecodePairing
 from .remote import PeerFailure, RequestError
 from .sequence import EndCause, Ended, Sequence
-from .streams import TokenStream, acquire_slot
+from .streams import Mailbox, TokenStream, acquire_slot
 
 log = logging.getLogger("kvtransfer.decode")
 
@@ -63,6 +63,7 @@ class DecodeService(pbg.DecodeServicer):
         self.prefill_metadata = prefill_metadata  # the prefill worker's token, when it asks for one
         self.metrics = metrics or Metrics("decode")
         self.inflight = Inflight(self.metrics)
+        self._mailbox: Mailbox | None = None  # tokens from the scheduler thread to this server's loop, one wake a burst
         self.metrics.inflight.set_function(lambda: self.admit.count)
         self.metrics.pool_slots.set_function(engine.pool.used)
         self.metrics.running.set_function(engine.scheduler.active)
@@ -73,6 +74,13 @@ class DecodeService(pbg.DecodeServicer):
             m.expected.set_function(data.pending)
             m.receivers.set_function(data.receivers)
             m.receive_loops.set_function(data.receive_loops)
+
+    def _box(self) -> Mailbox:
+        """The Mailbox of the running loop: made on first use (the servicer is built before its loop may run)."""
+        loop = asyncio.get_running_loop()
+        if self._mailbox is None or self._mailbox.loop is not loop:
+            self._mailbox = Mailbox(loop)
+        return self._mailbox
 
     @staticmethod
     async def _abort(context, code: grpc.StatusCode, message: str):
@@ -214,7 +222,7 @@ class DecodeService(pbg.DecodeServicer):
                                       cache_digest=cache_dig)
             return
         yield pb.GenerateResponse(token_id=p.first, index=0, logits_digest=p.digest, cache_digest=cache_dig)
-        stream = TokenStream(asyncio.get_running_loop(), self.config.stream_buffer_tokens)
+        stream = TokenStream(self._box(), self.config.stream_buffer_tokens)
         lease.hold()  # the sequence's own hold: the scheduler lets go when it drops or finishes it
         seq = stream.seq = Sequence(rid, lease, n, p.first, steps, stream.sink, want,
                                     self.engine.eos if request.stop_on_eos else frozenset())

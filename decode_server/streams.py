@@ -91,23 +91,13 @@ class Mailbox:
             queue.put_nowait(item)
 
 
-_MAILBOXES: dict[int, Mailbox] = {}
-
-
-def mailbox(loop: asyncio.AbstractEventLoop) -> Mailbox:
-    """The one Mailbox of `loop` (created on first use, on that loop's thread)."""
-    box = _MAILBOXES.get(id(loop))
-    if box is None or box.loop is not loop:
-        box = _MAILBOXES[id(loop)] = Mailbox(loop)
-    return box
-
-
 class TokenStream:
-    """The sink of one Sequence (called on the scheduler thread) and its reader (the servicer's loop)."""
+    """The sink of one Sequence (called on the scheduler thread) and its reader (the servicer's loop, the one
+    `box` wakes: the servicer keeps one Mailbox for all its streams)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, limit: int):
-        self.loop, self.limit = loop, limit
-        self.box = mailbox(loop)
+    def __init__(self, box: Mailbox, limit: int):
+        self.loop, self.limit = box.loop, limit
+        self.box = box
         self.queue: asyncio.Queue = asyncio.Queue()
         self.sent = self.read = 0  # written by one thread each; reads of an int are atomic
         self.seq: Sequence | None = None

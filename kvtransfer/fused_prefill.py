@@ -36,6 +36,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.cache_utils import DynamicLayer
 
 from kvtransfer import kernels
+from kvtransfer.decoder_stack import run_layers
 from kvtransfer.fused import UnsupportedModel, check_supported, fused_layers
 from kvtransfer.streaming import LayerCallback, StreamingCache
 
@@ -90,17 +91,8 @@ def fused_prefill(model, input_ids: torch.Tensor, on_layer: LayerCallback | None
     block = torch.empty((len(layers), 2, 1, hkv, n, d), dtype=h.dtype, device=dev)  # StreamingCache's layout
     cache.block = block
     to_slot0 = torch.zeros(n, dtype=torch.long, device=dev)
-    q_end, k_end = hq * d, (hq + hkv) * d
-    residual = None
-    for i, w in enumerate(layers):
-        if residual is None:
-            x, residual = kernels.rms_norm(h, w.ln1, eps), h
-        else:
-            x, residual = kernels.add_rms_norm(h, residual, w.ln1, eps)
-        qkv = F.linear(x, w.qkv, w.qkv_bias)  # (n, (Hq + 2 Hkv) * D)
-        q = qkv[:, :q_end].view(n, hq, d)
-        k = qkv[:, q_end:k_end].view(n, hkv, d)
-        v = qkv[:, k_end:].view(n, hkv, d)
+
+    def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kl, vl = block[i, 0], block[i, 1]  # (1, Hkv, n, D): a one-slot pool
         q = kernels.rope_store(q, k, v, cos, sin, kl, vl, to_slot0, pos)  # rotated q (n, Hq, D); K/V into the block
         cache.layers[i].lazy_initialization(kl, vl)
@@ -110,8 +102,8 @@ def fused_prefill(model, input_ids: torch.Tensor, on_layer: LayerCallback | None
         with prompt_attention(n):
             o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kl, vl, is_causal=True, scale=scale,
                                                enable_gqa=hq != hkv)  # (1, Hq, n, D)
-        h = F.linear(o[0].transpose(0, 1).reshape(n, q_end), w.o, w.o_bias)  # (n, H)
-        x, residual = kernels.add_rms_norm(h, residual, w.ln2, eps)
-        h = F.linear(kernels.silu_mul(F.linear(x, w.gate_up)), w.down)  # (n, H)
+        return o[0].transpose(0, 1)  # (n, Hq, D)
+
+    h, residual = run_layers(layers, h, eps, (hq, hkv, d), attend)  # (n, H) each
     x, _ = kernels.add_rms_norm(h[-1:], residual[-1:], inner.norm.weight, eps)  # the last position only
     return cache, F.linear(x, model.lm_head.weight)[0]  # (vocab,)

@@ -61,3 +61,16 @@ def test_short_prompts_never_take_cudnn_attention_long_ones_keep_sdpas_choice():
     short = sdpa_backends(1024)
     assert short and SDPBackend.CUDNN_ATTENTION not in short and SDPBackend.FLASH_ATTENTION == short[0]
     assert sdpa_backends(CUDNN_MIN_TOKENS - 1) == short and sdpa_backends(CUDNN_MIN_TOKENS) is None
+
+
+def test_fused_layers_are_kept_per_model_until_its_weights_are_rebound():
+    from kvtransfer.fused import fused_layers
+
+    model = load_model(ModelSpec("tiny", "float32", 0))
+    layers = fused_layers(model)
+    assert fused_layers(model) is layers  # kept: a prefill does not walk the layers again
+    q = model.model.layers[0].self_attn.q_proj.weight
+    q.data = q.data.clone() + 1  # rebound (as a move to another device would): fused again, on the new weights
+    again = fused_layers(model)
+    assert again is not layers and torch.equal(again[0].qkv[: q.shape[0]], q)
+    assert q.data_ptr() == again[0].qkv.data_ptr()
