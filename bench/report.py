@@ -141,6 +141,7 @@ def serve_tables(result: dict) -> list[Table]:
                  ["total generated tokens", str(result["total_output_tokens"])],
                  ["request throughput (req/s)", num(result["request_throughput"])],
                  ["output token throughput (tok/s)", num(result["output_throughput"])],
+                 ["... sustained, first re-send to last send (tok/s)", num(result.get("sustained_output_throughput"))],
                  ["total token throughput (tok/s)", num(result["total_token_throughput"])]]
     if sb := result.get("server_batch"):
         head.rows += [["server: decode steps", str(sb["steps"])],

@@ -8,7 +8,8 @@ and reports ttft, tpot (time per output token after the first), itl (every gap b
 tokens) and e2el (request latency) as mean/median/std/p90/p99 in ms, with completed,
 failed (counted by gRPC status code), duration and request/output/total token throughput:
 the keys of vLLM's result JSON (mean_ttft_ms, p99_itl_ms, request_throughput,
-output_throughput, ...), so a kvtransfer run reads beside a vLLM run.
+output_throughput, ...), so a kvtransfer run reads beside a vLLM run. Beside them,
+sustained_output_throughput: the steady state between the opening burst and the tail (`sustained`).
 Bounded by design: loopback addresses only, at most MAX_PROMPTS prompts, one wall-clock
 budget after which nothing new is sent and requests in flight end at their deadline.
 """
@@ -205,8 +206,8 @@ def sustained(sent: list[dict], concurrency: int) -> dict:
     """Output tok/s over the run's middle, while every one of `concurrency` clients had a request in flight: from the
     first re-send (the (c+1)-th send: the first completion, so the opening burst of c prompts at once is behind) to
     the last send (after it, clients go idle one by one as the prompts run out). A finite run's whole-run figure
-    pays for that opening burst and that tail; this is the steady state between them. None when no client re-sent
-    (num_prompts <= concurrency, or no concurrency bound)."""
+    pays for that opening burst and that tail; this is the steady state between them. None when the window is
+    empty (num_prompts <= concurrency + 1) or there is no concurrency bound."""
     starts = sorted(r["start"] for r in sent)
     if not concurrency or len(starts) <= concurrency + 1:
         return {"sustained_output_throughput": None, "sustained_window_s": None}

@@ -25,6 +25,13 @@ from bench.launch import colocated_server, free_port, server_pair
 from bench.serve import ServeConfig, run_serve
 
 
+def non_negative(text: str) -> int:
+    n = int(text)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
+    return n
+
+
 def extra_args(args, max_batch: int) -> str:
     """--decode-args, or for the --max-batch 1 baseline --baseline-decode-args when given."""
     if max_batch == 1 and args.baseline_decode_args is not None:
@@ -49,12 +56,20 @@ def prompt_count(args, concurrency: int) -> int:
     return min(n, args.max_prompts) if args.max_prompts else n
 
 
+def ratio(a: float | None, b: float | None) -> float | None:
+    """a / b, None when either is missing (a run that failed before any token) or b is 0."""
+    return a / b if a is not None and b else None
+
+
 def sustained_speedup(r: dict, base: dict | None) -> dict:
     """The steady-state figures (serve.sustained): this run's, and its ratio to the baseline's (its whole-run figure
     when it has none: one request at a time is steady from the start)."""
     mine = r.get("sustained_output_throughput")
-    theirs = base and (base.get("sustained_output_throughput") or base.get("output_throughput"))
-    return {"sustained_tok_s": mine, "sustained_speedup_vs_max_batch_1": mine / theirs if mine and theirs else None}
+    theirs = None
+    if base is not None:
+        theirs = base.get("sustained_output_throughput")
+        theirs = base.get("output_throughput") if theirs is None else theirs
+    return {"sustained_tok_s": mine, "sustained_speedup_vs_max_batch_1": ratio(mine, theirs)}
 
 
 def summarize(args, runs: list[dict]) -> list[dict]:
@@ -67,8 +82,7 @@ def summarize(args, runs: list[dict]) -> list[dict]:
             b = base.get(r["max_concurrency"]) or (base[max(base)] if base else None)
             summary.append({"arm": arm, "concurrency": r["max_concurrency"], "output_tok_s": r["output_throughput"],
                             "baseline_max_batch_1_tok_s": b["output_throughput"] if b else None,
-                            "speedup_vs_max_batch_1": (r["output_throughput"] / b["output_throughput"]
-                                                       if b and b["output_throughput"] else None),
+                            "speedup_vs_max_batch_1": ratio(r["output_throughput"], b and b["output_throughput"]),
                             **sustained_speedup(r, b),
                             "mean_batch": (r.get("server_batch") or {}).get("mean_batch_per_step"),
                             "local_prefill_ms_mean": (r.get("server_batch") or {}).get("local_prefill_ms_mean"),
@@ -79,12 +93,45 @@ def summarize(args, runs: list[dict]) -> list[dict]:
 
 def write_result(args, runs: list[dict], failures: list[str], complete: bool) -> dict:
     """OUT/result.json, rewritten after every run (complete: False until the last), so a sweep cut short by a
-    time limit keeps the runs it finished."""
+    time limit keeps the runs it finished; written aside, then moved in, so a kill mid-write leaves the last one."""
     result = {"kind": "serve_sweep", "ok": complete and not failures, "complete": complete, "failures": failures,
               "config": vars(args), "summary": summarize(args, runs), "runs": runs}
-    with open(os.path.join(args.out, "result.json"), "w") as f:
+    path = os.path.join(args.out, "result.json")
+    with open(path + ".tmp", "w") as f:
         json.dump(result, f, indent=1)
+    os.replace(path + ".tmp", path)
     return result
+
+
+def progress_line(r: dict) -> str:
+    """One JSON line per run for the log: the headline figures and the server's batch."""
+    batch = r.get("server_batch") or {}
+    keys = ("arm", "server_max_batch", "max_concurrency", "completed", "output_throughput",
+            "sustained_output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms")
+    return json.dumps({k: r.get(k) for k in keys} | {k: batch.get(v) for k, v in (
+        ("mean_batch", "mean_batch_per_step"), ("prefill_ms", "local_prefill_ms_mean"), ("device_busy", "device_busy"),
+        ("mixed_steps", "mixed_steps_by_rows"))})
+
+
+def run_servers(args, arm: str, max_batch: int, conc: str, runs: list[dict], failures: list[str]) -> None:
+    """Fresh servers for (arm, max_batch); `serve` at each of `conc`; every run appended to `runs` and written."""
+    port = free_port()
+    t0 = time.perf_counter()
+    logs = os.path.join(args.log_dir or os.path.join(args.out, "logs"), f"{arm}-{max_batch}")
+    with arm_servers(arm, args, max_batch, logs, port) as run:
+        started = time.perf_counter() - t0
+        for c in map(int, conc.split(",")):
+            n = args.baseline_prompts if max_batch == 1 and args.baseline_prompts else prompt_count(args, c)
+            cfg = ServeConfig(addr=run.addr, num_prompts=n, concurrency=c, input_len=args.input_len,
+                              input_len_range=args.input_len_range, output_len=args.output_len, model=args.model,
+                              mode="auto", timeout_s=1200, max_duration_s=1200,
+                              server_metrics=f"http://127.0.0.1:{port}/metrics")
+            r = run_serve(cfg)
+            r.update(arm=arm, server_max_batch=max_batch, server_start_s=started)
+            runs.append(r)
+            failures += [f"{arm} max-batch {max_batch} c={c}: {f}" for f in r["failures"]]
+            print(progress_line(r), file=sys.stderr, flush=True)
+            write_result(args, runs, failures, complete=False)  # what a cut-short sweep still keeps
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--prompts-per-slot", type=int, default=2)
     p.add_argument("--min-prompts", type=int, default=8)
-    p.add_argument("--max-prompts", type=int, default=0, help="at most this many prompts per run (0: no cap), e.g. "
+    p.add_argument("--max-prompts", type=non_negative, default=0, help="at most this many prompts per run "
+                   "(0: no cap), e.g. "
                    "1024 with a large --prompts-per-slot: vLLM's bench sends 1,000")
     p.add_argument("--decode-args", default="", help="more decode-server flags for every arm, e.g. "
                    "'--prefill-chunk 256 --mixed-prefill'")
@@ -121,32 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         for max_batch, conc in ((args.max_batch, args.concurrency), (1, args.baseline_concurrency)):
             if not conc.strip():
                 continue
-            port = free_port()
-            t0 = time.perf_counter()
             try:
-                logs = os.path.join(args.log_dir or os.path.join(args.out, "logs"), f"{arm}-{max_batch}")
-                with arm_servers(arm, args, max_batch, logs, port) as run:
-                    started = time.perf_counter() - t0
-                    for c in map(int, conc.split(",")):
-                        n = prompt_count(args, c)
-                        if max_batch == 1 and args.baseline_prompts:
-                            n = args.baseline_prompts
-                        cfg = ServeConfig(addr=run.addr, num_prompts=n,
-                                          concurrency=c, input_len=args.input_len,
-                                          input_len_range=args.input_len_range, output_len=args.output_len,
-                                          model=args.model, mode="auto", timeout_s=1200, max_duration_s=1200,
-                                          server_metrics=f"http://127.0.0.1:{port}/metrics")
-                        r = run_serve(cfg)
-                        r.update(arm=arm, server_max_batch=max_batch, server_start_s=started)
-                        runs.append(r)
-                        failures += [f"{arm} max-batch {max_batch} c={c}: {f}" for f in r["failures"]]
-                        write_result(args, runs, failures, complete=False)  # what a cut-short sweep still keeps
-                        print(json.dumps({k: r.get(k) for k in ("arm", "server_max_batch", "max_concurrency",
-                              "completed", "output_throughput", "sustained_output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms",
-                              "p99_itl_ms")} | {k: (r.get("server_batch") or {}).get(v) for k, v in (
-                              ("mean_batch", "mean_batch_per_step"), ("prefill_ms", "local_prefill_ms_mean"),
-                              ("device_busy", "device_busy"), ("mixed_steps", "mixed_steps_by_rows"))}),
-                              file=sys.stderr, flush=True)
+                run_servers(args, arm, max_batch, conc, runs, failures)
             except Exception as e:  # a server that did not start: recorded, the other arms still run
                 failures.append(f"{arm} max-batch {max_batch}: {e}")
     result = write_result(args, runs, failures, complete=True)

@@ -3,11 +3,12 @@
 Why not the HF forward: HF decodes one request per call through a DynamicCache, launching
 ~30 small kernels per layer from Python, so batch 32 costs what batch 1 costs (launch-bound).
 This step reads the same weights (the HF modules' own parameters, fused in place: q/k/v and
-gate/up become views of one tensor each, kvtransfer/fused.py, so the HF forward still runs on them), feeds
-B rows at their own positions, writes each row's new K/V into its pool slot and attends over
-exactly its valid length (the layer loop itself is kvtransfer/decoder_stack.py, shared with the
-fused prefill; what is the step's own is where K/V go and how rows attend). Its inputs are three (B,) tensors, so it can be captured as a CUDA
-graph per batch size (graphs.py). The math mirrors HF's Llama/Qwen2/Mistral decoder; what
+gate/up become views of one tensor each, kvtransfer/fused.py, so the HF forward still runs on
+them), feeds B rows at their own positions, writes each row's new K/V into its pool slot and
+attends over exactly its valid length. The layer loop itself is kvtransfer/decoder_stack.py,
+shared with the fused prefill; what is the step's own is where K/V go, how rows attend and the
+GEMM choice. Its inputs are three (B,) tensors, so it can be captured as a CUDA graph per batch
+size (graphs.py). The math mirrors HF's Llama/Qwen2/Mistral decoder; what
 differs from HF is kernel choice, so logits agree with the HF forward within a stated
 tolerance (tests/test_engine.py), not bit for bit.
 """

@@ -77,10 +77,10 @@ class DecodeService(pbg.DecodeServicer):
 
     def _box(self) -> Mailbox:
         """The Mailbox of the running loop: made on first use (the servicer is built before its loop may run)."""
-        loop = asyncio.get_running_loop()
-        if self._mailbox is None or self._mailbox.loop is not loop:
-            self._mailbox = Mailbox(loop)
-        return self._mailbox
+        loop, box = asyncio.get_running_loop(), self._mailbox
+        if box is None or box.loop is not loop:
+            box = self._mailbox = Mailbox(loop)
+        return box
 
     @staticmethod
     async def _abort(context, code: grpc.StatusCode, message: str):

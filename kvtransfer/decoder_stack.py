@@ -26,7 +26,8 @@ Project = Callable[[str, torch.Tensor, torch.Tensor, torch.Tensor | None], torch
 
 
 def plain_project(name: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """cuBLAS GEMMs at any row count (the prefill's): F.linear, and silu_mul after the gate/up GEMM."""
+    """cuBLAS GEMMs at any row count (the prefill's): F.linear, and silu_mul after the gate/up GEMM (its backend
+    chosen by the tensor's device, as every op of the prefill: run_layers' use_triton does not reach it)."""
     if name == "gate_up":
         return kernels.silu_mul(torch.nn.functional.linear(x, w))
     return torch.nn.functional.linear(x, w, bias)

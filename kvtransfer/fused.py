@@ -84,24 +84,28 @@ def _fuse(*linears) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 
 
-_FUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its list, while the model lives
+# model -> (its layer weights, the signature they were built from), while the model lives
+_FUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _intact(model, layers: list[LayerWeights]) -> bool:
-    """The cached views still are the modules' parameters (nothing rebound them since, e.g. a move of the model)."""
-    first, last = model.model.layers[0], model.model.layers[-1]
-    return (len(layers) == len(model.model.layers)
-            and first.self_attn.q_proj.weight.data_ptr() == layers[0].qkv.data_ptr()
-            and first.input_layernorm.weight.data_ptr() == layers[0].ln1.data_ptr()
-            and last.mlp.gate_proj.weight.data_ptr() == layers[-1].gate_up.data_ptr())
+def _signature(model) -> list[tuple[torch.nn.Parameter, int]]:
+    """Every decoder-layer parameter and where its data lives: a module swapped, a weight rebound (`.data =`, a move
+    of the model) changes it; weights copied in place (load_state_dict) do not, and need no new fusion."""
+    return [(p, p.data_ptr()) for p in model.model.layers.parameters()]
+
+
+def _intact(model, signature: list[tuple[torch.nn.Parameter, int]]) -> bool:
+    now = list(model.model.layers.parameters())
+    return len(now) == len(signature) and all(q is p and q.data_ptr() == ptr for q, (p, ptr) in zip(now, signature))
 
 
 def fused_layers(model) -> list[LayerWeights]:
     """Each decoder layer's weights, q/k/v and gate/up fused in place. Fused once per model, and the list is kept
-    for it: every prefill asks, and walking 28 layers' storages took ~1-3 ms of host time per call."""
+    for it while its parameters stay where they were: every prefill asks, and walking 28 layers' storages took
+    ~1-3 ms of host time per call."""
     cached = _FUSED.get(model)
-    if cached is not None and _intact(model, cached):
-        return cached
+    if cached is not None and _intact(model, cached[1]):
+        return cached[0]
     out = []
     for layer in model.model.layers:
         a, m = layer.self_attn, layer.mlp
@@ -109,5 +113,5 @@ def fused_layers(model) -> list[LayerWeights]:
         gate_up, _ = _fuse(m.gate_proj, m.up_proj)
         out.append(LayerWeights(layer.input_layernorm.weight, qkv, qkv_bias, a.o_proj.weight, a.o_proj.bias,
                                 layer.post_attention_layernorm.weight, gate_up, m.down_proj.weight))
-    _FUSED[model] = out
+    _FUSED[model] = out, _signature(model)  # after fusing: the parameters are the fused tensor's views now
     return out

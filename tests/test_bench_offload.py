@@ -119,6 +119,7 @@ def test_cli_demo(monkeypatch):
     (cfg,) = seen
     assert (cfg.model, cfg.dtype, cfg.prefill_device, cfg.decode_device) == ("tiny", "float32", "cpu", "cpu")
     assert cfg.verify and cfg.transport == "auto" and cfg.runs >= 5 and set(cfg.modes) == {"layerwise", "bulk"}
+    assert cfg.lengths == (64, 1024) and cfg.decode_tokens >= 2  # a short and a long prompt; a decode step each
 
 
 def test_cli_rejects_bad_options(capsys):

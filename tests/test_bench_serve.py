@@ -41,7 +41,8 @@ def test_serve_concurrency(server, capsys, tmp_path):
         assert 0 < r[f"median_{m}_ms"] <= r[f"p99_{m}_ms"], m
     assert r["median_ttft_ms"] <= r["median_e2el_ms"]
     assert r["request_throughput"] == pytest.approx(8 / r["duration"])
-    assert (tmp_path / "result.json").exists() and "TTFT" in (tmp_path / "report.md").read_text()
+    report = (tmp_path / "report.md").read_text()
+    assert (tmp_path / "result.json").exists() and "TTFT" in report and "sustained" in report
     assert r["sustained_output_throughput"] > 0 and 0 < r["sustained_window_s"] < r["duration"]
 
 

@@ -73,4 +73,15 @@ def test_a_cut_short_sweep_keeps_its_runs_marked_incomplete(tmp_path):
     write_result(args, [run], [], complete=False)
     on_disk = json.loads((tmp_path / "result.json").read_text())
     assert not on_disk["ok"] and not on_disk["complete"] and on_disk["runs"] == [run]
-    assert on_disk["summary"][0]["output_tok_s"] == 100.0 and on_disk["summary"][0]["baseline_max_batch_1_tok_s"] is None
+    row = on_disk["summary"][0]
+    assert row["output_tok_s"] == 100.0 and row["baseline_max_batch_1_tok_s"] is None
+    assert not (tmp_path / "result.json.tmp").exists()  # written aside, then moved in
+
+
+def test_a_run_that_made_no_tokens_has_no_ratio():
+    from bench.serve_sweep import ratio, sustained_speedup
+
+    assert ratio(None, 200.0) is None and ratio(300.0, None) is None and ratio(300.0, 0.0) is None
+    assert ratio(300.0, 20.0) == 15.0
+    assert sustained_speedup({"sustained_output_throughput": 0.0}, {"sustained_output_throughput": 10.0})[
+        "sustained_speedup_vs_max_batch_1"] == 0.0

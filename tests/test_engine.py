@@ -247,6 +247,24 @@ def test_mailbox_wakes_the_loop_once_per_burst_and_keeps_order():
     asyncio.run(scenario())
 
 
+def test_the_servicer_keeps_one_mailbox_per_loop():
+    """Every stream of a server shares its loop's mailbox (one wake-up a step for all of them); a new loop (a server
+    started again in the same process) gets a new one."""
+    import asyncio
+    import types
+
+    from decode_server.server import DecodeService
+
+    service = types.SimpleNamespace(_mailbox=None)
+
+    async def boxes():
+        return DecodeService._box(service), DecodeService._box(service)
+    first, again = asyncio.run(boxes())
+    assert first is again
+    other, _ = asyncio.run(boxes())
+    assert other is not first and other.loop is not first.loop
+
+
 def test_a_waiting_request_is_woken_by_the_free_not_by_polling(monkeypatch):
     """acquire_slot waits on the pool's free notification: with the re-check pushed out to 60 s, a slot freed on
     another thread still reaches the waiter at once; with none freed it is refused after --admission-wait-s."""

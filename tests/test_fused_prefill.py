@@ -74,3 +74,10 @@ def test_fused_layers_are_kept_per_model_until_its_weights_are_rebound():
     again = fused_layers(model)
     assert again is not layers and torch.equal(again[0].qkv[: q.shape[0]], q)
     assert q.data_ptr() == again[0].qkv.data_ptr()
+    last = model.model.layers[-1]
+    last.mlp.down_proj = torch.nn.Linear(last.mlp.down_proj.in_features, last.mlp.down_proj.out_features, bias=False)
+    assert fused_layers(model)[-1].down is last.mlp.down_proj.weight  # a module swapped in a later layer: seen too
+    k = model.model.layers[-1].self_attn.k_proj.weight
+    k.data = k.data.clone()  # a later layer's k rebound: fused again, k a view of the new qkv
+    qkv = fused_layers(model)[-1].qkv
+    assert k.data_ptr() == qkv.data_ptr() + q.shape[0] * q.shape[1] * q.element_size()

@@ -48,12 +48,14 @@ def in_flight(port: int) -> float:
 async def cancelled_unread(addr: str, mport: int, ids, n: int) -> list[tuple]:
     """n calls never read, cancelled once the server has admitted all of them: a call cancelled before the server
     has it never reaches a handler, so it has no outcome to count (on a loaded machine a fixed sleep races that)."""
+    before = await asyncio.to_thread(in_flight, mport)
     async with grpc.aio.insecure_channel(addr) as ch:
         stub = pbg.DecodeStub(ch)
         streams = [stub.Generate(pb.GenerateRequest(token_ids=ids, max_new_tokens=3000), timeout=30) for _ in range(n)]
         deadline = time.monotonic() + 30
-        while await asyncio.to_thread(in_flight, mport) < n and time.monotonic() < deadline:
+        while (now := await asyncio.to_thread(in_flight, mport)) < before + n and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
+        assert now >= before + n, f"the server admitted {now - before} of {n} calls within 30 s"
         for stream in streams:
             stream.cancel()
         return [(S.CANCELLED if stream.cancelled() else S.UNKNOWN, "", 0) for stream in streams]
