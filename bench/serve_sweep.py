@@ -80,13 +80,14 @@ def summarize(args, runs: list[dict]) -> list[dict]:
         base = {r["max_concurrency"]: r for r in runs if r["arm"] == arm and r["server_max_batch"] == 1}
         for r in (r for r in runs if r["arm"] == arm and r["server_max_batch"] == args.max_batch):
             b = base.get(r["max_concurrency"]) or (base[max(base)] if base else None)
+            batch = r.get("server_batch") or {}
             summary.append({"arm": arm, "concurrency": r["max_concurrency"], "output_tok_s": r["output_throughput"],
                             "baseline_max_batch_1_tok_s": b["output_throughput"] if b else None,
                             "speedup_vs_max_batch_1": ratio(r["output_throughput"], b and b["output_throughput"]),
                             **sustained_speedup(r, b),
-                            "mean_batch": (r.get("server_batch") or {}).get("mean_batch_per_step"),
-                            "local_prefill_ms_mean": (r.get("server_batch") or {}).get("local_prefill_ms_mean"),
-                            "device_busy": (r.get("server_batch") or {}).get("device_busy"),
+                            "mean_batch": batch.get("mean_batch_per_step"),
+                            "local_prefill_ms_mean": batch.get("local_prefill_ms_mean"),
+                            "device_busy": batch.get("device_busy"),
                             **{k: r[k] for k in ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms")}})
     return summary
 
@@ -154,8 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts-per-slot", type=int, default=2)
     p.add_argument("--min-prompts", type=int, default=8)
     p.add_argument("--max-prompts", type=non_negative, default=0, help="at most this many prompts per run "
-                   "(0: no cap), e.g. "
-                   "1024 with a large --prompts-per-slot: vLLM's bench sends 1,000")
+                   "(0: no cap), e.g. 1024 with a large --prompts-per-slot: vLLM's bench sends 1,000")
     p.add_argument("--decode-args", default="", help="more decode-server flags for every arm, e.g. "
                    "'--prefill-chunk 256 --mixed-prefill'")
     p.add_argument("--baseline-decode-args", default=None, help="decode-server flags for the --max-batch 1 "

@@ -113,6 +113,14 @@ def _queued_together(e: DecodeEngine, prompts: list[list[int]]) -> tuple[list, l
     return [f.result(timeout=60).first for f in futs], leases
 
 
+def _settle(e: DecodeEngine, leases: list, decoding) -> None:
+    """Let go of the queued prompts' slots, wait for the request decoding meanwhile: every slot is free again."""
+    for lease in leases:
+        lease.release()
+    decoding.join(timeout=60)
+    assert e.pool.used() == 0
+
+
 def _decode(e: DecodeEngine, prompt: list[int], steps: int, started: list | None = None) -> list[int]:
     lease = e.pool.try_lease()
     first = e.prefill(prompt, lease, False).result(timeout=60).first
@@ -184,10 +192,8 @@ def test_prompts_prefilled_inside_decode_steps_decode_to_the_same_tokens(tiny, m
         firsts = [f.result(timeout=60).first for f in futs]
         assert [firsts[0], firsts[1]] == [want_short[0], want_other[0]]
         assert [[(start, n) for _, start, n in p] for p in pieces] == [[(0, 16)], [(16, 4), (0, 12)]]  # 20 + 12 tokens
-        for lease in leases:
-            lease.release()
-        t.join(timeout=60)
-        assert got["other"] == want_other and e.pool.used() == 0
+        _settle(e, leases, t)
+        assert got["other"] == want_other
     finally:
         e.close()
 
@@ -251,10 +257,8 @@ def test_prompts_waiting_together_ride_in_one_larger_step(tiny, monkeypatch):
         firsts, leases = _queued_together(e, prompts)
         assert firsts == [w[0] for w in want]
         assert pieces[:2] == [[(0, 20), (0, 13)], [(13, 7)]] and rows[:2] == [34, 17]
-        for lease in leases:
-            lease.release()
-        t.join(timeout=60)
-        assert got["other"] == want_other and e.pool.used() == 0
+        _settle(e, leases, t)
+        assert got["other"] == want_other
     finally:
         e.close()
 
@@ -283,9 +287,6 @@ def test_a_larger_step_counts_only_the_prompts_that_can_ride_in_it(tiny, monkeyp
         _, leases = _queued_together(e, prompts)
         # bucket(1) = 1: the 18-row step has 17 prompt rows, the 36-row one 35
         assert pieces[0] == [(0, 5), (0, 5), (0, 5), (0, 2)] and rows[0] == 18
-        for lease in leases:
-            lease.release()
-        t.join(timeout=60)
-        assert e.pool.used() == 0
+        _settle(e, leases, t)
     finally:
         e.close()
