@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from kvtransfer.lifecycle import SHUTTING_DOWN, Inflight, end_by_cancel
+from kvtransfer.lifecycle import SHUTTING_DOWN, Inflight, end_by_cancel, request_budget
 from kvtransfer.limits import prompt_problem
 from kvtransfer.metrics import Metrics
 from kvtransfer.modes import REQUEST_MODES, Mode
@@ -84,6 +84,8 @@ class DecodeService(pbg.DecodeServicer):
 
     @staticmethod
     async def _abort(context, code: grpc.StatusCode, message: str):
+        if context.done():  # the client went or its deadline passed: no status can be sent any more
+            raise asyncio.CancelledError(message)
         await context.abort(code, message)  # counted once, by Inflight.request
 
     async def _validate(self, request, context) -> None:
@@ -135,10 +137,7 @@ class DecodeService(pbg.DecodeServicer):
                 raise
 
     async def _admitted(self, request, context, r):
-        remaining = context.time_remaining()
-        limit = self.config.request_timeout_s
-        budget = limit if remaining is None else min(remaining, limit)
-        deadline = time.perf_counter() + budget
+        deadline = time.perf_counter() + request_budget(context.time_remaining(), self.config.request_timeout_s)
         try:
             lease = await acquire_slot(self.engine.pool, deadline, self.config.admission_wait_s)
         except RequestError as e:

@@ -28,7 +28,20 @@ SHUTTING_DOWN = "server shutting down"
 # A call cancelled this close to its deadline counts as DEADLINE_EXCEEDED: the client's clock starts before the
 # server's, so a client giving up at its deadline reaches a handler that still sees a few ms left.
 DEADLINE_SLACK_S = 0.05
+DEADLINE_MARGIN_S = 0.1  # a server ends a request this far (at most a quarter of the time left) before the client's
 END_WAIT_S = 10.0  # after the grace: how long requests told to end get to send their status
+
+
+def request_budget(remaining: float | None, limit: float) -> float:
+    """Seconds a server gives a request: its own limit, or the client's time left less a margin.
+
+    At the client's deadline gRPC itself ends the call; a server timing out at that same instant races it, and
+    the status it then sends fails inside grpc core (a logged ExecuteBatchError, and the client never sees the
+    reason). Ending a little earlier sends DEADLINE_EXCEEDED with its reason while the call is still open.
+    """
+    if remaining is None:
+        return limit
+    return min(limit, max(remaining - min(DEADLINE_MARGIN_S, remaining / 4), 0.0))
 
 
 def outcome(context, error: BaseException | None) -> str:

@@ -114,7 +114,7 @@ def test_second_server_on_a_taken_port_exits_2(colocated, tmp_path):
 
 def test_every_request_ends_in_one_outcome(colocated):
     """A mixed run: answered, refused, cancelled (before and mid-stream), past deadlines; the sum matches."""
-    addr, mport, _, _ = colocated
+    addr, mport, _, log = colocated
     before = outcomes(mport)
     ids = [5, 6, 7]
 
@@ -139,6 +139,8 @@ def test_every_request_ends_in_one_outcome(colocated):
     assert delta.get("OK") == 4 and delta.get("INVALID_ARGUMENT") == 2, delta
     assert delta.get("CANCELLED", 0) + delta.get("DEADLINE_EXCEEDED", 0) == 6, delta
     assert delta.get("CANCELLED", 0) >= 2 and delta.get("DEADLINE_EXCEEDED", 0) >= 2, delta
+    text = open(log).read()
+    assert "Traceback" not in text, text[-3000:]  # e.g. a status sent after gRPC already ended the call
 
 
 def test_sigterm_drains_then_exits_0(colocated):

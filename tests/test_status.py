@@ -66,3 +66,45 @@ def test_a_call_cancelled_at_its_deadline_counts_as_deadline_exceeded():
     assert outcome(Ctx(DEADLINE_SLACK_S + 1.0), cancelled) == "CANCELLED"
     assert outcome(Ctx(None), cancelled) == "CANCELLED"  # no deadline at all
     assert outcome(Ctx(0.0), None) == "OK"
+
+
+def test_a_server_ends_a_request_before_the_clients_deadline():
+    """Its own DEADLINE_EXCEEDED, with the reason, goes out while the call is still open (not racing gRPC's)."""
+    import pytest
+
+    from kvtransfer.lifecycle import DEADLINE_MARGIN_S, request_budget
+
+    assert request_budget(None, 30.0) == 30.0                      # no client deadline: the server's limit
+    assert request_budget(100.0, 30.0) == 30.0                     # the limit is the shorter
+    assert request_budget(10.0, 30.0) == 10.0 - DEADLINE_MARGIN_S  # the client's, less the margin
+    assert request_budget(0.2, 30.0) == pytest.approx(0.15)                      # a short deadline: a quarter of it at most
+    assert request_budget(-1.0, 30.0) == 0.0                       # already past
+
+
+def test_abort_on_a_finished_call_sends_nothing():
+    """The client went or its deadline passed: the handler unwinds as cancelled; no status write fails in core."""
+    import asyncio
+
+    import grpc
+    import pytest
+
+    from decode_server.server import DecodeService
+
+    class Ctx:
+        def __init__(self, done):
+            self.is_done, self.aborted = done, []
+
+        def done(self):
+            return self.is_done
+
+        async def abort(self, code, message):
+            self.aborted.append(code)
+            raise grpc.RpcError(message)
+
+    gone, open_ = Ctx(True), Ctx(False)
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(DecodeService._abort(gone, grpc.StatusCode.DEADLINE_EXCEEDED, "late"))
+    assert gone.aborted == []
+    with pytest.raises(grpc.RpcError):
+        asyncio.run(DecodeService._abort(open_, grpc.StatusCode.DEADLINE_EXCEEDED, "late"))
+    assert open_.aborted == [grpc.StatusCode.DEADLINE_EXCEEDED]
