@@ -21,8 +21,11 @@ demo: $(STAMP)
 # the server processes it starts, so two share the CI's two cores (~8 min against ~14 one at a time).
 TEST_WORKERS ?= 2
 
+# Then the Triton kernels under the interpreter (TRITON_INTERPRET must be set before triton is imported, so it is a
+# run of its own; ~40 s). The main run compiles every kernel for sm_90 (tests/test_kernels_sm90_compile.py).
 test: $(STAMP)
 	$(BIN)/python -m pytest -m "not gpu and not gpu2" -q -n $(TEST_WORKERS) --dist loadfile
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests/test_kernels_interp.py
 
 # On a GPU machine (python3 with torch already there): make gpu-test PYTHON=python3
 gpu-test:

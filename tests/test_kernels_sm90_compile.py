@@ -2,7 +2,7 @@
 
 Why: GPU time is scarce and the interpreter does not check what the compiler accepts. Runs
 kvtransfer.kernels._sm90_compile_check in its own process (it swaps Triton's driver).
-Skipped without triton (CI), under the interpreter, and where CUDA is present (the GPU tests
+Skipped without triton, under the interpreter, and where CUDA is present (the GPU tests
 compile for real there).
 """
 
