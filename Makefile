@@ -4,13 +4,16 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
+# PyPI's Linux torch wheel carries CUDA (GBs): TORCH_INDEX=https://download.pytorch.org/whl/cpu gets the CPU build.
+# Empty: pip's configured index (these machines' serves the CPU build).
+TORCH_INDEX ?=
 
 .PHONY: demo test gpu-test proto clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
 	$(BIN)/pip install -q -e ".[dev]"
 	touch $(STAMP)
 
@@ -27,7 +30,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -m "not gpu and not gpu2" -q -n $(TEST_WORKERS) --dist loadfile
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests/test_kernels_interp.py
 
-# On a GPU machine (python3 with torch already there): make gpu-test PYTHON=python3
+# On a GPU machine (its python3 with torch already there): make gpu-test
 gpu-test:
 	PYTHONPATH=. python3 -m pytest -m "gpu" -q
 
