@@ -175,3 +175,33 @@ def test_chunk_attention_matches_reference(dtype, heads):
     assert out.shape == q.shape and out.dtype == dtype
     assert _rel_err(out, ref.float()) <= ATT_TOL[dtype]
     assert (out[78:80] == 0).all() and (out[81:] == 0).all()  # rows in no chunk
+
+
+def _p_rounding_case():
+    """Two keys whose probabilities differ by less than fp16 resolves, over values +1000 and -1000.
+
+    One head, D 16, scale 1/4: scores 0 and -1e-4, so exp(-1e-4) = 0.9999 rounds to 1.0 in fp16. With P rounded
+    to the KV dtype before @ V (what the kernels and HF do) the two values cancel exactly: output 0. Left in fp32,
+    P leaves 1000 x 1e-4 / 2 = 0.05 in the output's first channel, far above fp16's error at 0.
+    """
+    d = 16
+    k_pool = torch.zeros(1, 1, 4, d, dtype=torch.float16)
+    v_pool = torch.zeros(1, 1, 4, d, dtype=torch.float16)
+    k_pool[0, 0, 1, 0] = -4e-4  # score -1e-4 (q = e0, scale 1/4)
+    v_pool[0, 0, 0, 0], v_pool[0, 0, 1, 0] = 1000.0, -1000.0
+    q = torch.zeros(1, 1, d, dtype=torch.float16)
+    q[0, 0, 0] = 1.0
+    return q, k_pool, v_pool, d ** -0.5
+
+
+def test_attention_kernels_round_p_to_the_kv_dtype():
+    """Pins the rounding of P that bit-matching HF depends on (tolerance tests cannot see it)."""
+    q, k_pool, v_pool, scale = _p_rounding_case()
+    lengths, slots = torch.tensor([2]), torch.tensor([0])
+    ref = K.decode_attention(q, k_pool, v_pool, slots, lengths, scale, use_triton=False)
+    out = K.decode_attention(q, k_pool, v_pool, slots, lengths, scale, use_triton=True)
+    assert ref[0, 0, 0].item() == 0.0  # the reference rounds the softmax to fp16: the values cancel
+    assert abs(out[0, 0, 0].item()) < 1e-3, out[0, 0, 0].item()
+    pieces = torch.tensor([[0, 1, 0, 1]], dtype=torch.int32)  # one prompt row at position 1: keys 0 and 1
+    chunk = K.chunk_attention(q, k_pool, v_pool, pieces, scale, use_triton=True)
+    assert abs(chunk[0, 0, 0].item()) < 1e-3, chunk[0, 0, 0].item()
