@@ -30,6 +30,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from bench import interference_cli, link, serve
+from kvtransfer.stacks import exit_on_sigterm
 from bench.decode import register_decode
 from bench.offload import OffloadConfig, run_offload, total_steps
 from bench.ttft import TtftConfig, run_ttft
@@ -188,7 +189,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                 input_len_range=args.input_len_range, output_len=args.output_len,
                                 vocab_size=args.vocab_size, model=args.model, mode=args.mode, warmup=args.warmup,
                                 seed=args.seed, timeout_s=args.timeout, max_duration_s=args.max_duration,
-                                server_metrics=args.server_metrics)
+                                server_metrics=args.server_metrics, long_share=args.long_share,
+                                long_len=args.long_len_range)
         token = args.auth_token or (Path(args.auth_token_file).read_text().strip() if args.auth_token_file else "")
     except (ValueError, OSError) as e:
         args.parser.error(str(e))
@@ -227,6 +229,7 @@ def register_serve(sub) -> None:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--input-len-range", type=float, default=0.0, help="r: lengths uniform in len*[1-r, 1+r]")
     p.add_argument("--output-len", type=int, default=16)
+    serve.add_long_prompt_flags(p)
     p.add_argument("--vocab-size", type=int, help="token ids uniform in [0, vocab) (or give --model)")
     p.add_argument("--model", help="preset or local dir whose vocabulary the server uses")
     p.add_argument("--mode", default="auto", help="auto, layerwise, bulk or colocated")
@@ -257,6 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # the program itself, not a caller's process (a test's): `timeout` gets stacks, then exit
+        exit_on_sigterm()
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     args.command_line = shlex.join(["kvtransfer-bench", *argv])

@@ -17,6 +17,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from kvtransfer.stacks import request_dump
+
+DUMP_WAIT_S = 1.0  # faulthandler writes from its signal handler at once; this covers a loaded machine
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -70,28 +73,45 @@ def wait_serving(addr: str, procs, timeout: float = 300.0, credentials: grpc.Cha
     raise TimeoutError(f"{addr} not serving after {timeout} s")
 
 
-def stop(procs) -> None:
+def dump_stacks(procs) -> None:
+    """Each live server's Python stacks into its log (kvtransfer.stacks), then a moment for them to land."""
+    if sum(request_dump(p.pid) for p in procs if p.poll() is None):
+        time.sleep(DUMP_WAIT_S)
+
+
+def stop(procs, grace_s: float = 15.0, dump: bool = False) -> None:
+    """SIGTERM, SIGKILL after `grace_s`. Stacks first when `dump` (what ran them failed or was stopped), and
+    before any SIGKILL: a server that does not stop is stuck somewhere, and its log then says where."""
+    if dump:
+        dump_stacks(procs)
     for p in procs:
         if p.poll() is None:
             p.terminate()
     for p in procs:
         try:
-            p.wait(timeout=15)
+            p.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
+            dump_stacks([p])
             p.kill()
+            p.wait()
 
 
 @contextmanager
 def _running(run: Running, wait: bool, credentials=None):
+    failed = True
     try:
         if wait:
             try:
                 wait_serving(run.addr, run.procs, credentials=credentials)
-            except (RuntimeError, TimeoutError) as e:
+            except TimeoutError as e:  # up but never serving: a hang, so the log gets where it hangs
+                dump_stacks(run.procs)
+                raise RuntimeError(f"{e}\n{run.log_text()}") from None
+            except RuntimeError as e:
                 raise RuntimeError(f"{e}\n{run.log_text()}") from None
         yield run
+        failed = False
     finally:
-        stop(run.procs)
+        stop(run.procs, dump=failed)
 
 
 @contextmanager

@@ -157,7 +157,17 @@ def serve_tables(result: dict) -> list[Table]:
         lat.rows.append([label] + [num(result[f"{k}_{m}_ms"]) for k in ("mean", "median", "std", "p90", "p99")])
     lat.notes.append("Names and definitions as `vllm bench serve`: tpot = (e2el - ttft) / (tokens - 1) per request; "
                      "itl = every gap between two tokens; times from the client, request sent -> token received.")
-    return [head, lat]
+    tables = [head, lat]
+    if split := result.get("by_length"):
+        lo, hi = cfg["long_len"]
+        by = Table(f"Short and long prompts apart ({cfg['long_share']:.0%} long: {lo}-{hi} tokens) (ms)",
+                   ["prompts", "completed", "TTFT median", "TTFT p99", "ITL median", "ITL p99"])
+        for name, s in split.items():
+            by.rows.append([name, str(s["completed"])] + [num(s[f"{k}_{m}_ms"]) for m in ("ttft", "itl")
+                                                            for k in ("median", "p99")])
+        by.notes.append("A long prefill that shares the decode GPU shows in the short prompts' ITL p99.")
+        tables.append(by)
+    return tables
 
 
 def decode_tables(result: dict) -> list[Table]:

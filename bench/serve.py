@@ -16,6 +16,7 @@ budget after which nothing new is sent and requests in flight end at their deadl
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import ipaddress
 import math
@@ -66,6 +67,8 @@ class ServeConfig:
     timeout_s: float = 120.0           # per request
     server_metrics: str = ""           # the decode server's /metrics URL: report its batch size over the run
     max_duration_s: float = 600.0      # the whole run
+    long_share: float = 0.0            # this fraction of the prompts is long instead (a prefill that stalls decode)
+    long_len: tuple[int, int] = (16384, 32768)  # a long prompt's length: uniform in [lo, hi]
 
     def __post_init__(self):
         if not is_loopback(self.addr):
@@ -82,8 +85,28 @@ class ServeConfig:
             raise ValueError(f"vocab size >= 1, warmup >= 0, mode one of {', '.join(MODES)}")
         if self.timeout_s <= 0 or self.max_duration_s <= 0:
             raise ValueError("timeouts must be > 0")
+        if not 0 <= self.long_share <= 1 or not 1 <= self.long_len[0] <= self.long_len[1]:
+            raise ValueError(f"--long-share must be in [0, 1] and --long-len-range LO,HI with 1 <= LO <= HI "
+                             f"(got {self.long_share:g} and {self.long_len[0]},{self.long_len[1]})")
         if self.vocab_size is None:  # recorded in the result: the vocabulary the ids were drawn from
             object.__setattr__(self, "vocab_size", load_config(self.model).vocab_size)
+
+
+def length_range(text: str) -> tuple[int, int]:
+    """LO,HI (tokens) for --long-len-range."""
+    try:
+        lo, hi = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LO,HI in tokens, e.g. 16384,32768; got {text!r}") from None
+    return lo, hi
+
+
+def add_long_prompt_flags(p: argparse.ArgumentParser) -> None:
+    """A share of long prompts in the load: shared by `serve` and `bench.serve_sweep`."""
+    p.add_argument("--long-share", type=float, default=0.0, help="this fraction of the prompts is long instead, "
+                   "e.g. 0.05; TTFT and ITL are then reported for short and long prompts apart (default 0)")
+    p.add_argument("--long-len-range", type=length_range, default=(16384, 32768),
+                   help="a long prompt's length, uniform in LO,HI tokens (default 16384,32768)")
 
 
 def make_prompts(cfg: ServeConfig) -> list[list[int]]:
@@ -91,7 +114,23 @@ def make_prompts(cfg: ServeConfig) -> list[list[int]]:
     lo = max(1, math.floor(cfg.input_len * (1 - cfg.input_len_range)))
     hi = max(lo, math.ceil(cfg.input_len * (1 + cfg.input_len_range)))
     lens = rng.integers(lo, hi + 1, cfg.num_prompts)
+    if cfg.long_share > 0:  # its own stream: without long prompts the prompts stay those of earlier runs
+        pick = np.random.default_rng([cfg.seed, 1])
+        long_ = pick.random(cfg.num_prompts) < cfg.long_share
+        lens[long_] = pick.integers(cfg.long_len[0], cfg.long_len[1] + 1, int(long_.sum()))
     return [rng.integers(0, cfg.vocab_size, int(n)).tolist() for n in lens]
+
+
+def by_length(done: list[dict], long_from: int) -> dict:
+    """TTFT and ITL of the short and the long prompts apart: what a long prefill costs the others shows in the
+    short ones' ITL, hidden in a mixed p99."""
+    out = {}
+    for name, rows in (("short", [r for r in done if r["input_len"] < long_from]),
+                       ("long", [r for r in done if r["input_len"] >= long_from])):
+        ttft = [r["times"][0] for r in rows]
+        itl = [b - a for r in rows for a, b in zip(r["times"], r["times"][1:])]
+        out[name] = {"completed": len(rows), **summary(ttft, "ttft"), **summary(itl, "itl")}
+    return out
 
 
 async def one_request(stub, ids: list[int], cfg: ServeConfig, timeout: float, metadata) -> dict:
@@ -197,6 +236,8 @@ def run_serve(cfg: ServeConfig, step: Step = lambda _: None, metadata=None) -> d
     for name, xs in zip(METRICS, (ttft, tpot, itl, e2el)):
         result |= summary(xs, name)
     result |= sustained(sent, cfg.concurrency if not math.isfinite(cfg.request_rate) else 0)
+    if cfg.long_share > 0:
+        result["by_length"] = by_length(done, cfg.long_len[0])
     if watch is not None:
         result["server_batch"] = watch.report()
     return result

@@ -22,7 +22,8 @@ import sys
 import time
 
 from bench.launch import colocated_server, free_port, server_pair
-from bench.serve import ServeConfig, run_serve
+from bench.serve import ServeConfig, add_long_prompt_flags, run_serve
+from kvtransfer.stacks import exit_on_sigterm
 
 
 def non_negative(text: str) -> int:
@@ -46,7 +47,8 @@ def arm_servers(arm: str, args, max_batch: int, log_dir: str, metrics_port: int)
     if arm == "colocated":
         return colocated_server(log_dir, args.model, args.dtype, args.device, args=decode)
     common = ["--transport", args.transport, "--log-level", "WARNING"]
-    return server_pair(log_dir, args.model, args.dtype, args.device, args.device, common_args=common,
+    return server_pair(log_dir, args.model, args.dtype, args.prefill_device or args.device, args.device,
+                       common_args=common,
                        decode_args=decode[:-2])
 
 
@@ -125,7 +127,8 @@ def run_servers(args, arm: str, max_batch: int, conc: str, runs: list[dict], fai
             n = args.baseline_prompts if max_batch == 1 and args.baseline_prompts else prompt_count(args, c)
             cfg = ServeConfig(addr=run.addr, num_prompts=n, concurrency=c, input_len=args.input_len,
                               input_len_range=args.input_len_range, output_len=args.output_len, model=args.model,
-                              mode="auto", timeout_s=1200, max_duration_s=1200,
+                              mode="auto", timeout_s=1200, max_duration_s=1200, long_share=args.long_share,
+                              long_len=args.long_len_range,
                               server_metrics=f"http://127.0.0.1:{port}/metrics")
             r = run_serve(cfg)
             r.update(arm=arm, server_max_batch=max_batch, server_start_s=started)
@@ -139,7 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen2.5-7b")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--device", default="cuda:0")
+    p.add_argument("--device", default="cuda:0", help="the colocated server and the pair's decode server")
+    p.add_argument("--prefill-device", default="", help="the pair's prefill server (default: --device, one GPU "
+                   "shared); cuda:1 for the two-GPU pair")
     p.add_argument("--transport", default="cuda_ipc", help="the pair's data plane")
     p.add_argument("--arms", default="colocated,pair")
     p.add_argument("--max-batch", type=int, default=64)
@@ -152,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--input-len", type=int, default=1024)
     p.add_argument("--input-len-range", type=float, default=0.5)
     p.add_argument("--output-len", type=int, default=128)
+    add_long_prompt_flags(p)
     p.add_argument("--prompts-per-slot", type=int, default=2)
     p.add_argument("--min-prompts", type=int, default=8)
     p.add_argument("--max-prompts", type=non_negative, default=0, help="at most this many prompts per run "
@@ -162,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
                    "baseline instead of --decode-args (e.g. '' to hold the baseline to a whole-prompt prefill)")
     p.add_argument("--out", required=True)
     p.add_argument("--log-dir", default="", help="server logs (default: OUT/logs)")
+    if argv is None:  # the program: `timeout` gets the stacks of it and its servers; result.json keeps what ran
+        exit_on_sigterm()
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     runs, failures = [], []

@@ -235,7 +235,9 @@ def run_main(config_cls, argv, description: str, serve, logger: logging.Logger, 
     import sys
 
     from .configargs import from_args
+    from .stacks import enable_stack_dumps
     config = from_args(config_cls, argv, description, prog)
+    enable_stack_dumps()  # kill -USR1 PID: every thread's stack in the log
     configure_logging(config.log_level)
     logger.info("config %s", config.one_line())
     loop = new_event_loop()

@@ -9,7 +9,7 @@ import pytest
 
 from bench.cli import main
 from bench.launch import colocated_server
-from bench.serve import METRICS, PERCENTILES, ServeConfig, make_prompts, sustained
+from bench.serve import METRICS, PERCENTILES, ServeConfig, length_range, make_prompts, sustained
 
 VLLM_KEYS = ["duration", "completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput",
              "output_throughput", "total_token_throughput"] + [
@@ -83,3 +83,36 @@ def test_serve_config_bounds():
     prompts = make_prompts(cfg)
     assert cfg.vocab_size == 512 and prompts == make_prompts(cfg)
     assert all(80 <= len(p) <= 120 and 0 <= min(p) and max(p) < 512 for p in prompts)
+
+
+def test_a_share_of_long_prompts(server, capsys, tmp_path):
+    """--long-share: that share of the prompts drawn from --long-len-range; TTFT and ITL reported apart."""
+    rc, r = run_cli(["serve", "--addr", server.addr, "--model", "tiny", "--concurrency", "4", "--num-prompts", "12",
+                     "--input-len", "16", "--output-len", "4", "--long-share", "0.5", "--long-len-range", "60,80",
+                     "--out", str(tmp_path)], capsys)
+    assert rc == 0 and r["ok"], r["failures"]
+    split = r["by_length"]
+    longs = [n for n in r["input_lens"] if n >= 60]
+    assert 0 < len(longs) < 12 and all(n <= 80 for n in longs)
+    assert split["long"]["completed"] == len(longs) and split["short"]["completed"] == 12 - len(longs)
+    for part in split.values():
+        assert 0 < part["median_ttft_ms"] <= part["p99_ttft_ms"] and 0 < part["median_itl_ms"] <= part["p99_itl_ms"]
+    assert "Short and long prompts apart" in (tmp_path / "report.md").read_text()
+
+
+def test_long_prompts_are_drawn_apart_from_the_others():
+    base = ServeConfig(addr="localhost:1", vocab_size=512, num_prompts=400, input_len=100, input_len_range=0.2, seed=3)
+    plain = make_prompts(base)
+    rng = __import__("numpy").random.default_rng(3)  # the draw without long prompts is the one earlier runs made
+    assert [len(p) for p in plain] == rng.integers(80, 121, 400).tolist()
+    mixed = make_prompts(ServeConfig(**{**base.__dict__, "long_share": 0.1, "long_len": (1000, 2000)}))
+    longs = [i for i, p in enumerate(mixed) if len(p) >= 1000]
+    assert 20 <= len(longs) <= 60 and all(len(mixed[i]) <= 2000 for i in longs)
+    assert all(len(m) == len(p) for i, (m, p) in enumerate(zip(mixed, plain)) if i not in longs)
+    assert all(len(p) >= 1000 for p in make_prompts(ServeConfig(**{**base.__dict__, "long_share": 1.0})))
+    for bad in ({"long_share": 1.5}, {"long_share": -0.1}, {"long_len": (2000, 1000)}, {"long_len": (0, 10)}):
+        with pytest.raises(ValueError, match="--long"):
+            ServeConfig(**{**base.__dict__, **bad})
+    assert length_range("16384,32768") == (16384, 32768)
+    with pytest.raises(Exception, match="LO,HI"):
+        length_range("16k")

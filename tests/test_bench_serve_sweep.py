@@ -85,3 +85,16 @@ def test_a_run_that_made_no_tokens_has_no_ratio():
     assert ratio(300.0, 20.0) == 15.0
     assert sustained_speedup({"sustained_output_throughput": 0.0}, {"sustained_output_throughput": 10.0})[
         "sustained_speedup_vs_max_batch_1"] == 0.0
+
+
+def test_the_pair_arm_puts_prefill_on_its_own_device(monkeypatch):
+    from bench import serve_sweep
+
+    seen = []
+    monkeypatch.setattr(serve_sweep, "server_pair", lambda log, model, dtype, pre, dec, **kw: seen.append((pre, dec)))
+    from argparse import Namespace
+    ns = Namespace(model="tiny", dtype="float32", device="cuda:0", prefill_device="", transport="nccl",
+                   max_seq_len=256, decode_args="", baseline_decode_args=None)
+    serve_sweep.arm_servers("pair", ns, 4, "logs", 1)
+    serve_sweep.arm_servers("pair", Namespace(**{**vars(ns), "prefill_device": "cuda:1"}), 4, "logs", 1)
+    assert seen == [("cuda:0", "cuda:0"), ("cuda:1", "cuda:0")]  # one GPU shared by default; two when asked

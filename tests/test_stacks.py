@@ -1,0 +1,76 @@
+"""Hangs leave stacks: a server dumps on SIGUSR1 and keeps serving; a server that ignores SIGTERM dumps before
+SIGKILL; a bench stopped by `timeout` (SIGTERM) dumps its own stacks and its servers', and stops them."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from servers import ROOT, colocated_server
+
+from bench.launch import stop
+from kvtransfer.stacks import request_dump
+
+STACK = "most recent call first"  # faulthandler's header, per thread
+
+
+def _serving(addr: str) -> bool:
+    with grpc.insecure_channel(addr) as ch:
+        got = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+    return got == health_pb2.HealthCheckResponse.SERVING
+
+
+def _wait_for(path, text: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and text in path.read_text():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{text!r} not in {path} after {timeout} s")
+
+
+def test_a_server_dumps_its_stacks_on_sigusr1_and_keeps_serving(tmp_path):
+    with colocated_server(tmp_path) as run:
+        assert request_dump(run.procs[0].pid)
+        log = tmp_path / "colocated.log"
+        _wait_for(log, STACK, 10)
+        assert "serving.py" in log.read_text()  # the main thread, in its event loop
+        assert _serving(run.addr) and run.procs[0].poll() is None
+
+
+def test_stop_dumps_the_stacks_of_a_process_that_will_not_stop(tmp_path):
+    log = tmp_path / "stuck.log"
+    code = ("import signal, sys, time; from kvtransfer.stacks import enable_stack_dumps; enable_stack_dumps(); "
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True)\n"
+            "def stuck_here():\n    time.sleep(120)\nstuck_here()")
+    p = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    _wait_for(log, "up", 60)
+    stop([p], grace_s=1.0)
+    assert p.returncode == -signal.SIGKILL
+    text = log.read_text()
+    assert STACK in text and "stuck_here" in text, text
+
+
+def test_a_bench_stopped_by_sigterm_leaves_stacks_and_no_servers(tmp_path):
+    logs = tmp_path / "logs"
+    bench = subprocess.Popen([sys.executable, "-m", "bench.cli", "ttft", "--model", "tiny", "--lengths", "16",
+                              "--runs", "10000", "--warmup", "0", "--no-verify", "--log-dir", str(logs)],
+                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(logs / "colocated.log", "decode server ready")
+        time.sleep(0.5)
+        bench.send_signal(signal.SIGTERM)
+        _, err = bench.communicate(timeout=90)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+    assert bench.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert STACK in err, err[-3000:]  # the driver's own stacks
+    server = (logs / "colocated.log").read_text()
+    assert STACK in server, server[-3000:]                 # the server's, asked for before it was stopped
+    assert "stopped on SIGTERM" in server, server[-3000:]  # stopped in order, not orphaned
+
