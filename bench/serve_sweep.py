@@ -138,7 +138,7 @@ def run_servers(args, arm: str, max_batch: int, conc: str, runs: list[dict], fai
             write_result(args, runs, failures, complete=False)  # what a cut-short sweep still keeps
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen2.5-7b")
     p.add_argument("--dtype", default="bfloat16")
@@ -168,6 +168,11 @@ def main(argv: list[str] | None = None) -> int:
                    "baseline instead of --decode-args (e.g. '' to hold the baseline to a whole-prompt prefill)")
     p.add_argument("--out", required=True)
     p.add_argument("--log-dir", default="", help="server logs (default: OUT/logs)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     if argv is None:  # the program: `timeout` gets the stacks of it and its servers; result.json keeps what ran
         exit_on_sigterm()
     args = p.parse_args(argv)

@@ -1,0 +1,35 @@
+"""The two-GPU runbooks (bench/runbooks/) run end to end on CPU with `python3` standing in: every bench command
+they would run on the GPU machine parses with the bench's own flags, so a session that gets the GPUs does not
+spend its device minutes on a typo."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from servers import ROOT
+
+RUNBOOKS = {"two-gpu-1-smoke.sh": 4, "two-gpu-2-interference.sh": 2, "two-gpu-3-serve.sh": 1}  # python3 calls
+
+
+@pytest.mark.parametrize("name,calls", RUNBOOKS.items())
+def test_a_runbooks_commands_parse(tmp_path, name, calls):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    shim = bin_dir / "python3"
+    shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{ROOT}/tests/runbook_checker.py" "$@"\n')
+    shim.chmod(0o755)
+    record = tmp_path / "calls.jsonl"
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", OUT=str(tmp_path / "out"),
+               RUNBOOK_CALLS=str(record), PYTHONPATH=ROOT)
+    p = subprocess.run(["bash", os.path.join(ROOT, "bench", "runbooks", name)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    ran = [json.loads(line) for line in record.read_text().splitlines()] if record.exists() else []
+    assert len(ran) == calls, (ran, p.stdout, p.stderr)
+    rcs = [line for line in p.stdout.splitlines() if " rc=" in line]
+    assert rcs and all(" rc=0" in line for line in rcs), p.stdout + "".join(
+        (tmp_path / "out" / f).read_text() for f in os.listdir(tmp_path / "out") if f.endswith(".log"))
