@@ -74,6 +74,16 @@ def sustained_speedup(r: dict, base: dict | None) -> dict:
     return {"sustained_tok_s": mine, "sustained_speedup_vs_max_batch_1": ratio(mine, theirs)}
 
 
+def split_figures(r: dict) -> dict:
+    """With --long-share: the short prompts' ITL (what a long prefill costs the others) and the long ones' TTFT."""
+    split = r.get("by_length")
+    if not split:
+        return {}
+    return {"short_p50_itl_ms": split["short"]["median_itl_ms"], "short_p99_itl_ms": split["short"]["p99_itl_ms"],
+            "long_p50_ttft_ms": split["long"]["median_ttft_ms"], "long_p99_ttft_ms": split["long"]["p99_ttft_ms"],
+            "long_completed": split["long"]["completed"]}
+
+
 def summarize(args, runs: list[dict]) -> list[dict]:
     """One row per batching-server run: its figures beside the baseline's (same arm and concurrency, else the
     arm's largest baseline concurrency)."""
@@ -90,7 +100,8 @@ def summarize(args, runs: list[dict]) -> list[dict]:
                             "mean_batch": batch.get("mean_batch_per_step"),
                             "local_prefill_ms_mean": batch.get("local_prefill_ms_mean"),
                             "device_busy": batch.get("device_busy"),
-                            **{k: r[k] for k in ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms")}})
+                            **{k: r[k] for k in ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms")},
+                            **split_figures(r)})
     return summary
 
 

@@ -98,3 +98,16 @@ def test_the_pair_arm_puts_prefill_on_its_own_device(monkeypatch):
     serve_sweep.arm_servers("pair", ns, 4, "logs", 1)
     serve_sweep.arm_servers("pair", Namespace(**{**vars(ns), "prefill_device": "cuda:1"}), 4, "logs", 1)
     assert seen == [("cuda:0", "cuda:0"), ("cuda:1", "cuda:0")]  # one GPU shared by default; two when asked
+
+
+def test_a_long_share_run_summarizes_short_itl_and_long_ttft():
+    from bench.serve_sweep import split_figures
+
+    assert split_figures({"median_itl_ms": 5.0}) == {}
+    split = {"short": {"completed": 90, "median_itl_ms": 5.0, "p99_itl_ms": 40.0, "median_ttft_ms": 50.0,
+                       "p99_ttft_ms": 90.0},
+             "long": {"completed": 10, "median_itl_ms": 6.0, "p99_itl_ms": 9.0, "median_ttft_ms": 900.0,
+                      "p99_ttft_ms": 1500.0}}
+    assert split_figures({"by_length": split}) == {"short_p50_itl_ms": 5.0, "short_p99_itl_ms": 40.0,
+                                                   "long_p50_ttft_ms": 900.0, "long_p99_ttft_ms": 1500.0,
+                                                   "long_completed": 10}
