@@ -93,25 +93,29 @@ def stop(procs, grace_s: float = 15.0, dump: bool = False) -> None:
         except subprocess.TimeoutExpired:
             dump_stacks([p])
             p.kill()
-            p.wait()
+            try:
+                p.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:  # stuck in the kernel (a GPU driver call): left to the OS
+                pass
 
 
 @contextmanager
 def _running(run: Running, wait: bool, credentials=None):
-    failed = True
+    dump = True  # unless the body ends well: then the servers are only stopped
     try:
         if wait:
             try:
                 wait_serving(run.addr, run.procs, credentials=credentials)
-            except TimeoutError as e:  # up but never serving: a hang, so the log gets where it hangs
+            except TimeoutError as e:  # up but never serving: a hang; its stacks go into the error's log text
                 dump_stacks(run.procs)
+                dump = False
                 raise RuntimeError(f"{e}\n{run.log_text()}") from None
             except RuntimeError as e:
                 raise RuntimeError(f"{e}\n{run.log_text()}") from None
         yield run
-        failed = False
+        dump = False
     finally:
-        stop(run.procs, dump=failed)
+        stop(run.procs, dump=dump)
 
 
 @contextmanager

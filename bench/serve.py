@@ -88,8 +88,18 @@ class ServeConfig:
         if not 0 <= self.long_share <= 1 or not 1 <= self.long_len[0] <= self.long_len[1]:
             raise ValueError(f"--long-share must be in [0, 1] and --long-len-range LO,HI with 1 <= LO <= HI "
                              f"(got {self.long_share:g} and {self.long_len[0]},{self.long_len[1]})")
+        short_max = math.ceil(self.input_len * (1 + self.input_len_range))
+        if self.long_share > 0 and short_max >= self.long_len[0]:  # the split by length would mix them up
+            raise ValueError(f"--long-len-range starts at {self.long_len[0]}, within the other prompts' lengths "
+                             f"(up to {short_max}): start it above")
+        model = load_config(self.model) if self.model is not None else None
         if self.vocab_size is None:  # recorded in the result: the vocabulary the ids were drawn from
-            object.__setattr__(self, "vocab_size", load_config(self.model).vocab_size)
+            object.__setattr__(self, "vocab_size", model.vocab_size)
+        longest = max(short_max, self.long_len[1] if self.long_share > 0 else 0) + self.output_len
+        context = getattr(model, "max_position_embeddings", None)
+        if context is not None and longest > context:
+            raise ValueError(f"the longest prompt plus --output-len is {longest} tokens, over {self.model}'s context "
+                             f"of {context}: shorten --input-len/--long-len-range or --output-len")
 
 
 def length_range(text: str) -> tuple[int, int]:
@@ -248,13 +258,15 @@ def sustained(sent: list[dict], concurrency: int) -> dict:
     first re-send (the (c+1)-th send: the first completion, so the opening burst of c prompts at once is behind) to
     the last send (after it, clients go idle one by one as the prompts run out). A finite run's whole-run figure
     pays for that opening burst and that tail; this is the steady state between them. None when the window is
-    empty (num_prompts <= concurrency + 1) or there is no concurrency bound."""
+    empty (num_prompts <= concurrency + 1), holds no token (the re-sends all came in one burst: requests that
+    finished in the same step), or there is no concurrency bound."""
     starts = sorted(r["start"] for r in sent)
     if not concurrency or len(starts) <= concurrency + 1:
         return {"sustained_output_throughput": None, "sustained_window_s": None}
     lo, hi = starts[concurrency], starts[-1]
     tokens = sum(lo <= r["start"] + t < hi for r in sent if r["code"] is None for t in r["times"])
-    return {"sustained_output_throughput": tokens / (hi - lo) if hi > lo else None, "sustained_window_s": hi - lo}
+    rate = tokens / (hi - lo) if hi > lo and tokens else None
+    return {"sustained_output_throughput": rate, "sustained_window_s": hi - lo}
 
 
 def total_steps(cfg: ServeConfig) -> int:

@@ -84,8 +84,9 @@ class DecodeService(pbg.DecodeServicer):
 
     @staticmethod
     async def _abort(context, code: grpc.StatusCode, message: str):
-        if context.done():  # the client went or its deadline passed: no status can be sent any more
-            raise asyncio.CancelledError(message)
+        left = context.time_remaining()  # grpc.aio's done() is only "status sent"; a passed deadline shows here
+        if context.done() or context.cancelled() or (left is not None and left <= 0):
+            raise asyncio.CancelledError(message)  # gRPC already ended the call: a status now fails in core
         await context.abort(code, message)  # counted once, by Inflight.request
 
     async def _validate(self, request, context) -> None:

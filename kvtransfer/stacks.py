@@ -5,7 +5,8 @@ to say which wait it was. So:
 - servers (`enable_stack_dumps`): `kill -USR1 PID` writes every thread's stack to stderr (the server's log)
   and the server goes on serving; a fatal signal (segfault, abort) dumps them too;
 - bench drivers (`exit_on_sigterm`, what `timeout` sends): the driver's own stacks, then an orderly exit, so
-  the servers it started are asked for theirs (`bench.launch.stop`) and stopped rather than orphaned.
+  the servers it started that still run (a hung one: `timeout` signals them too) are asked for theirs
+  (`bench.launch.stop`) and stopped rather than orphaned.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ DUMP_SIGNAL = signal.SIGUSR1
 
 def enable_stack_dumps() -> bool:
     """Fatal signals and DUMP_SIGNAL write all threads' Python stacks to stderr (the process keeps running).
-    False, and nothing changed, where stderr is no file (a caller's capture, e.g. pytest's)."""
+    False, and nothing changed, where stderr has no file descriptor (an in-memory capture such as capsys)."""
     try:
         sys.stderr.fileno()
     except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError
@@ -33,13 +34,27 @@ def enable_stack_dumps() -> bool:
 def exit_on_sigterm() -> None:
     """SIGTERM: this process's stacks on stderr, then SystemExit(143) so `finally` blocks stop the servers."""
     def handler(signum, _frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # `timeout` signals the child, then its group: once is enough
         faulthandler.dump_traceback(all_threads=True)
         raise SystemExit(128 + signum)
     signal.signal(signal.SIGTERM, handler)
 
 
+def catches_dump_signal(pid: int) -> bool:
+    """Whether `pid` has a handler for DUMP_SIGNAL (Linux: SigCgt in /proc); its default action is to exit, so a
+    server still importing (before `enable_stack_dumps`) must not get it. False where it cannot be told."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            caught = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    except (OSError, StopIteration, ValueError):
+        return False
+    return bool(caught >> (DUMP_SIGNAL - 1) & 1)
+
+
 def request_dump(pid: int) -> bool:
-    """Ask a process started with `enable_stack_dumps` for its stacks; False when it is gone."""
+    """Ask a process started with `enable_stack_dumps` for its stacks; False when it is gone or has no handler."""
+    if not catches_dump_signal(pid):
+        return False
     try:
         os.kill(pid, DUMP_SIGNAL)
     except ProcessLookupError:

@@ -61,6 +61,8 @@ def test_sustained_counts_tokens_between_first_resend_and_last_send():
     assert sustained(failed, 2)["sustained_output_throughput"] == pytest.approx(1.0)
     assert sustained(sent[:3], 2)["sustained_output_throughput"] is None  # no re-send after the first
     assert sustained(sent, 0)["sustained_output_throughput"] is None  # no concurrency bound (or a request rate)
+    burst = [_req(0.0, 0.9), _req(0.0, 0.9), _req(1.0, 0.5), _req(1.0001, 0.5)]  # both re-sends in one burst
+    assert sustained(burst, 2)["sustained_output_throughput"] is None  # a degenerate window, not 0 tok/s
 
 
 def test_serve_poisson_and_failures_by_code(server, capsys):
@@ -113,6 +115,10 @@ def test_long_prompts_are_drawn_apart_from_the_others():
     for bad in ({"long_share": 1.5}, {"long_share": -0.1}, {"long_len": (2000, 1000)}, {"long_len": (0, 10)}):
         with pytest.raises(ValueError, match="--long"):
             ServeConfig(**{**base.__dict__, **bad})
+    with pytest.raises(ValueError, match="within the other prompts' lengths"):  # 120 >= 110: a mixed split
+        ServeConfig(**{**base.__dict__, "long_share": 0.1, "long_len": (110, 2000)})
+    with pytest.raises(ValueError, match="over tiny's context of 4096"):  # 4090 + 16 output tokens
+        ServeConfig(addr="localhost:1", model="tiny", long_share=0.1, long_len=(4000, 4090))
     assert length_range("16384,32768") == (16384, 32768)
     with pytest.raises(Exception, match="LO,HI"):
         length_range("16k")

@@ -13,7 +13,7 @@ def test_serve_sweep_smoke(tmp_path):
     p = subprocess.run([sys.executable, "-m", "bench.serve_sweep", "--model", "tiny", "--dtype", "float32",
                         "--device", "cpu", "--transport", "gloo", "--max-batch", "4", "--max-seq-len", "256",
                         "--concurrency", "1,4", "--baseline-concurrency", "4", "--input-len", "16",
-                        "--output-len", "12", "--min-prompts", "4", "--out", str(tmp_path)],
+                        "--output-len", "12", "--min-prompts", "4", "--prompts-per-slot", "4", "--out", str(tmp_path)],
                        cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stderr[-3000:]
     result = json.loads((tmp_path / "result.json").read_text())

@@ -3,6 +3,7 @@ SIGKILL; a bench stopped by `timeout` (SIGTERM) dumps its own stacks and its ser
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -13,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from servers import ROOT, colocated_server
 
 from bench.launch import stop
-from kvtransfer.stacks import request_dump
+from kvtransfer.stacks import catches_dump_signal, request_dump
 
 STACK = "most recent call first"  # faulthandler's header, per thread
 
@@ -37,8 +38,8 @@ def test_a_server_dumps_its_stacks_on_sigusr1_and_keeps_serving(tmp_path):
     with colocated_server(tmp_path) as run:
         assert request_dump(run.procs[0].pid)
         log = tmp_path / "colocated.log"
-        _wait_for(log, STACK, 10)
-        assert "serving.py" in log.read_text()  # the main thread, in its event loop
+        _wait_for(log, "serving.py", 10)  # the main thread, in its event loop (written last)
+        assert STACK in log.read_text()
         assert _serving(run.addr) and run.procs[0].poll() is None
 
 
@@ -74,3 +75,45 @@ def test_a_bench_stopped_by_sigterm_leaves_stacks_and_no_servers(tmp_path):
     assert STACK in server, server[-3000:]                 # the server's, asked for before it was stopped
     assert "stopped on SIGTERM" in server, server[-3000:]  # stopped in order, not orphaned
 
+
+
+def test_as_timeout_does_it_the_whole_group_stops_and_no_server_is_left(tmp_path):
+    """`timeout` signals the bench and then its process group, servers included: one SIGTERM handled, no orphan."""
+    logs = tmp_path / "logs"
+    bench = subprocess.Popen([sys.executable, "-m", "bench.cli", "ttft", "--model", "tiny", "--lengths", "16",
+                              "--runs", "10000", "--warmup", "0", "--no-verify", "--log-dir", str(logs)],
+                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    try:
+        _wait_for(logs / "colocated.log", "decode server ready")
+        time.sleep(0.5)
+        os.kill(bench.pid, signal.SIGTERM)
+        os.killpg(bench.pid, signal.SIGTERM)  # the second, as timeout sends it
+        _, err = bench.communicate(timeout=90)
+    finally:
+        if bench.poll() is None:
+            os.killpg(bench.pid, signal.SIGKILL)
+    assert bench.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert STACK in err, err[-3000:]
+    assert "stopped on SIGTERM" in (logs / "colocated.log").read_text()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:  # nothing of the group is left
+        try:
+            os.killpg(bench.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError("a process of the bench's group outlived it")
+
+
+def test_no_dump_request_to_a_process_without_the_handler(tmp_path):
+    """SIGUSR1's default is to exit: a server still importing (no handler yet) is not sent one."""
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        time.sleep(0.5)
+        assert not catches_dump_signal(p.pid) and not request_dump(p.pid)
+        assert p.poll() is None  # still running: nothing was sent
+    finally:
+        p.kill()
+        p.wait()

@@ -90,21 +90,28 @@ def test_abort_on_a_finished_call_sends_nothing():
 
     from decode_server.server import DecodeService
 
-    class Ctx:
-        def __init__(self, done):
-            self.is_done, self.aborted = done, []
+    class Ctx:  # grpc.aio's: done() is "status sent"; a deadline that passed shows as time_remaining() == 0
+        def __init__(self, done, left=None, cancelled=False):
+            self.is_done, self.left, self.is_cancelled, self.aborted = done, left, cancelled, []
 
         def done(self):
             return self.is_done
+
+        def cancelled(self):
+            return self.is_cancelled
+
+        def time_remaining(self):
+            return self.left
 
         async def abort(self, code, message):
             self.aborted.append(code)
             raise grpc.RpcError(message)
 
-    gone, open_ = Ctx(True), Ctx(False)
-    with pytest.raises(asyncio.CancelledError):
-        asyncio.run(DecodeService._abort(gone, grpc.StatusCode.DEADLINE_EXCEEDED, "late"))
-    assert gone.aborted == []
+    for gone in (Ctx(True), Ctx(False, left=0.0), Ctx(False, cancelled=True)):
+        with pytest.raises(asyncio.CancelledError):
+            asyncio.run(DecodeService._abort(gone, grpc.StatusCode.DEADLINE_EXCEEDED, "late"))
+        assert gone.aborted == []
+    open_ = Ctx(False, left=0.05)
     with pytest.raises(grpc.RpcError):
         asyncio.run(DecodeService._abort(open_, grpc.StatusCode.DEADLINE_EXCEEDED, "late"))
     assert open_.aborted == [grpc.StatusCode.DEADLINE_EXCEEDED]
