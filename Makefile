@@ -7,6 +7,9 @@ TORCH_SPEC ?= torch==2.13.0
 # PyPI's Linux torch wheel carries CUDA (GBs): TORCH_INDEX=https://download.pytorch.org/whl/cpu gets the CPU build.
 # Empty: pip's configured index (these machines' serves the CPU build).
 TORCH_INDEX ?=
+# The GPU kernels' CPU checks (interpreter, sm_90 compile) need triton. A CPU torch has none, so this one is put in
+# (3.9.0's interpreter rejects the RoPE kernel's scalar-and-tensor mask); a CUDA torch keeps the triton it pins.
+TRITON_SPEC ?= triton==3.7.0
 
 .PHONY: demo test gpu-test proto clean
 
@@ -15,6 +18,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
 	$(BIN)/pip install -q -e ".[dev]"
+	if $(BIN)/python -c "import sys, torch; sys.exit(torch.version.cuda is not None)"; then \
+		$(BIN)/pip install -q "$(TRITON_SPEC)"; fi
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -4,9 +4,11 @@ Why: CI and the developer machines have no GPU; the interpreter runs the same ke
 (indexing, masks, split-K merge, early exits) on CPU. Run with
 `TRITON_INTERPRET=1 python -m pytest tests/test_kernels_interp.py`; skipped otherwise (the
 variable must be set before triton is imported; `make test` runs it so) or when triton is missing.
-Interpreter caveats (Triton 3.6): fp32 -> bf16 conversion truncates instead of rounding to
+Interpreter caveats (Triton 3.6-3.7): fp32 -> bf16 conversion truncates instead of rounding to
 nearest, and tl.dot on bf16 is wrong (the attention kernel upcasts its dots for CPU tensors),
-so bf16 checks here use >= 1-ulp tolerances; fp32/fp16 checks are tight.
+so bf16 checks here use >= 1-ulp tolerances; fp32/fp16 checks are tight. Triton 3.9.0's
+interpreter refuses the RoPE kernel's mask (a block mask & a scalar: "mask has unsupported
+dtype"); `make test` installs 3.7.0 beside a CPU torch.
 """
 
 from __future__ import annotations
