@@ -30,13 +30,13 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from bench import interference_cli, link, serve
-from kvtransfer.stacks import exit_on_sigterm
 from bench.decode import register_decode
 from bench.offload import OffloadConfig, run_offload, total_steps
 from bench.ttft import TtftConfig, run_ttft
 from bench.ttft import total_steps as ttft_steps
 from bench.report import json_line, print_tables, tables_for, write_outputs
 from kvtransfer.configargs import Parser
+from kvtransfer.stacks import exit_on_sigterm
 from kvtransfer.tiers import TIER_KINDS
 
 

@@ -88,7 +88,7 @@ class ServeConfig:
         if not 0 <= self.long_share <= 1 or not 1 <= self.long_len[0] <= self.long_len[1]:
             raise ValueError(f"--long-share must be in [0, 1] and --long-len-range LO,HI with 1 <= LO <= HI "
                              f"(got {self.long_share:g} and {self.long_len[0]},{self.long_len[1]})")
-        short_max = math.ceil(self.input_len * (1 + self.input_len_range))
+        short_max = self.short_lengths()[1]
         if self.long_share > 0 and short_max >= self.long_len[0]:  # the split by length would mix them up
             raise ValueError(f"--long-len-range starts at {self.long_len[0]}, within the other prompts' lengths "
                              f"(up to {short_max}): start it above")
@@ -100,6 +100,11 @@ class ServeConfig:
         if context is not None and longest > context:
             raise ValueError(f"the longest prompt plus --output-len is {longest} tokens, over {self.model}'s context "
                              f"of {context}: shorten --input-len/--long-len-range or --output-len")
+
+    def short_lengths(self) -> tuple[int, int]:
+        """(lo, hi) of the other prompts' lengths: input_len x [1 - r, 1 + r], at least 1."""
+        lo = max(1, math.floor(self.input_len * (1 - self.input_len_range)))
+        return lo, max(lo, math.ceil(self.input_len * (1 + self.input_len_range)))
 
 
 def length_range(text: str) -> tuple[int, int]:
@@ -121,8 +126,7 @@ def add_long_prompt_flags(p: argparse.ArgumentParser) -> None:
 
 def make_prompts(cfg: ServeConfig) -> list[list[int]]:
     rng = np.random.default_rng(cfg.seed)
-    lo = max(1, math.floor(cfg.input_len * (1 - cfg.input_len_range)))
-    hi = max(lo, math.ceil(cfg.input_len * (1 + cfg.input_len_range)))
+    lo, hi = cfg.short_lengths()
     lens = rng.integers(lo, hi + 1, cfg.num_prompts)
     if cfg.long_share > 0:  # its own stream: without long prompts the prompts stay those of earlier runs
         pick = np.random.default_rng([cfg.seed, 1])
@@ -131,14 +135,18 @@ def make_prompts(cfg: ServeConfig) -> list[list[int]]:
     return [rng.integers(0, cfg.vocab_size, int(n)).tolist() for n in lens]
 
 
+def ttft_and_itl(done: list[dict]) -> tuple[list[float], list[float]]:
+    """Each request's first-token time, and every gap between two tokens, in s."""
+    return [r["times"][0] for r in done], [b - a for r in done for a, b in zip(r["times"], r["times"][1:])]
+
+
 def by_length(done: list[dict], long_from: int) -> dict:
     """TTFT and ITL of the short and the long prompts apart: what a long prefill costs the others shows in the
     short ones' ITL, hidden in a mixed p99."""
     out = {}
     for name, rows in (("short", [r for r in done if r["input_len"] < long_from]),
                        ("long", [r for r in done if r["input_len"] >= long_from])):
-        ttft = [r["times"][0] for r in rows]
-        itl = [b - a for r in rows for a, b in zip(r["times"], r["times"][1:])]
+        ttft, itl = ttft_and_itl(rows)
         out[name] = {"completed": len(rows), **summary(ttft, "ttft"), **summary(itl, "itl")}
     return out
 
@@ -221,10 +229,9 @@ def run_serve(cfg: ServeConfig, step: Step = lambda _: None, metadata=None) -> d
     codes = Counter(r["code"] for r in sent if r["code"])
     t_in = sum(r["input_len"] for r in done)
     t_out = sum(len(r["times"]) for r in done)
-    ttft = [r["times"][0] for r in done]
+    ttft, itl = ttft_and_itl(done)
     e2el = [r["times"][-1] for r in done]
     tpot = [(r["times"][-1] - r["times"][0]) / (len(r["times"]) - 1) for r in done if len(r["times"]) > 1]
-    itl = [b - a for r in done for a, b in zip(r["times"], r["times"][1:])]
     not_sent = len(prompts) - len(sent) if results else 0
     if codes:
         failures.append(f"{sum(codes.values())} requests failed: {dict(codes)}")

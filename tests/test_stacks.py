@@ -88,13 +88,14 @@ def test_as_timeout_does_it_the_whole_group_stops_and_no_server_is_left(tmp_path
         _wait_for(logs / "colocated.log", "decode server ready")
         time.sleep(0.5)
         os.kill(bench.pid, signal.SIGTERM)
-        os.killpg(bench.pid, signal.SIGTERM)  # the second, as timeout sends it
+        time.sleep(0.3)  # the second lands while the first is being handled (timeout sends it at once: merged)
+        os.killpg(bench.pid, signal.SIGTERM)
         _, err = bench.communicate(timeout=90)
     finally:
         if bench.poll() is None:
             os.killpg(bench.pid, signal.SIGKILL)
     assert bench.returncode == 128 + signal.SIGTERM, err[-3000:]
-    assert STACK in err, err[-3000:]
+    assert err.count("Current thread") == 1, err[-3000:]  # handled once: the second did not cut the clean-up
     assert "stopped on SIGTERM" in (logs / "colocated.log").read_text()
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:  # nothing of the group is left
