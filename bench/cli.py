@@ -36,6 +36,7 @@ from bench.ttft import TtftConfig, run_ttft
 from bench.ttft import total_steps as ttft_steps
 from bench.report import json_line, print_tables, tables_for, write_outputs
 from kvtransfer.configargs import Parser
+from kvtransfer.serving import pick_device
 from kvtransfer.stacks import exit_on_sigterm
 from kvtransfer.tiers import TIER_KINDS
 
@@ -52,7 +53,7 @@ def ints(text: str) -> list[int]:
 
 
 def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return str(pick_device("auto"))
 
 
 def with_progress(total: int, work: Callable[[Callable[[str], None]], dict]) -> dict:

@@ -23,6 +23,7 @@ import torch
 
 from kvtransfer.geometry import CacheGeometry
 from kvtransfer.models import DTYPES, ModelSpec, load_model
+from kvtransfer.serving import pick_device
 
 from .decode_measure import Grid, Progress, bandwidth_gbps, budget, time_calls
 from .decode_report import finish_cell, targets
@@ -141,7 +142,7 @@ def engine_context(model, geom: CacheGeometry, ctx: int, batches: list[int], cfg
 
 def run_decode(cfg: DecodeConfig, progress: Progress = lambda _: None) -> dict:
     from bench.decode_hf import hf_context
-    device = torch.device(cfg.device)
+    device = pick_device(cfg.device)
     bw, bw_bytes = bandwidth_gbps(device)
     print(f"decode: device bandwidth {bw:.1f} GB/s ({bw_bytes >> 20} MiB copy)", file=sys.stderr, flush=True)
     model = load_model(ModelSpec(cfg.model, cfg.dtype, cfg.seed), device)

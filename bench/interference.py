@@ -115,7 +115,8 @@ def decode_args(cfg: InterferenceConfig, chunk: int) -> list[str]:
     """The decode server's batching flags for one arm; streams live for the whole arm (the default deadline: 120 s)."""
     return ["--max-batch", str(cfg.max_batch), "--max-seq-len", str(cfg.max_seq_len),
             "--request-timeout-s", f"{2 * WAIT_S:g}",
-            *(["--prefill-chunk", str(chunk)] if chunk else []), *cfg.server_args]
+            *(["--prefill-chunk", str(chunk)] if chunk or "--mixed-prefill" not in cfg.server_args else []),
+            *cfg.server_args]
 
 
 def new_rec(kind: str, ids: list[int]) -> dict:

@@ -3,7 +3,8 @@
 Why apart from the driver: what counts as a stall or as goodput is the claim the bench makes,
 so it is defined once here, on plain lists of seconds, and unit-tested on synthetic times.
 
-Definitions (DESIGN.md, "The benefit side"; every time is the client's perf_counter, seconds):
+Definitions (docs/architecture.md, "Interference: ITL, stall, goodput"; every time is the client's
+perf_counter, seconds):
 - a gap is (a, b): two consecutive tokens of one request; its ITL is b - a. The streams' gaps are
   measured from `start` (every stream had its first token: the ramp-up is not measured) to
   `stop` (streams cancelled): a gap counts when start <= a and b <= stop.

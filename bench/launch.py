@@ -119,7 +119,7 @@ def _running(run: Running, wait: bool, credentials=None):
 
 
 @contextmanager
-def server_pair(log_dir: str | None = None, model="tiny", dtype="float32", prefill_device="auto",
+def server_pair(log_dir: str | None = None, model="tiny", dtype="auto", prefill_device="auto",
                 decode_device="auto", prefill_args=(), decode_args=(), common_args=(), wait=True,
                 credentials: grpc.ChannelCredentials | None = None):
     """Prefill (rank 0) and decode (rank 1) joined by a process group on a free loopback port."""
@@ -138,7 +138,7 @@ def server_pair(log_dir: str | None = None, model="tiny", dtype="float32", prefi
 
 
 @contextmanager
-def colocated_server(log_dir: str | None = None, model="tiny", dtype="float32", device="auto", args=(),
+def colocated_server(log_dir: str | None = None, model="tiny", dtype="auto", device="auto", args=(),
                      credentials: grpc.ChannelCredentials | None = None):
     log_dir = log_dir or tempfile.mkdtemp(prefix="kvt-logs-")
     os.makedirs(log_dir, exist_ok=True)

@@ -1,7 +1,7 @@
 """Raw loopback ceilings of the host network path: a plain TCP socket and raw-bytes gRPC.
 
 Why: the gRPC data plane is judged against what the same machine can move at all
-(DESIGN.md: gRPC >= 80% of a raw TCP socket measured in the same run). This is the gRPC
+(docs/architecture.md, "Targets": gRPC >= 80% of a raw TCP socket measured in the same run). This is the gRPC
 *library's* ceiling (a generic handler, identity serializers, no protobuf copy, client
 streaming in chunks), beside which `bench link` puts kvtransfer's own transport probe
 (bench.grpc_probe.measure_loopback). The receiver runs in its own

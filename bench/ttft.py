@@ -71,8 +71,9 @@ def _timed(addr: str, ids, cfg: TtftConfig, mode: str) -> list[dict]:
 
 
 def engine_args(cfg: TtftConfig) -> list[str]:
-    """The decode server's KV pool sized for these prompts: 2 slots of the longest prompt + its tokens."""
-    return ["--max-batch", "2", "--max-seq-len", str(max(cfg.lengths) + cfg.decode_tokens)]
+    """The decode server's KV pool sized for these prompts: 2 slots of the longest prompt + its tokens; whole-prompt
+    prefill (--exact): the colocated TTFT is one prefill, and the verification compares bit for bit."""
+    return ["--max-batch", "2", "--max-seq-len", str(max(cfg.lengths) + cfg.decode_tokens), "--exact"]
 
 
 def verify_pass(cfg: TtftConfig, prompts: dict[int, list[int]], step: Step) -> dict:

@@ -2,21 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from grpc_health.v1 import health_pb2
 
 from kvtransfer.compat import local_compat
-from kvtransfer.lifecycle import Stop, shut_down
+from kvtransfer.lifecycle import FatalStop, Stop, shut_down
 from kvtransfer.security import ClientSecurity, resolve_token
 from kvtransfer.serving import load, new_health, peer_channel_options, pick_device, run_main, start_metrics
 from kvtransfer.transport import registry
 
 from .config import DecodeConfig
-from .engine import DecodeEngine, EngineOptions
+from .engine import DecodeEngine
 from .handshake import HandshakeRefused
 from .pairing import DecodePairing
 from .server import DecodeService, create_server
+from .sizing import plan_engine
 
 log = logging.getLogger("kvtransfer.decode")
 
@@ -28,20 +30,27 @@ async def serve(config: DecodeConfig) -> None:
                           resolve_token(config.prefill_auth_token, config.prefill_auth_token_file,
                                         "--prefill-auth-token-file"))
     device = pick_device(config.device)
-    loaded = load(config.spec, device, config.deterministic)
+    loaded = load(config.spec(device), device, config.deterministic)
     metrics = start_metrics("decode", config.metrics_port, config.metrics_addr)
-    engine = DecodeEngine(loaded, EngineOptions(config.max_batch, config.max_seq_len, config.cuda_graphs,
-                                                config.prefill_chunk, config.mixed_prefill, config.mixed_max_rows),
-                          on_step=metrics.stepped)
+    backend = None if config.colocated else registry.resolve(config.transport, device.type)
+    receive_slots = 0 if backend is None else config.ipc_slots if backend.name == "cuda_ipc" else 1
+    options, chosen = plan_engine(config, loaded, receive_slots)
+    log.info("%s", chosen)
+    engine = DecodeEngine(loaded, options, on_step=metrics.stepped, on_fatal=stop.fail)
     pairing, health = None, new_health()
-    if not config.colocated:
-        backend = registry.resolve(config.transport, device.type)
+    if backend is not None:
         channel = peer.channel(config.prefill_addr,
                                options=peer_channel_options(config.max_message_bytes, config.peer_keepalive_s))
         pairing = DecodePairing(config, loaded, backend,
-                                local_compat(config.spec, loaded.model, loaded.geometry, config.deterministic),
+                                local_compat(loaded.spec, loaded.model, loaded.geometry, config.deterministic),
                                 channel, peer.metadata(), metrics, health)
+        pairing.watch_fatal(stop.fail)
     service = DecodeService(config, engine, pairing, metrics, peer.metadata())
+
+    def on_fatal(cause: str) -> None:  # on the loop, at once: probes see NOT_SERVING, requests end INTERNAL
+        asyncio.ensure_future(service.health.enter_graceful_shutdown())
+        service.fail_all(cause)
+    stop.on_fatal = on_fatal
     server, port = await create_server(config, service, token=token, health=health)  # the port is ours from here on
     if pairing is not None:
         await pairing.publish()  # NOT_SERVING from the first moment the port answers, until paired
@@ -59,9 +68,11 @@ async def serve(config: DecodeConfig) -> None:
         log.info("decode server ready on port %d (%s; front door %s%s)", port,
                  "colocated" if config.colocated else "disaggregated", front, ", token required" if token else "")
         await stop.event.wait()
-    await shut_down(server, service.health, service.inflight, stop, config.shutdown_grace_s, log, "decode server",
-                    service.end_for_shutdown)
+    await shut_down(server, service.health, service.inflight, stop, 0.0 if stop.fatal else config.shutdown_grace_s,
+                    log, "decode server", service.end_for_shutdown)
     engine.close()
+    if stop.fatal:
+        raise FatalStop(stop.fatal)
 
 
 async def _first_pairing(pairing: DecodePairing) -> None:

@@ -13,7 +13,7 @@ from kvtransfer.configargs import LOG_LEVELS, check_choices, flag, one_line
 from kvtransfer.flagchecks import check_address, check_device, check_dist_init, check_positive
 from kvtransfer.models import ModelSpec
 from kvtransfer.security import check_tls_flags, check_token_flags
-from kvtransfer.serving import CONTROL_MESSAGE_LIMIT, check_message_limit, check_metrics_flags
+from kvtransfer.serving import CONTROL_MESSAGE_LIMIT, check_message_limit, check_metrics_flags, resolve_dtype
 from kvtransfer.transport.registry import options_from
 
 from .mixed import check_mixed_rows
@@ -28,7 +28,8 @@ class DecodeConfig:
     colocated: bool = flag(False, "no prefill peer: this worker prefills itself (the baseline)")
     model: str = flag("tiny", "a preset (tiny, smollm2-135m, qwen2.5-7b: seeded random weights) or a local "
                       "Hugging Face directory; must match the prefill worker's")
-    dtype: str = flag("float32", "weights and KV cache dtype (float32, bfloat16, float16)")
+    dtype: str = flag("auto", "weights and KV cache dtype: auto (bfloat16 on CUDA, float32 on CPU), float32, "
+                      "bfloat16, float16; must match the prefill worker's")
     seed: int = flag(0, "seed of a preset's random weights; must match the prefill worker's")
     device: str = flag("auto", "auto (cuda if available, else cpu), cpu, cuda or cuda:N")
     transport: str = flag("auto", "data plane: auto (nccl on cuda, gloo on cpu), nccl, gloo, grpc, cuda_ipc")
@@ -45,13 +46,23 @@ class DecodeConfig:
     max_prompt_tokens: int = flag(32768, "longest prompt accepted; longer: INVALID_ARGUMENT")
     max_new_tokens: int = flag(4096, "most tokens one request may ask for")
     max_inflight: int = flag(64, "requests admitted at once; beyond it: RESOURCE_EXHAUSTED at once")
-    max_batch: int = flag(16, "KV pool slots: requests decoded together (more wait for a slot)")
-    max_seq_len: int = flag(4096, "tokens per KV pool slot: prompt + max_new_tokens must fit")
+    max_batch: int = flag(0, "KV pool slots: requests decoded together (more wait for a slot); 0: as many slots of "
+                          "--max-seq-len as the pool holds (at most 128; CPU: 16)")
+    max_seq_len: int = flag(0, "tokens per KV pool slot: prompt + max_new_tokens must fit; 0: the model's context, "
+                            "capped by the pool (CPU: at most 4096)")
+    kv_pool_gib: float = flag(0.0, "KV pool size, GiB; 0: what --gpu-memory-utilization leaves after the weights "
+                              "and a prefill workspace (CUDA), 16 slots (CPU)")
+    gpu_memory_utilization: float = flag(0.9, "share of the GPU's memory this server may hold (weights, KV pool, "
+                                         "workspace); two servers on one GPU: split it between them")
     cuda_graphs: bool = flag(True, "capture the decode step as CUDA graphs per batch bucket (CUDA only)")
-    prefill_chunk: int = flag(0, "colocated/recompute prefill: tokens per chunk between decode steps (0: whole)")
-    mixed_prefill: bool = flag(False, "prompt chunks ride in the decode steps' forward (Sarathi-style piggybacking) "
+    prefill_chunk: int = flag(-1, "colocated/recompute prefill: tokens per chunk between decode steps (0: whole; "
+                              "-1: 256-row --mixed-prefill steps on CUDA, whole on CPU)")
+    mixed_prefill: bool | None = flag(None, "prompt chunks ride in the decode steps' forward (Sarathi-style piggybacking) "
                                "instead of running between two steps; --prefill-chunk is then the rows of such a "
-                               "step, decode rows included (>= 2 x --max-batch; 256 on an H200)")
+                               "step, decode rows included (>= 2 x --max-batch; 256 on an H200). Default: on with CUDA when --prefill-chunk "
+                               "is -1")
+    exact: bool = flag(False, "whole-prompt prefill only (no chunked or mixed prefill): a request alone decodes "
+                       "bit-identically colocated and disaggregated (with --deterministic on GPU)")
     mixed_max_rows: int = flag(0, "with --mixed-prefill: also capture steps of 2, 4 .. x --prefill-chunk rows, up to "
                                "this; a step takes the largest size that the prompt tokens waiting fill (drains a "
                                "burst of prompts in fewer steps; those steps' ITL grows). 0: --prefill-chunk only")
@@ -83,26 +94,39 @@ class DecodeConfig:
     metrics_addr: str = flag("127.0.0.1", "where /metrics listens (loopback unless told otherwise)")
     deterministic: bool = flag(False, "deterministic kernels (run-to-run identical logits on GPU; slower)")
     log_level: str = flag("INFO", "log level", choices=LOG_LEVELS)
+    fail_scheduler_after_steps: int = flag(-1, "fault injection (tests): the scheduler thread dies after this many "
+                                           "decode steps (-1: off)")
 
     def __post_init__(self):
-        ModelSpec(self.model, self.dtype, self.seed)
+        ModelSpec(self.model, "float32" if self.dtype == "auto" else self.dtype, self.seed)
         options_from(self, self.transport)  # the backend's options; refuses another backend's flags
         for name in ("max_prompt_tokens", "max_new_tokens", "max_inflight", "max_receive_bytes",
-                     "max_message_bytes", "max_batch", "stream_buffer_tokens"):
+                     "max_message_bytes", "stream_buffer_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-        if self.max_seq_len < 2:
-            raise ValueError("--max-seq-len must be >= 2 (a prompt token and a generated one)")
-        if self.prefill_chunk < 0:
-            raise ValueError("--prefill-chunk must be >= 0 (0: prefill in one piece)")
-        if self.mixed_prefill and self.prefill_chunk < 1:
+        if self.max_batch < 0:
+            raise ValueError("--max-batch must be >= 1, or 0 to fit the pool")
+        if self.max_seq_len < 0 or self.max_seq_len == 1:
+            raise ValueError("--max-seq-len must be >= 2 (a prompt token and a generated one), or 0 for the model's "
+                             "context")
+        if self.kv_pool_gib < 0 or not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("--kv-pool-gib must be >= 0 (0: fit the device) and --gpu-memory-utilization in (0, 1]")
+        if self.kv_pool_gib and self.max_batch and self.max_seq_len:
+            raise ValueError("--kv-pool-gib, --max-batch and --max-seq-len: give at most two, the third follows")
+        if self.prefill_chunk < -1:
+            raise ValueError("--prefill-chunk must be >= 0 (0: prefill in one piece), or -1 for the device's default")
+        if self.exact and (self.prefill_chunk > 0 or self.mixed_prefill):
+            raise ValueError("--exact prefills whole prompts: drop --prefill-chunk/--mixed-prefill, or drop --exact")
+        if self.fail_scheduler_after_steps < -1:
+            raise ValueError("--fail-scheduler-after-steps must be >= 0, or -1 (off)")
+        if self.mixed_prefill and self.prefill_chunk == 0:
             raise ValueError("--mixed-prefill needs --prefill-chunk N (the rows of a step, decode rows included)")
         if self.mixed_max_rows < 0:
             raise ValueError("--mixed-max-rows must be >= 0 (0: steps of --prefill-chunk rows only)")
         if self.mixed_max_rows and not self.mixed_prefill:
             raise ValueError("--mixed-max-rows sizes the steps of --mixed-prefill: add --mixed-prefill, or drop "
                              "--mixed-max-rows")
-        if self.mixed_prefill:
+        if self.mixed_prefill and self.prefill_chunk > 0 and self.max_batch:
             check_mixed_rows(self.prefill_chunk, self.max_batch, self.mixed_max_rows)
         if self.admission_wait_s < 0:
             raise ValueError("--admission-wait-s must be >= 0")
@@ -128,9 +152,9 @@ class DecodeConfig:
         check_token_flags("auth", self.auth_token, self.auth_token_file)
         check_token_flags("prefill-auth", self.prefill_auth_token, self.prefill_auth_token_file)
 
-    @property
-    def spec(self) -> ModelSpec:
-        return ModelSpec(self.model, self.dtype, self.seed)
+    def spec(self, device) -> ModelSpec:
+        """The model on `device`: --dtype auto resolved there."""
+        return ModelSpec(self.model, resolve_dtype(self.dtype, device), self.seed)
 
     def one_line(self) -> str:
         return one_line(self)

@@ -37,6 +37,7 @@ class DataPlane:
         self.link = self.loop = None
         self.stopped: asyncio.Future | None = None  # resolves (with the loop's error) when the current loop stops
         self.old_loops: list[ReceiveLoop] = []  # retired, their threads possibly still blocked
+        self.on_fatal = None  # given to each receive loop: called if one dies of a bug (the server stops)
 
     # --- one pairing's data plane ---
 
@@ -94,7 +95,7 @@ class DataPlane:
         def on_stop():
             aloop.call_soon_threadsafe(lambda: stopped.done() or stopped.set_result(loop.error))
         loop = ReceiveLoop(link, self.m.geometry, self.m.device, self.config.request_timeout_s, self.ledger, name)
-        loop.on_stop = on_stop
+        loop.on_stop, loop.on_fatal = on_stop, self.on_fatal
         self.loop, self.stopped = loop, stopped
         loop.start()
 

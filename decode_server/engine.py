@@ -44,6 +44,7 @@ class EngineOptions:
     mixed_prefill: bool = False  # prompt chunks ride in the decode steps' forward (mixed.py); prefill_chunk is then
     # the rows of such a step, decode rows included (graphs.py checks it is >= 2 x max_batch)
     mixed_max_rows: int = 0  # mixed: steps of 2, 4 .. x prefill_chunk rows too, up to this (0: prefill_chunk only)
+    fail_scheduler_after_steps: int = -1  # fault injection: the scheduler thread dies after this many steps
 
     def __post_init__(self):
         if self.mixed_prefill and self.prefill_chunk < 1:
@@ -51,13 +52,14 @@ class EngineOptions:
 
 
 class DecodeEngine:
-    def __init__(self, loaded: LoadedModel, options: EngineOptions, on_step=None):
+    def __init__(self, loaded: LoadedModel, options: EngineOptions, on_step=None, on_fatal=None):
+        """`on_fatal(what, error)`: called once if the scheduler thread dies (the server must then stop)."""
         self.m, self.options = loaded, options
         self.pool = KVPool(loaded.geometry, loaded.device, options.max_batch, options.max_seq_len)
         self.runner = StepRunner(loaded.model, self.pool)
         self.step = Step(self.runner, options.max_batch, options.cuda_graphs,
                          options.prefill_chunk if options.mixed_prefill else 0, options.mixed_max_rows)
-        self.scheduler = Scheduler(self.step, loaded.device, on_step)
+        self.scheduler = Scheduler(self.step, loaded.device, on_step, on_fatal, options.fail_scheduler_after_steps)
         eos = getattr(loaded.model.config, "eos_token_id", None)
         self.eos = frozenset([eos] if isinstance(eos, int) else (eos or []))
         log.info("decode engine: batch <= %d, %d tokens per slot, step %s%s", options.max_batch, options.max_seq_len,

@@ -50,6 +50,11 @@ class DecodePairing:
         self.up, self.down_reason, self.down_since = False, "not paired yet", time.monotonic()
         self.prefill_instance = self.epoch = 0
         self._task = None
+        self.on_fatal = None  # called if the supervising task dies: the server must stop, not look paired
+
+    def watch_fatal(self, on_fatal) -> None:
+        """`on_fatal(what, error)` when the pairing's task or a receive loop dies of a bug."""
+        self.on_fatal = self.data.on_fatal = on_fatal
 
     # --- the pairing's life ---
 
@@ -57,6 +62,14 @@ class DecodePairing:
         """The first pairing (raises HandshakeRefused: the server exits), then supervise it."""
         await self._pair()
         self._task = asyncio.create_task(self._supervise(), name="pairing")
+        self._task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task) -> None:
+        """The supervising task never returns; if it ended other than by cancel, pairing is over for good."""
+        if task.cancelled() or self.on_fatal is None:
+            return
+        error = task.exception() or RuntimeError("the pairing task returned")
+        self.on_fatal("the pairing task", error)
 
     async def _supervise(self) -> None:
         while True:

@@ -54,6 +54,11 @@ class BufferLedger:
             self.bytes += n
 
 
+# How a link goes down (the transports' TransferError, torch.distributed's errors, sockets): the loop stops and the
+# pairing makes a new one. Anything else escaping the loop is a bug in it, and fatal.
+LINK_ERRORS = (RuntimeError, OSError, TimeoutError, ConnectionError)
+
+
 class ReceiveLoop:
     def __init__(self, link, geometry: CacheGeometry, device: torch.device, finish_timeout_s: float,
                  ledger: BufferLedger | None = None, name: str = "kv-receive"):
@@ -72,6 +77,7 @@ class ReceiveLoop:
         self.retired = False
         self.error: BaseException | None = None
         self.on_stop = None  # called (from this thread) once the loop has stopped for good
+        self.on_fatal = None  # called (from this thread) when it died of a bug, not of its link: the server stops
 
     def start(self) -> None:
         self._thread.start()
@@ -144,8 +150,12 @@ class ReceiveLoop:
         except BaseException as e:  # the link is broken: fail everyone waiting, loudly
             with self._lock:
                 self.error = e
-            (log.info if self.retired else log.error)("receive loop stopped: %s", e)
+            fatal = not isinstance(e, LINK_ERRORS) and not self.retired and self.on_fatal is not None
+            if not fatal:
+                (log.info if self.retired else log.error)("receive loop stopped: %s", e)
             self.fail_pending(f"data plane failed: {e}")
+            if fatal:  # a bug, not a link going down: re-pairing would only meet it again
+                self.on_fatal("the receive loop", e)
             if self.on_stop is not None:
                 self.on_stop()
 

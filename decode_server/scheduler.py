@@ -55,9 +55,22 @@ class StepStats:
 Job = Iterator[None]
 
 
+class EngineFailed(RuntimeError):
+    """The scheduler thread died: every request it held, and every later one, ends with this (INTERNAL)."""
+
+
+class InjectedFault(Exception):
+    """--fail-scheduler-after-steps: the scheduler thread dies on purpose (tests of the server's supervision)."""
+
+
 class Scheduler:
-    def __init__(self, step: Step, device: torch.device, on_step: Callable[[StepStats], None] | None = None):
+    def __init__(self, step: Step, device: torch.device, on_step: Callable[[StepStats], None] | None = None,
+                 on_fatal: Callable[[str, BaseException], None] | None = None, fail_after_steps: int = -1):
         self.step, self.device, self.on_step = step, device, on_step
+        self.on_fatal = on_fatal  # called once, on this thread, if it dies (the server then stops, non-zero)
+        self.fail_after_steps = fail_after_steps
+        self.dead: str | None = None  # why the thread died
+        self._job: tuple[Job, Future] | None = None  # the piece of device work in hand (this thread's)
         self.max_batch = step.max_batch
         self._cond = threading.Condition()
         self._jobs: deque[tuple[Job, Future]] = deque()
@@ -76,6 +89,7 @@ class Scheduler:
         """Run `job` on the device thread between steps; the future gets what the generator returns."""
         fut: Future = Future()
         with self._cond:
+            self._refuse_if_dead()
             if self._closed:
                 raise RuntimeError("the decode scheduler is stopped")
             self._jobs.append((job, fut))
@@ -85,6 +99,7 @@ class Scheduler:
     def submit_mixed(self, task: MixedPrefill) -> Future:
         """Hand out `task`'s chunks one per step, each in the same forward as the decode rows (mixed.py)."""
         with self._cond:
+            self._refuse_if_dead()
             if self._closed:
                 raise RuntimeError("the decode scheduler is stopped")
             self._tasks.append(task)
@@ -101,8 +116,15 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         """Its cache is complete in its slot: it joins at the next step."""
         with self._cond:
-            self._joining.append(seq)
-            self._cond.notify()
+            if self.dead is None:
+                self._joining.append(seq)
+                self._cond.notify()
+                return
+        self._end(seq, Ended(EndCause.ENGINE_FAILED, self.dead))
+
+    def _refuse_if_dead(self) -> None:
+        if self.dead is not None:
+            raise EngineFailed(self.dead)
 
     def active(self) -> int:
         with self._cond:
@@ -117,25 +139,59 @@ class Scheduler:
     # --- the device thread ---
 
     def _run(self) -> None:
+        """The thread: its loop, and if anything escapes it, every request ends INTERNAL and the server is told."""
+        try:
+            self._loop()
+        except BaseException as e:  # noqa: BLE001 - a dead scheduler must never look alive
+            self._die(e)
+
+    def _die(self, error: BaseException) -> None:
+        with self._cond:
+            self.dead = (f"the decode engine stopped: its scheduler thread died ({type(error).__name__}: {error}); "
+                         "the server is exiting, retry on another replica")
+            jobs, self._jobs = list(self._jobs), deque()
+            tasks, self._tasks = [*self._active, *self._tasks], deque()
+            joining, self._joining = self._joining, []
+            self._active = []
+        for s in self.running + joining:
+            if not s.over:
+                self._end(s, Ended(EndCause.ENGINE_FAILED, self.dead))
+        self.running = []
+        if self._job is not None:  # the piece of work in hand (its future is running)
+            jobs.append(self._job)
+        for _, fut in jobs:
+            if not fut.done():
+                fut.set_exception(EngineFailed(self.dead))
+        for task in tasks:
+            if not task.future.done():
+                task.future.set_exception(EngineFailed(self.dead))
+        if self.on_fatal is not None:
+            self.on_fatal("the decode scheduler thread", error)
+        else:
+            log.error("the decode scheduler thread died", exc_info=error)
+
+    def _loop(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        job: tuple[Job, Future] | None = None
+        self._job = None
         pending: InFlight | None = None
         while True:
             with self._cond:
-                while not (self._closed or self._jobs or self._joining or self.running or job or pending
+                while not (self._closed or self._jobs or self._joining or self.running or self._job or pending
                            or self._tasks or self._active):
                     self._cond.wait()
                 if self._closed:
                     break
-                while job is None and self._jobs:
-                    job = self._jobs.popleft()
-                    if not job[1].set_running_or_notify_cancel():  # cancelled while queued (its request gave up)
-                        job[0].close()
-                        job = None
+                if 0 <= self.fail_after_steps <= self.steps:
+                    raise InjectedFault(f"injected after {self.steps} steps (--fail-scheduler-after-steps)")
+                while self._job is None and self._jobs:
+                    self._job = self._jobs.popleft()
+                    if not self._job[1].set_running_or_notify_cancel():  # cancelled while queued (its request gave up)
+                        self._job[0].close()
+                        self._job = None
                 joining, self._joining = self._joining, []
-            if job is not None and self._advance(*job):
-                job = None
+            if self._job is not None and self._advance(*self._job):
+                self._job = None
             self.running.extend(joining)
             self._drop_stopped(pending)
             newer = None

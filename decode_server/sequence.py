@@ -32,6 +32,7 @@ class EndCause(enum.Enum):
     SLOW_READER = "slow reader"  # the client left too many tokens unread
     STEP_FAILED = "step failed"  # the device step raised
     SHUTDOWN = "shutdown"  # the server is stopping
+    ENGINE_FAILED = "engine failed"  # the scheduler thread died: nothing will decode here again
 
 
 @dataclass(frozen=True)

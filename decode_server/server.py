@@ -33,6 +33,7 @@ from .config import DecodeConfig
 from .engine import DecodeEngine
 from .pairing import DecodePairing
 from .remote import PeerFailure, RequestError
+from .scheduler import EngineFailed
 from .sequence import EndCause, Ended, Sequence
 from .streams import Mailbox, TokenStream, acquire_slot
 
@@ -41,7 +42,8 @@ log = logging.getLogger("kvtransfer.decode")
 KNOWN_MODES = {m.proto for m in REQUEST_MODES}
 SHUTDOWN_MESSAGE = f"{SHUTTING_DOWN}: --shutdown-grace-s passed before this request finished; retry elsewhere"
 END_STATUS = {EndCause.REQUEST_ENDED: grpc.StatusCode.CANCELLED, EndCause.SLOW_READER: grpc.StatusCode.RESOURCE_EXHAUSTED,
-              EndCause.STEP_FAILED: grpc.StatusCode.INTERNAL, EndCause.SHUTDOWN: grpc.StatusCode.UNAVAILABLE}
+              EndCause.STEP_FAILED: grpc.StatusCode.INTERNAL, EndCause.SHUTDOWN: grpc.StatusCode.UNAVAILABLE,
+              EndCause.ENGINE_FAILED: grpc.StatusCode.INTERNAL}
 
 
 @dataclass
@@ -64,6 +66,7 @@ class DecodeService(pbg.DecodeServicer):
         self.metrics = metrics or Metrics("decode")
         self.inflight = Inflight(self.metrics)
         self._mailbox: Mailbox | None = None  # tokens from the scheduler thread to this server's loop, one wake a burst
+        self.failed = ""  # set by fail_all: a thread the server depends on died; every request ends INTERNAL
         self.metrics.inflight.set_function(lambda: self.admit.count)
         self.metrics.pool_slots.set_function(engine.pool.used)
         self.metrics.running.set_function(engine.scheduler.active)
@@ -117,6 +120,8 @@ class DecodeService(pbg.DecodeServicer):
     async def Generate(self, request, context):
         with self.inflight.request(context) as r:  # counts the request's one outcome when it ends
             try:
+                if self.failed:
+                    await self._abort(context, grpc.StatusCode.INTERNAL, self.failed)
                 if self.inflight.draining:
                     await self._abort(context, grpc.StatusCode.UNAVAILABLE, f"{SHUTTING_DOWN}; retry elsewhere")
                 await self._validate(request, context)
@@ -129,13 +134,31 @@ class DecodeService(pbg.DecodeServicer):
                             yield msg
                             r.at_yield = False
                             if r.ending:
-                                await self._abort(context, grpc.StatusCode.UNAVAILABLE, SHUTDOWN_MESSAGE)
+                                await self._abort(context, *self._ending(r))
                 finally:
                     self.admit.leave()
+            except EngineFailed as e:  # the scheduler thread died under this request
+                await self._abort(context, grpc.StatusCode.INTERNAL, str(e))
             except asyncio.CancelledError:
-                if r.ending:  # the shutdown's grace is over: end with a status, not a silent cancel
-                    await self._abort(context, grpc.StatusCode.UNAVAILABLE, SHUTDOWN_MESSAGE)
+                if r.ending:  # the shutdown's grace is over (or the server failed): a status, not a silent cancel
+                    await self._abort(context, *self._ending(r))
                 raise
+
+    @staticmethod
+    def _ending(r) -> tuple[grpc.StatusCode, str]:
+        return (r.end_code, r.end_message) if r.end_code is not None else (grpc.StatusCode.UNAVAILABLE,
+                                                                             SHUTDOWN_MESSAGE)
+
+    def fail_all(self, cause: str) -> None:
+        """A thread the server depends on died (`cause`): new requests are refused, and every waiting or in-flight
+        one ends INTERNAL saying so (one at a `yield` when its client reads on; the others now)."""
+        self.failed = message = f"this server failed and is exiting: {cause}; retry on another replica"
+        self.inflight.draining = True
+        for r in list(self.inflight.requests):
+            r.ending, r.end_code, r.end_message = True, grpc.StatusCode.INTERNAL, message
+            if r.seq is not None:
+                r.seq.stop(message, EndCause.ENGINE_FAILED)
+            end_by_cancel(r)
 
     async def _admitted(self, request, context, r):
         deadline = time.perf_counter() + request_budget(context.time_remaining(), self.config.request_timeout_s)
@@ -152,6 +175,8 @@ class DecodeService(pbg.DecodeServicer):
 
     def end_for_shutdown(self, r) -> None:
         """The grace is over: a decoding request's sequence ends UNAVAILABLE at the next step; others are cancelled."""
+        if r.end_code is not None:  # already ended by fail_all
+            return
         if r.seq is not None:
             r.seq.stop(SHUTDOWN_MESSAGE, EndCause.SHUTDOWN)
         else:

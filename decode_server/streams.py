@@ -5,8 +5,9 @@ batch. Tokens cross from the scheduler's thread to the servicer's event loop thr
 unbounded asyncio queue whose use is bounded by a count: a client that leaves more than
 `limit` tokens unread has its sequence stopped (its slot freed at the next step), and its
 stream ends with RESOURCE_EXHAUSTED saying so.
-Admission: a request waits for a free slot at most `wait_s` and never past its deadline;
-then it is refused with RESOURCE_EXHAUSTED naming the flag that sizes the pool.
+Admission: a request waits for a free slot at most `wait_s` and never past its deadline. When its
+deadline ends the wait it ends DEADLINE_EXCEEDED saying it waited for a slot; when `wait_s` does, it is
+refused with RESOURCE_EXHAUSTED naming the flag that sizes the pool.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ async def acquire_slot(pool: KVPool, deadline: float, wait_s: float) -> Lease:
     instead of each waiter polling, which at 31 waiters and a 5 ms poll took ~6,000 loop wake-ups a
     second from the thread the device work shares the GIL with.
     """
-    give_up = min(deadline, time.perf_counter() + wait_s)
+    waited_until = time.perf_counter() + wait_s
+    give_up = min(deadline, waited_until)
     loop = asyncio.get_running_loop()
     freed = asyncio.Event()
 
@@ -48,7 +50,13 @@ async def acquire_slot(pool: KVPool, deadline: float, wait_s: float) -> Lease:
             try:
                 return pool.try_lease()
             except PoolFull:
-                left = give_up - time.perf_counter()
+                now = time.perf_counter()
+                left = give_up - now
+                if left <= 0 and deadline < waited_until:  # the request's own deadline ended the wait
+                    raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                       f"the request's deadline passed while it waited for a KV pool slot (all "
+                                       f"{pool.slots} busy, --max-batch {pool.slots}); give it more time or retry "
+                                       "later") from None
                 if left <= 0:
                     raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                        f"all {pool.slots} KV pool slots are busy (--max-batch {pool.slots}) and none "

@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls) -> None:
         if not help_text:
             raise TypeError(f"{cls.__name__}.{f.name} has no help: declare it with flag(default, help)")
         default = f.default if f.default is not MISSING else f.default_factory()
-        if isinstance(default, bool):
+        if isinstance(default, bool) or (default is None and "bool" in str(f.type)):  # None: auto, unless given
             parser.add_argument(flag_name(f.name), action=argparse.BooleanOptionalAction, default=default,
                                 help=help_text)
         else:

@@ -2,7 +2,7 @@
 
 Why: on H200 decode logits from the same cache differ run to run at >= 4k tokens in the
 default mode. Bit-identical comparisons need deterministic kernels; timings must not use
-them (DESIGN.md: never mix the two in one figure).
+them (docs/architecture.md, "Exactness and determinism": never mix the two in one figure).
 """
 
 from __future__ import annotations

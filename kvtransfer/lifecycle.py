@@ -10,6 +10,11 @@ Why this stop: Kubernetes sends SIGTERM and waits terminationGracePeriodSeconds.
 NOT_SERVING at once (probes take the replica out), new calls are refused with UNAVAILABLE,
 requests in flight get --shutdown-grace-s to finish, the rest end UNAVAILABLE "server shutting
 down", then the process exits 0 with one log line.
+
+Why a fatal stop too: a server whose engine died must never look healthy. When a thread or task it
+depends on dies (the decode scheduler, the receive loop, the pairing), `Stop.fail` logs the traceback
+once and wakes the server: health turns NOT_SERVING, every waiting or in-flight request ends INTERNAL
+with the cause, and the process exits EXIT_FATAL, so a supervisor (systemd, Kubernetes) restarts it.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import threading
 import time
 import weakref
 from contextlib import contextmanager
@@ -30,6 +36,13 @@ SHUTTING_DOWN = "server shutting down"
 DEADLINE_SLACK_S = 0.05
 DEADLINE_MARGIN_S = 0.1  # a server ends a request this far (at most a quarter of the time left) before the client's
 END_WAIT_S = 10.0  # after the grace: how long requests told to end get to send their status
+EXIT_FATAL = 70  # EX_SOFTWARE: a thread the server depends on died (a signal stop exits 0, a bad flag 2)
+
+log = logging.getLogger("kvtransfer")
+
+
+class FatalStop(Exception):
+    """`serve` ends with this after a fatal stop: the process exits EXIT_FATAL."""
 
 
 def request_budget(remaining: float | None, limit: float) -> float:
@@ -65,6 +78,8 @@ class Request:
     task_ref: weakref.ref
     at_yield: bool = False  # suspended at a `yield` (then cancelling its task would leave its client waiting)
     ending: bool = False    # told to end (shutdown): it aborts UNAVAILABLE at its next step
+    end_code: grpc.StatusCode | None = None  # ... or with this status and message (a fatal stop: INTERNAL)
+    end_message: str = ""
     seq: object = field(default=None)  # the decode side's Sequence, once it runs in the batch
 
     @property
@@ -120,14 +135,37 @@ def end_by_cancel(r: Request) -> None:
 
 
 class Stop:
-    """Set by the first SIGTERM or SIGINT (installed on the running loop)."""
+    """Set by the first SIGTERM or SIGINT (installed on the running loop), or by `fail` from any thread."""
 
     def __init__(self):
         self.event = asyncio.Event()
         self.signal = ""
-        loop = asyncio.get_running_loop()
+        self.fatal = ""  # set by `fail`: why the server must stop and exit non-zero
+        self._lock = threading.Lock()
+        self._loop = loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on, sig)
+
+    def fail(self, what: str, error: BaseException) -> None:
+        """`what` died of `error` (any thread, once: later calls are ignored): its traceback logged, the server
+        woken to stop. Health goes NOT_SERVING at once through `on_fatal`, which the server installs."""
+        with self._lock:
+            if self.fatal:
+                return
+            self.fatal = f"{what} died: {type(error).__name__}: {error}"
+        log.error("%s; the server stops and exits %d", self.fatal, EXIT_FATAL,
+                  exc_info=(type(error), error, error.__traceback__))
+        try:
+            self._loop.call_soon_threadsafe(self._fail_now)
+        except RuntimeError:  # the loop is closed: the process is exiting already
+            pass
+
+    def _fail_now(self) -> None:
+        if self.on_fatal is not None:
+            self.on_fatal(self.fatal)
+        self.event.set()
+
+    on_fatal = None  # the server's immediate reaction on its loop (health NOT_SERVING, requests ended)
 
     def _on(self, sig: signal.Signals) -> None:
         if not self.event.is_set():
@@ -160,5 +198,6 @@ async def shut_down(server: grpc.aio.Server, health, inflight: Inflight, stop: S
     count, ended = await inflight.drain(grace_s, end)
     await server.stop(1.0)
     log.info("%s stopped on %s in %.1f s: %d requests in flight, %d finished, %d ended UNAVAILABLE "
-             "(--shutdown-grace-s %g)", role, stop.signal or "request", time.monotonic() - t0, count,
+             "(--shutdown-grace-s %g)", role, stop.signal or ("a failure" if stop.fatal else "request"),
+             time.monotonic() - t0, count,
              count - ended, ended, grace_s)

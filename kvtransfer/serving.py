@@ -79,17 +79,35 @@ def check_message_limit(max_message_bytes: int, max_prompt_tokens: int) -> None:
                          f"{max_prompt_tokens}: use at least {need}")
 
 
-def pick_device(name: str) -> torch.device:
+def pick_device(name: str, flag: str = "--device") -> torch.device:
+    """The device a server or bench runs on, always with an index on CUDA.
+
+    Why the index: `torch.cuda.set_device` (the scheduler and receive threads call it) refuses an index-less
+    `cuda`, and a worker thread that dies at start leaves a server that answers health but serves nothing.
+    A CUDA index that does not exist is refused here, naming the flag (the servers exit 2).
+    """
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(name)
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"--device {name}: no CUDA device here; use --device cpu")
+            raise ValueError(f"{flag} {name}: no CUDA device here; use {flag} cpu")
+        count = torch.cuda.device_count()
         if dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
+        elif dev.index >= count:
+            raise ValueError(f"{flag} {name}: this machine has {count} CUDA device(s), cuda:0..cuda:{count - 1}")
         torch.cuda.set_device(dev)
     return dev
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> str:
+    """--dtype auto: bfloat16 on CUDA (the kernels and published checkpoints), float32 on CPU (bit-exact against
+    the HF forward, which the CPU tests rely on). Both workers resolve it alike on like devices; the handshake
+    refuses a mismatch, naming --dtype."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if device.type == "cuda" else "float32"
 
 
 @dataclass
@@ -235,6 +253,7 @@ def run_main(config_cls, argv, description: str, serve, logger: logging.Logger, 
     import sys
 
     from .configargs import from_args
+    from .lifecycle import EXIT_FATAL, FatalStop
     from .stacks import enable_stack_dumps
     config = from_args(config_cls, argv, description, prog)
     enable_stack_dumps()  # kill -USR1 PID: every thread's stack in the log
@@ -249,3 +268,6 @@ def run_main(config_cls, argv, description: str, serve, logger: logging.Logger, 
     except ValueError as e:
         logger.error("cannot start: %s", e)
         sys.exit(2)
+    except FatalStop as e:  # its traceback was logged when it happened
+        logger.error("exiting %d: %s", EXIT_FATAL, e)
+        sys.exit(EXIT_FATAL)

@@ -25,7 +25,7 @@ async def serve(config: PrefillConfig) -> None:
     stop = Stop()
     token = resolve_token(config.auth_token, config.auth_token_file)
     device = pick_device(config.device)
-    loaded = load(config.spec, device, config.deterministic)
+    loaded = load(config.spec(device), device, config.deterministic)
     backend = registry.resolve(config.transport, device.type)
     options = registry.options_from(config, backend.name)
     metrics = start_metrics("prefill", config.metrics_port, config.metrics_addr)
@@ -46,7 +46,7 @@ async def serve(config: PrefillConfig) -> None:
             raise ValueError(f"cannot host the rendezvous store at --dist-init {config.dist_init}: {e}") from None
         log.info("model loaded on %s; rendezvous store at %s, waiting for the decode peer (%s)", device,
                  config.dist_init, backend.name)
-    service = PrefillService(config, worker, local_compat(config.spec, loaded.model, loaded.geometry,
+    service = PrefillService(config, worker, local_compat(loaded.spec, loaded.model, loaded.geometry,
                                                           config.deterministic), backend, connect, metrics, store)
     server, port = await create_server(config, service, token=token)
     await server.start()

@@ -13,7 +13,7 @@ from kvtransfer.flagchecks import check_address, check_device, check_dist_init, 
 from kvtransfer.models import ModelSpec
 from kvtransfer.security import check_tls_flags, check_token_flags
 from kvtransfer.transport.registry import options_from
-from kvtransfer.serving import CONTROL_MESSAGE_LIMIT, check_message_limit, check_metrics_flags
+from kvtransfer.serving import CONTROL_MESSAGE_LIMIT, check_message_limit, check_metrics_flags, resolve_dtype
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,8 @@ class PrefillConfig:
     listen: str = flag("127.0.0.1:50061", "gRPC control plane, HOST:PORT (loopback unless told otherwise)")
     model: str = flag("tiny", "a preset (tiny, smollm2-135m, qwen2.5-7b: seeded random weights) or a local "
                       "Hugging Face directory; must match the decode worker's")
-    dtype: str = flag("float32", "weights and KV cache dtype (float32, bfloat16, float16)")
+    dtype: str = flag("auto", "weights and KV cache dtype: auto (bfloat16 on CUDA, float32 on CPU), float32, "
+                      "bfloat16, float16; must match the decode worker's")
     seed: int = flag(0, "seed of a preset's random weights; must match the decode worker's")
     device: str = flag("auto", "auto (cuda if available, else cpu), cpu, cuda or cuda:N")
     transport: str = flag("auto", "data plane: auto (nccl on cuda, gloo on cpu), nccl, gloo, grpc, cuda_ipc")
@@ -62,7 +63,7 @@ class PrefillConfig:
     log_level: str = flag("INFO", "log level", choices=LOG_LEVELS)
 
     def __post_init__(self):
-        ModelSpec(self.model, self.dtype, self.seed)  # validates model and dtype
+        ModelSpec(self.model, "float32" if self.dtype == "auto" else self.dtype, self.seed)  # validates both
         options_from(self, self.transport)  # the backend's options; refuses another backend's flags
         for name in ("max_prompt_tokens", "max_inflight", "max_message_bytes"):
             if getattr(self, name) < 1:
@@ -84,9 +85,9 @@ class PrefillConfig:
         check_tls_flags("data-tls", self.data_tls_cert, self.data_tls_key, self.data_tls_ca, server=False)
         check_token_flags("auth", self.auth_token, self.auth_token_file)
 
-    @property
-    def spec(self) -> ModelSpec:
-        return ModelSpec(self.model, self.dtype, self.seed)
+    def spec(self, device) -> ModelSpec:
+        """The model on `device`: --dtype auto resolved there."""
+        return ModelSpec(self.model, resolve_dtype(self.dtype, device), self.seed)
 
     def one_line(self) -> str:
         return one_line(self)

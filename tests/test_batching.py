@@ -50,24 +50,39 @@ def test_short_request_is_not_stuck_behind_a_long_one(tmp_path, arm):
         assert asyncio.run(finish_order(run.addr)) == ["short", "long"]
 
 
+async def _refused_beside_a_hog(addr: str, port: int, timeout: float) -> grpc.aio.AioRpcError:
+    """A hog takes the only slot; the error of a request sent then (client deadline `timeout`); the hog cancelled."""
+    hog = asyncio.create_task(generate(addr, SHORT, 3000, timeout=120))
+    while scrape(port, "kvt_kv_pool_slots_used") < 1:
+        await asyncio.sleep(0.05)
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await generate(addr, SHORT, 4, timeout=timeout)
+    hog.cancel()
+    return e.value
+
+
 def test_full_pool_waits_then_refuses_naming_the_flag(tmp_path):
     port = free_port()
     with colocated_server(tmp_path, args=["--max-batch", "1", "--admission-wait-s", "0.3", "--metrics-port",
                                           str(port)]) as run:
-        async def scenario():
-            hog = asyncio.create_task(generate(run.addr, SHORT, 3000, timeout=120))
-            while scrape(port, "kvt_kv_pool_slots_used") < 1:
-                await asyncio.sleep(0.05)
-            with pytest.raises(grpc.aio.AioRpcError) as e:
-                await generate(run.addr, SHORT, 4, timeout=30)
-            hog.cancel()
-            return e.value
-        err = asyncio.run(scenario())
+        err = asyncio.run(_refused_beside_a_hog(run.addr, port, timeout=30))
         assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-batch" in err.details()
         deadline = time.monotonic() + 10
         while scrape(port, "kvt_kv_pool_slots_used") != 0 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert scrape(port, "kvt_kv_pool_slots_used") == 0  # the cancelled hog gave its slot back
+        assert len(asyncio.run(generate(run.addr, SHORT, 4, timeout=30))["tokens"]) == 4
+
+
+def test_a_request_whose_deadline_ends_its_slot_wait_is_deadline_exceeded(tmp_path):
+    """--admission-wait-s 30, the client's deadline 0.6 s: the request ends DEADLINE_EXCEEDED saying it waited for a
+    slot (not RESOURCE_EXHAUSTED naming --admission-wait-s), and the server serves on."""
+    port = free_port()
+    with colocated_server(tmp_path, args=["--max-batch", "1", "--admission-wait-s", "30", "--metrics-port",
+                                          str(port)]) as run:
+        err = asyncio.run(_refused_beside_a_hog(run.addr, port, timeout=0.6))
+        assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "waited for a KV pool slot" in err.details(), \
+            err.details()
         assert len(asyncio.run(generate(run.addr, SHORT, 4, timeout=30))["tokens"]) == 4
 
 

@@ -1,7 +1,7 @@
 """Offload bench and CLI on the tiny preset: every field there, every check True, one JSON line.
 
 Why: the table is only worth publishing if its verification cannot silently pass and its
-derived figures (speed-up, break-even) follow the definitions in DESIGN.md.
+derived figures (speed-up, break-even) follow the definitions in docs/architecture.md, "Bench definitions".
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ def tiny_qwen2():
     m = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa").eval()
     _seeded_init_(m, 3)
     g = torch.Generator().manual_seed(3)
-    with torch.no_grad():  # norm weights of their own (the presets' are all 1): a norm read in the wrong place shows
+    with torch.no_grad():  # norm weights of their own, spread wider than the presets' 1 + N(0, 0.02)
         for name, p in m.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
@@ -290,3 +290,28 @@ def test_a_waiting_request_is_woken_by_the_free_not_by_polling(monkeypatch):
         assert not pool._listeners
         got.release()
     asyncio.run(scenario())
+
+
+def test_a_deadline_that_ends_the_slot_wait_is_deadline_exceeded():
+    """The request's own deadline (0.2 s) comes before --admission-wait-s (30 s): DEADLINE_EXCEEDED saying it waited
+    for a slot, at the deadline; RESOURCE_EXHAUSTED is only for --admission-wait-s running out."""
+    import asyncio
+    import time
+
+    import grpc
+
+    from decode_server import streams
+    from decode_server.remote import RequestError
+
+    pool = KVPool(CacheGeometry(1, 1, 2, torch.float32), torch.device("cpu"), slots=1, max_seq=4)
+
+    async def scenario():
+        held = pool.try_lease()
+        t0 = time.perf_counter()
+        with pytest.raises(RequestError) as e:
+            await asyncio.wait_for(streams.acquire_slot(pool, deadline=t0 + 0.2, wait_s=30), timeout=10)
+        assert time.perf_counter() - t0 < 5  # not --admission-wait-s
+        held.release()
+        return e.value
+    err = asyncio.run(scenario())
+    assert err.code is grpc.StatusCode.DEADLINE_EXCEEDED and "waited for a KV pool slot" in err.message, err.message

@@ -192,7 +192,8 @@ def test_config_refuses_inconsistent_security(tmp_path, pki):
 
 
 def test_no_pickle_or_eval_in_the_code():
-    """No unpickling, eval or exec anywhere in the shipped packages (DESIGN.md: typed messages only)."""
+    """No unpickling, eval or exec anywhere in the shipped packages (docs/architecture.md, "Control plane:
+    typed messages only")."""
     banned_modules = {"pickle", "cPickle", "dill", "cloudpickle", "marshal", "shelve"}
     found = []
     for pkg in ("kvtransfer", "prefill_server", "decode_server", "bench", "proto", "deploy"):

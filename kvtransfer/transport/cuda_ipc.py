@@ -1,9 +1,10 @@
 """cuda_ipc backend: one box; the prefill GPU's copy engine writes straight into decode-GPU memory.
 
 Why: on NVLink the link is not the cost; NCCL kernels take SMs from prefill and per-layer
-host work slows a launch-bound prefill (DESIGN). A peer copy (cudaMemcpyAsync within one
-GPU or between two) runs on copy engines and uses no SMs. The decode side owns a pool of
-receive slots and shares each once per connection as a CUDA IPC memory handle; the
+host work slows a launch-bound prefill (docs/architecture.md, "Layer-wise vs bulk on NVLink").
+A peer copy (cudaMemcpyAsync within one GPU or between two) runs on copy engines and uses no
+SMs. The decode side owns a pool of receive slots and shares each once per connection as a
+CUDA IPC memory handle; the
 prefill side maps them once and creates one interprocess event per (slot, layer), whose
 handles go the other way once. Per layer the sender records, waits, launches one copy
 into the slot on a side stream, records the layer's event and writes a 17-byte "landed"

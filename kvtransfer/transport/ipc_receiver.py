@@ -1,7 +1,7 @@
 """cuda_ipc, decode side: the receive pool, the handshake, and one request's receiver.
 
 Why the cache is a view into its slot: the decode worker uses the received K/V in place
-(DESIGN: no copies of the received cache on the decode side), so the slot stays held
+(docs/architecture.md, "No copies of the received cache on the decode side"), so the slot stays held
 until the cache's tensors are gone. Each request's block is a fresh tensor over the slot;
 every K/V handed out is a view of it, and a finalizer on it sends RELEASE when the last
 view dies (or `release()` is called; at once on abort, timeout or a sender's abort).
