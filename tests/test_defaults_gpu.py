@@ -9,15 +9,16 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
+import sys
 
 import pytest
 import torch
 
-from bench.launch import free_port, spawn, stop, wait_serving
+from bench.launch import ROOT, free_port, spawn, stop, wait_serving
 from decode_server.client import generate
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-PROMPT = list(range(1, 600))  # longer than one 256-row mixed step
+PROMPT = [1 + i % 500 for i in range(600)]  # longer than one 256-row mixed step; ids inside tiny's vocabulary
 
 
 @pytest.mark.parametrize("device", [None, "auto", "cuda", "cuda:0"])
@@ -53,8 +54,8 @@ def test_the_pair_on_one_gpu_with_defaults_serves(tmp_path):
 def test_a_cuda_device_that_does_not_exist_exits_2_naming_the_flag(tmp_path):
     missing = f"cuda:{torch.cuda.device_count()}"
     for module in ("decode_server", "prefill_server"):
-        out = subprocess.run(["python3", "-m", module, "--device", missing, "--listen", f"127.0.0.1:{free_port()}",
+        out = subprocess.run([sys.executable, "-m", module, "--device", missing, "--listen", f"127.0.0.1:{free_port()}",
                               *(["--colocated"] if module == "decode_server" else [])],
                              capture_output=True, text=True, timeout=120,
-                             env=dict(os.environ, PYTHONPATH=os.getcwd()))
+                             env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")))
         assert out.returncode == 2 and f"--device {missing}" in out.stderr + out.stdout, out.stderr[-2000:]
