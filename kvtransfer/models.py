@@ -85,13 +85,20 @@ def load_config(name: str):
 
 @torch.no_grad()
 def _seeded_init_(model: torch.nn.Module, seed: int) -> None:
-    """Overwrite every parameter from a generator seeded per name: independent of init order."""
+    """Overwrite every parameter from a generator seeded per name: independent of init order.
+
+    RMSNorm weights are 1 + N(0, 0.02), not HF's 1.0: were every norm weight 1, a test against the HF forward
+    could not tell one norm's weight from another's (input_layernorm's read where post_attention_layernorm's
+    belongs). They are drawn in float64 by a CPU generator, so they are the same bits on every device and CPU
+    (float32 draws take a vectorized path on AVX2 machines only), then rounded to the model's dtype."""
     for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+        name_seed = (seed * 1_000_003 + zlib.crc32(name.encode())) & 0x7FFF_FFFF_FFFF
         if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
-            p.fill_(1.0)
+            g = torch.Generator().manual_seed(name_seed)
+            p.copy_(torch.empty(p.shape, dtype=torch.float64).normal_(1.0, 0.02, generator=g))
             continue
         g = torch.Generator(device=p.device)
-        g.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) & 0x7FFF_FFFF_FFFF)
+        g.manual_seed(name_seed)
         if name.endswith(".bias"):
             p.normal_(0.0, 0.02, generator=g)
         else:

@@ -50,11 +50,15 @@ class Case:
 
 
 async def outcome(case: Case, t: Target) -> tuple[grpc.StatusCode, str]:
+    """(code, details). A call that answers (a response, a stream's messages) ends OK: a wrongly accepted
+    case then fails on its status, named as OK, not on unpacking the answer."""
     try:
         got = await case.call(t)
     except grpc.aio.AioRpcError as e:
         return e.code(), e.details() or ""
-    return got if got is not None else (grpc.StatusCode.OK, "")
+    if isinstance(got, tuple) and len(got) == 2 and isinstance(got[0], grpc.StatusCode):
+        return got
+    return grpc.StatusCode.OK, "" if got is None else f"answered with {type(got).__name__}"
 
 
 async def raw_unary(t: Target, addr: str, method: str, payload: bytes, timeout: float = 10, metadata=None):

@@ -6,16 +6,20 @@ registry, with non-default options, and run the halves in two threads (in-proces
 or two real processes (gloo, gRPC). Every layer's contents are checked, through
 `wait_for_layer` as it lands (the sender paces its layers, so a receiver that hands out a
 layer before it arrived shows stale bytes), and in a destination provider's pool (views of
-a bigger tensor: every byte outside them must stay untouched).
+a bigger tensor: every byte outside them must stay untouched). A header no receiver may accept
+(zero-size, over the receive limit, too many layers) is put on the wire as it is: the receive side's
+one validator (frames.py) must refuse it whatever the backend, not only where a test builds raw frames.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
 
 from kvtransfer.transport import TransferError, TransferHeader, TransferState
+from kvtransfer.transport.frames import MAX_LAYERS
 
 DIE = None  # set by a harness: how a receive half dies (two processes: exit hard; in-process: close the link)
 PACE_S = 0.05  # between paced layers
@@ -305,6 +309,65 @@ def r_dead_receiver(link, dev):
     DIE(link)
 
 
+# --- insane headers: whatever the backend, the receiver refuses them at `accept` with its one validator ---
+
+INSANE = {  # scenario -> (a header no receiver may accept, what its refusal says)
+    "insane_zero_size": (header(20, 0), "must be >= 1"),
+    "insane_huge_seq": (header(20, 2**32 - 1), "exceeds the receive limit"),  # the largest seq_len every wire carries
+    "insane_layer_count": (dataclasses.replace(header(20, 3), num_layers=MAX_LAYERS + 1), "layers exceed"),
+}
+SENT, REFUSED_AT_OPEN = 21, 22  # the next request's id: whether the insane header left the sender
+_LEFT_OPEN: list = []  # the insane frame's sender on a link that does not survive it: kept until the process ends
+
+
+def insane_header(name: str):
+    """An insane header (one of INSANE) is refused at `accept` with cause `protocol`, holding no memory.
+
+    The sender puts it on the wire unchanged, then, where the link survives a failed request, sends
+    request SENT, which must arrive whole. A sender may refuse
+    it at `open` before anything leaves (cuda_ipc: a request must fit the receiver's slot); it then sends
+    request REFUSED_AT_OPEN instead, so the receive half knows there is no frame to refuse.
+    """
+    bad, words = INSANE[name]
+
+    def send(link, dev):
+        try:
+            s = link.open(bad)
+        except TransferError as e:
+            assert e.cause == "protocol", f"the sender refused {bad} with {e}"
+            send_all(link, header(REFUSED_AT_OPEN, 3), dev)
+            return
+        if type(link).survives_failed_request:
+            s.abort("an insane header, sent on purpose")
+            send_all(link, header(SENT, 3), dev)
+        else:  # the stream is out of step after a refused header: nothing more on this link
+            _LEFT_OPEN.append(s)
+
+    def recv(link, dev):
+        survives, refused = type(link).survives_failed_request, None
+        while True:  # in arrival order: gRPC's streams may deliver request SENT before the refusal
+            try:
+                r = link.accept(timeout=30)
+            except TransferError as e:
+                assert refused is None, f"one insane header, two refusals: {refused}; {e}"
+                assert e.cause == "protocol" and words in str(e), f"{name}: {e!r}; expected protocol, {words!r}"
+                refused = e.with_traceback(None)
+                if not survives:
+                    return
+                continue
+            rid = r.header.request_id
+            assert rid in (SENT, REFUSED_AT_OPEN), f"{name}: the receiver accepted {r.header}"
+            check_received(r, header(rid, 3))
+            if rid == REFUSED_AT_OPEN:
+                assert refused is None, f"the sender refused {name} at open, yet a frame was refused: {refused}"
+                return
+            if refused is not None:
+                assert link.inflight() == 0, "the refused request holds receive memory"
+                return
+
+    return send, recv
+
+
 SCENARIOS = {
     "roundtrip": (s_roundtrip, r_roundtrip),
     "many": (s_many, r_many),
@@ -316,6 +379,7 @@ SCENARIOS = {
     "misuse": (s_misuse, r_misuse),
     "silent_peer": (s_silent_peer, r_silent_peer),
     "dead_receiver": (s_dead_receiver, r_dead_receiver),
+    **{name: insane_header(name) for name in INSANE},
 }
 
 

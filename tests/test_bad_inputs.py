@@ -2,14 +2,24 @@
 
 Why each case ends with a good request: a refusal is only correct if the servers are
 still whole after it (no leaked in-flight slot, no data plane out of step, no dead loop).
-Two pairs serve all cases: `main` (message limit 64 KiB, --max-new-tokens 1000) and
-`tight` (--max-inflight 1, --max-receive-bytes 48 tokens' worth) for the limits.
+Two configurations serve all cases: `main` (message limit 64 KiB, --max-new-tokens 1000)
+and `tight` (--max-inflight 1, --max-receive-bytes 48 tokens' worth) for the limits.
+
+Why cases share a pair only while it is unchanged: a pair takes tens of seconds to start
+on a small machine, so one per case is too slow, yet a case that changes the servers (a
+handshake wrongly accepted starts a new pairing and the data plane is down until the decode
+side pairs again) must fail alone, not the unrelated cases after it. So after every case
+the prefill server must not have accepted a handshake (its log counts the pairings) and a
+good request must succeed; a case that fails in any way discards its pair, and the next
+case starts on a fresh one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 import time
+from contextlib import ExitStack, contextmanager
 
 import grpc
 import pytest
@@ -167,26 +177,93 @@ def compat(tiny_fp32) -> pb.Compat:
                         False)
 
 
+ACCEPTED = re.compile(r"handshake from decode instance \w+: pairing epoch \d+")  # prefill_server/pairing.py
+
+
+def accepted_handshakes(prefill_log: str) -> int:
+    """How many handshakes the prefill server accepted (each starts a pairing); the whole log, not a tail."""
+    with open(prefill_log) as f:
+        return len(ACCEPTED.findall(f.read()))
+
+
+class Servers:
+    """One pair for the cases of a configuration, until a case fails: the next case then gets a fresh pair."""
+
+    def __init__(self, tmp_path_factory, compat: pb.Compat, name: str, **pair_args):
+        self.tmp_path_factory, self.compat, self.name, self.pair_args = tmp_path_factory, compat, name, pair_args
+        self.target: Target | None = None
+        self.prefill_log, self.pairings = "", 0
+        self._stack: ExitStack | None = None
+
+    def get(self) -> Target:
+        if self.target is None:
+            with ExitStack() as stack:
+                run = stack.enter_context(server_pair(self.tmp_path_factory.mktemp(self.name), **self.pair_args))
+                self.prefill_log = run.logs[0]
+                self.pairings = accepted_handshakes(self.prefill_log)
+                assert self.pairings >= 1, \
+                    f"the pairing is not in the prefill log as {ACCEPTED.pattern!r}:\n{run.log_text()}"
+                self.target = Target(run.addr, run.prefill_addr, self.compat, log_text=run.log_text)
+                self._stack = stack.pop_all()
+        return self.target
+
+    def discard(self) -> None:
+        stack, self._stack, self.target = self._stack, None, None
+        if stack is not None:
+            stack.close()
+
+    def same_pairing(self, what: str) -> None:
+        now = accepted_handshakes(self.prefill_log)
+        assert now == self.pairings, (f"{what}: the prefill server accepted {now - self.pairings} handshake(s), "
+                                      f"each a new pairing\n{self.target.log_text()}")
+
+    @contextmanager
+    def case(self, what: str):
+        """One case on this pair, which must keep its pairing; a case that fails in any way discards the pair."""
+        try:
+            yield self.get()
+            self.same_pairing(what)
+        except BaseException:
+            self.discard()
+            raise
+
+
 @pytest.fixture(scope="module")
-def main(tmp_path_factory, compat):
+def main_servers(tmp_path_factory, compat):
     limits = ["--max-message-bytes", str(MSG_LIMIT), "--max-prompt-tokens", "5000"]
-    with server_pair(tmp_path_factory.mktemp("main"), prefill_args=limits,
-                     decode_args=[*limits, "--max-new-tokens", "1000"]) as run:
-        yield Target(run.addr, run.prefill_addr, compat, log_text=run.log_text)
+    servers = Servers(tmp_path_factory, compat, "main", prefill_args=limits,
+                      decode_args=[*limits, "--max-new-tokens", "1000"])
+    yield servers
+    servers.discard()
 
 
 @pytest.fixture(scope="module")
-def tight(tmp_path_factory, compat):
-    with server_pair(tmp_path_factory.mktemp("tight"), prefill_args=["--warmup-tokens", "16"],
-                     decode_args=["--max-inflight", "1", "--max-receive-bytes", str(RECEIVE_LIMIT)]) as run:
-        yield Target(run.addr, run.prefill_addr, compat, log_text=run.log_text)
+def tight_servers(tmp_path_factory, compat):
+    servers = Servers(tmp_path_factory, compat, "tight", prefill_args=["--warmup-tokens", "16"],
+                      decode_args=["--max-inflight", "1", "--max-receive-bytes", str(RECEIVE_LIMIT)])
+    yield servers
+    servers.discard()
 
 
-def check(case: Case, t: Target) -> None:
-    code, details = asyncio.run(outcome(case, t))
-    assert code == case.code, f"{case.name}: {code} {details!r}"
-    assert any(w in details for w in case.words), f"{case.name}: {details!r} names none of {case.words}"
-    assert len(good_request(t, case.slot_wait_s)["tokens"]) == 2, case.name
+@pytest.fixture
+def main(main_servers) -> Servers:
+    main_servers.get()  # a fresh pair after a failed case starts here, in set-up
+    return main_servers
+
+
+@pytest.fixture
+def tight(tight_servers) -> Servers:
+    tight_servers.get()
+    return tight_servers
+
+
+def check(case: Case, servers: Servers) -> None:
+    with servers.case(case.name) as t:
+        code, details = asyncio.run(outcome(case, t))
+        servers.same_pairing(case.name)
+        assert code == case.code, f"{case.name}: {code} {details!r}"
+        assert any(w in details for w in case.words), f"{case.name}: {details!r} names none of {case.words}"
+        assert len(good_request(t, case.slot_wait_s)["tokens"]) == 2, case.name
 
 
 @pytest.mark.parametrize("case", MAIN, ids=lambda c: c.name)

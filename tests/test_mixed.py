@@ -290,3 +290,43 @@ def test_a_larger_step_counts_only_the_prompts_that_can_ride_in_it(tiny, monkeyp
         _settle(e, leases, t)
     finally:
         e.close()
+
+
+def test_the_oldest_prompt_gets_each_steps_first_prompt_rows(tiny, monkeypatch):
+    """Three 40-token prompts queued together (--prefill-chunk 17: 16 prompt rows a step): each step's first rows
+    go to the oldest prompt not yet handed out, a newer one starts only in the rows that the older ones leave, and
+    the prompts finish in the order they came. A prompt that jumped ahead would starve those queued before it,
+    yet every token would stay right: only this order shows it."""
+    import threading
+
+    from decode_server.graphs import Step
+
+    prompts = [random_prompt(tiny.config.vocab_size, 40, seed=30 + s)[0].tolist() for s in range(3)]
+    pieces, mixed = [], Step.mixed  # every mixed step's chunks as (slot, start, tokens)
+
+    def recording(self, tokens, positions, slots, chunks):
+        pieces.append([(c.slot, c.start, c.ids.shape[0]) for c in chunks])
+        return mixed(self, tokens, positions, slots, chunks)
+    monkeypatch.setattr(Step, "mixed", recording)
+    e = _engine(tiny, prefill_chunk=17, mixed_prefill=True)
+    try:
+        gate, finished = threading.Event(), []
+        held = e.scheduler.call(gate.wait, 60)  # the device thread waits: the next step sees all three queued
+        leases = [e.pool.try_lease() for _ in prompts]
+        futs = [e.prefill(p, lease, False) for p, lease in zip(prompts, leases)]
+        for i, f in enumerate(futs):
+            f.add_done_callback(lambda _, i=i: finished.append(i))
+        gate.set()
+        held.result(timeout=60)
+        for f in futs:
+            f.result(timeout=60)
+        name = {lease.slot: "abc"[i] for i, lease in enumerate(leases)}
+        steps = [[(name[slot], start, n) for slot, start, n in step] for step in pieces]
+        assert steps == [[("a", 0, 16)], [("a", 16, 16)], [("a", 32, 8), ("b", 0, 8)], [("b", 8, 16)],
+                         [("b", 24, 16)], [("c", 0, 16)], [("c", 16, 16)], [("c", 32, 8)]]
+        assert finished == [0, 1, 2]
+        for lease in leases:
+            lease.release()
+        assert e.pool.used() == 0
+    finally:
+        e.close()

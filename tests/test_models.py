@@ -77,9 +77,24 @@ def test_same_seed_same_weights_other_seed_differs(dtype):
     assert sa.keys() == sb.keys() == sc.keys()
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
     assert fc != fa
-    # every non-norm weight actually depends on the seed
-    differing = {k for k in sa if not torch.equal(sa[k], sc[k])}
-    assert differing == {k for k in sa if not k.endswith("norm.weight")}
+    # every weight, the norms' included, actually depends on the seed
+    assert all(not torch.equal(sa[k], sc[k]) for k in sa)
+
+
+def test_norm_weights_are_seeded_near_one_and_differ_per_norm():
+    """1 + N(0, 0.02), not HF's 1.0: with every norm weight 1, a test against the HF forward could not tell
+    input_layernorm's weight from post_attention_layernorm's."""
+    model = load_model(ModelSpec("tiny", "float32"))
+    norms = {k: v for k, v in model.state_dict().items() if k.endswith("norm.weight")}
+    assert len(norms) == 2 * model.config.num_hidden_layers + 1  # ln1 and ln2 of each layer, the final norm
+    values = torch.cat(list(norms.values()))
+    assert (values != 1.0).all() and (values - 1.0).abs().max() < 0.1
+    assert abs(values.std().item() - 0.02) < 0.005
+    for layer in model.model.layers:
+        assert not torch.equal(layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+    # drawn on the CPU in float64: these bits on every machine and device (seen the same on an H200's CUDA build)
+    assert model.model.layers[0].input_layernorm.weight[:3].tolist() == [1.0095640420913696, 0.9773878455162048,
+                                                                         1.021064043045044]
 
 
 def test_fingerprint_differs_between_dtypes(tiny_fp32, tiny_bf16):
