@@ -31,9 +31,12 @@ TEST_WORKERS ?= 2
 
 # Then the Triton kernels under the interpreter (TRITON_INTERPRET must be set before triton is imported, so it is a
 # run of its own; ~40 s). The main run compiles every kernel for sm_90 (tests/test_kernels_sm90_compile.py).
+# Last, the restart-churn test alone (~3 min): each cycle must serve again within 15 s of a restart, and a worker's
+# start is mostly its imports (~8 s here), which another test file's servers beside it would stretch.
 test: $(STAMP)
-	$(BIN)/python -m pytest -m "not gpu and not gpu2" -q -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -m "not gpu and not gpu2 and not churn" -q -n $(TEST_WORKERS) --dist loadfile
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests/test_kernels_interp.py
+	$(BIN)/python -m pytest -m churn -q -s tests/test_churn.py
 
 # On a GPU machine (its python3 with torch already there): make gpu-test
 gpu-test:

@@ -183,15 +183,20 @@ def cmd_link(args: argparse.Namespace) -> int:
     return finish(args, with_progress(link.total_steps(cfg), lambda step: link.run_link(cfg, step)))
 
 
+def serve_config(args: argparse.Namespace) -> serve.ServeConfig:
+    """`serve`'s flags as its config; ValueError (a usage error, exit 2) says which flag to fix."""
+    return serve.ServeConfig(addr=args.addr, num_prompts=args.num_prompts, concurrency=args.concurrency,
+                             request_rate=args.request_rate, input_len=args.input_len,
+                             input_len_range=args.input_len_range, output_len=args.output_len,
+                             vocab_size=args.vocab_size, model=args.model, mode=args.mode, warmup=args.warmup,
+                             seed=args.seed, timeout_s=args.timeout, max_duration_s=args.max_duration,
+                             server_metrics=args.server_metrics, long_share=args.long_share,
+                             long_len=args.long_len_range)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     try:
-        cfg = serve.ServeConfig(addr=args.addr, num_prompts=args.num_prompts, concurrency=args.concurrency,
-                                request_rate=args.request_rate, input_len=args.input_len,
-                                input_len_range=args.input_len_range, output_len=args.output_len,
-                                vocab_size=args.vocab_size, model=args.model, mode=args.mode, warmup=args.warmup,
-                                seed=args.seed, timeout_s=args.timeout, max_duration_s=args.max_duration,
-                                server_metrics=args.server_metrics, long_share=args.long_share,
-                                long_len=args.long_len_range)
+        cfg = serve_config(args)
         token = args.auth_token or (Path(args.auth_token_file).read_text().strip() if args.auth_token_file else "")
     except (ValueError, OSError) as e:
         args.parser.error(str(e))
@@ -232,7 +237,7 @@ def register_serve(sub) -> None:
     p.add_argument("--output-len", type=int, default=16)
     serve.add_long_prompt_flags(p)
     p.add_argument("--vocab-size", type=int, help="token ids uniform in [0, vocab) (or give --model)")
-    p.add_argument("--model", help="preset or local dir whose vocabulary the server uses")
+    p.add_argument("--model", help="the server's --model (preset or local dir): its vocabulary and context")
     p.add_argument("--mode", default="auto", help="auto, layerwise, bulk or colocated")
     p.add_argument("--warmup", type=int, default=1, help="requests before the clock starts")
     p.add_argument("--seed", type=int, default=0)

@@ -80,7 +80,8 @@ class ServeConfig:
         if self.input_len < 1 or self.output_len < 1 or not 0 <= self.input_len_range < 1:
             raise ValueError("input and output lengths must be >= 1 and the range ratio in [0, 1)")
         if self.vocab_size is None and self.model is None:
-            raise ValueError("give --vocab-size or --model (a preset or local dir) so token ids stay in the vocabulary")
+            raise ValueError("add --model with the server's --model (a preset such as qwen2.5-7b or tiny, or its "
+                             "local dir), or --vocab-size N: the token ids must stay in the server's vocabulary")
         if (self.vocab_size or 1) < 1 or self.mode not in MODES or self.warmup < 0:
             raise ValueError(f"vocab size >= 1, warmup >= 0, mode one of {', '.join(MODES)}")
         if self.timeout_s <= 0 or self.max_duration_s <= 0:

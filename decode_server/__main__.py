@@ -32,7 +32,11 @@ async def serve(config: DecodeConfig) -> None:
     device = pick_device(config.device)
     loaded = load(config.spec(device), device, config.deterministic)
     metrics = start_metrics("decode", config.metrics_port, config.metrics_addr)
+    metrics.export_peer_up(not config.colocated)  # colocated: no peer, no kvt_peer_up (its 0 reads as a pair down)
     backend = None if config.colocated else registry.resolve(config.transport, device.type)
+    if backend is not None and backend.rendezvous is registry.Rendezvous.PROCESS_GROUP:
+        from kvtransfer.transport.rendezvous import store_address
+        store_address(config.dist_init)  # env:// without MASTER_ADDR/PORT: exit 2 now, not after the handshake
     receive_slots = 0 if backend is None else config.ipc_slots if backend.name == "cuda_ipc" else 1
     options, chosen = plan_engine(config, loaded, receive_slots)
     log.info("%s", chosen)
@@ -70,6 +74,8 @@ async def serve(config: DecodeConfig) -> None:
         await stop.event.wait()
     await shut_down(server, service.health, service.inflight, stop, 0.0 if stop.fatal else config.shutdown_grace_s,
                     log, "decode server", service.end_for_shutdown)
+    if pairing is not None:
+        await pairing.close()
     engine.close()
     if stop.fatal:
         raise FatalStop(stop.fatal)

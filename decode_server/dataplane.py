@@ -25,6 +25,7 @@ from .remote import PEER_CODES, PeerFailure, Remote, RequestError
 
 log = logging.getLogger("kvtransfer.decode")
 S = grpc.StatusCode
+QUIESCE_POLL_S = 0.05  # a stopping peer: how often to look whether its transfers in flight arrived
 
 
 class DataPlane:
@@ -38,6 +39,7 @@ class DataPlane:
         self.stopped: asyncio.Future | None = None  # resolves (with the loop's error) when the current loop stops
         self.old_loops: list[ReceiveLoop] = []  # retired, their threads possibly still blocked
         self.on_fatal = None  # given to each receive loop: called if one dies of a bug (the server stops)
+        self.closing = False  # the server is stopping: a join in progress gives up
 
     # --- one pairing's data plane ---
 
@@ -62,7 +64,7 @@ class DataPlane:
         log.info("joining process group epoch %d as rank 1 (%s)", resp.epoch, self.transport)
         store = await asyncio.to_thread(open_store, c.dist_init, 1, c.dist_timeout_s)
         await asyncio.to_thread(join_pair, 1, store, pairing_prefix(resp.instance_id, resp.epoch), self.m.device,
-                                c.dist_timeout_s, c.dist_op_timeout_s)
+                                c.dist_timeout_s, c.dist_op_timeout_s, lambda: self.closing)
         self._start_loop(self._new_link(), f"kv-receive-{resp.epoch}")
 
     async def down(self, reason: str) -> None:
@@ -84,7 +86,7 @@ class DataPlane:
     def _new_link(self):
         c, g = self.config, self.m.geometry
         # no valid frame is larger than a --max-prompt-tokens cache (cuda_ipc: the size of one receive slot)
-        max_bytes = min(c.max_receive_bytes, g.cache_bytes(c.max_prompt_tokens))
+        max_bytes = self.receive_limit()
         return registry.receiver_link(self.transport, self.m.device, self.options, address=c.data_listen,
                                       max_bytes=max_bytes, max_layers=g.num_layers)
 
@@ -160,3 +162,18 @@ class DataPlane:
 
     def pending(self) -> int:
         return self.loop.pending() if self.loop else 0
+
+    def receive_limit(self) -> int:
+        """The largest frame accepted (announced at the handshake, so the peer refuses what would not fit)."""
+        c, g = self.config, self.m.geometry
+        return min(c.max_receive_bytes, g.cache_bytes(c.max_prompt_tokens))
+
+    async def quiesce(self, timeout_s: float) -> bool:
+        """Wait (at most `timeout_s`) until no request waits for a frame, or the receive loop stopped; True when
+        nothing was left waiting."""
+        deadline = time.monotonic() + timeout_s
+        while self.pending() and not (self.stopped is not None and self.stopped.done()):
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(QUIESCE_POLL_S)
+        return not self.pending()

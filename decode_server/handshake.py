@@ -12,7 +12,7 @@ import time
 
 import grpc
 
-from kvtransfer.compat import mismatch
+from kvtransfer.compat import mismatch, relayed
 from proto import kvtransfer_pb2 as pb
 from proto import kvtransfer_pb2_grpc as pbg
 
@@ -42,7 +42,7 @@ async def handshake(stub: pbg.PrefillStub, compat: pb.Compat, transport, timeout
             break
         except grpc.aio.AioRpcError as e:
             if e.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAUTHENTICATED):
-                raise HandshakeRefused(f"prefill peer refused the handshake: {e.details()}") from None
+                raise HandshakeRefused(f"{where} refused the handshake: {relayed(e.details() or '')}") from None
             now = time.monotonic()
             if now > deadline:
                 raise HandshakeRefused(f"{where} did not answer the handshake within {timeout_s:g} s "
@@ -51,9 +51,9 @@ async def handshake(stub: pbg.PrefillStub, compat: pb.Compat, transport, timeout
                 log.info("waiting for %s: %.0f s so far, giving up after %g s (--handshake-timeout-s)", where,
                          now - start, timeout_s)
                 next_log = now + WAIT_LOG_S
-    problem = mismatch(compat, resp.compat)
+    problem = mismatch(compat, resp.compat, here="this decode worker", peer="prefill worker")
     if problem:
-        raise HandshakeRefused(f"prefill peer refused: {problem}")
+        raise HandshakeRefused(f"refused {where}: {problem}")
     log.info("handshake ok: %s %s fingerprint %s", resp.compat.model, resp.compat.dtype,
              resp.compat.weights_fingerprint)
     return resp

@@ -15,16 +15,22 @@ from grpc_health.v1 import health_pb2
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
-async def watch_peer(health_stub, metadata) -> str:
-    """Return once the peer stops serving or the channel breaks; the reason."""
+STOPPING = "the prefill worker reports NOT_SERVING (it is stopping, or its data plane failed)"
+
+
+async def watch_peer(health_stub, metadata, armed: asyncio.Event) -> str:
+    """Return once the peer stops serving or the channel breaks; the reason (STOPPING: the peer still answers, so
+    what it has in flight may still arrive). Opened before the handshake, it waits for the peer to be up; a
+    NOT_SERVING counts only once `armed` is set (our pairing is up): the handshake itself turns the peer
+    NOT_SERVING for a moment, which must not end the pairing it starts."""
     seen_serving = False
-    call = health_stub.Watch(health_pb2.HealthCheckRequest(), metadata=metadata)
+    call = health_stub.Watch(health_pb2.HealthCheckRequest(), metadata=metadata, wait_for_ready=True)
     try:
         async for r in call:
             if r.status == SERVING:
                 seen_serving = True
-            elif seen_serving:
-                return "the prefill worker reports NOT_SERVING (its data plane failed)"
+            elif seen_serving and armed.is_set():
+                return STOPPING
         return "the prefill worker ended the liveness watch"
     except grpc.aio.AioRpcError as e:
         return f"control channel to the prefill worker lost ({e.code().name}: {e.details()})"
@@ -32,9 +38,9 @@ async def watch_peer(health_stub, metadata) -> str:
         call.cancel()
 
 
-async def until_down(health_stub, metadata, data_stopped: asyncio.Future | None) -> str:
-    """Wait until the pairing ends (peer gone, or the data plane's receive loop stopped); returns why."""
-    watch = asyncio.ensure_future(watch_peer(health_stub, metadata))
+async def until_down(watch: asyncio.Future, data_stopped: asyncio.Future | None) -> str:
+    """Wait until the pairing ends (`watch`, a running watch_peer, returns, or the data plane's receive loop
+    stopped); returns why."""
     waits = {watch} | ({data_stopped} if data_stopped is not None else set())
     done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     if watch not in done:

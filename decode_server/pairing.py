@@ -26,12 +26,13 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvtransfer.serving import DECODE_INSTANCE_KEY
 from proto import kvtransfer_pb2 as pb
 from proto import kvtransfer_pb2_grpc as pbg
 
 from .dataplane import DataPlane
 from .handshake import HandshakeRefused, handshake
-from .liveness import until_down
+from .liveness import STOPPING, until_down, watch_peer
 from .remote import PeerFailure, Remote
 
 log = logging.getLogger("kvtransfer.decode")
@@ -50,6 +51,8 @@ class DecodePairing:
         self.up, self.down_reason, self.down_since = False, "not paired yet", time.monotonic()
         self.prefill_instance = self.epoch = 0
         self._task = None
+        self._watch: asyncio.Future | None = None  # the liveness watch; opened before each handshake
+        self._armed = asyncio.Event()  # set once a pairing is up: the watch's NOT_SERVING counts from then
         self.on_fatal = None  # called if the supervising task dies: the server must stop, not look paired
 
     def watch_fatal(self, on_fatal) -> None:
@@ -59,8 +62,24 @@ class DecodePairing:
     # --- the pairing's life ---
 
     async def start(self) -> None:
-        """The first pairing (raises HandshakeRefused: the server exits), then supervise it."""
-        await self._pair()
+        """The first pairing, then supervise it. A refusal, or no pairing within --handshake-timeout-s, raises
+        HandshakeRefused (the server exits 2); a join that failed is tried again until then."""
+        deadline, delay = time.monotonic() + self.config.handshake_timeout_s, 0.5
+        while True:
+            try:
+                await self._pair()
+                break
+            except HandshakeRefused:
+                raise
+            except Exception as e:  # a rendezvous that timed out or failed (RuntimeError)
+                await self.data.drop_group("the pairing failed")
+                if time.monotonic() + delay > deadline:
+                    raise HandshakeRefused(f"could not pair with the prefill worker at {self.config.prefill_addr} "
+                                           f"within --handshake-timeout-s {self.config.handshake_timeout_s:g} s: "
+                                           f"{e}") from None
+                log.warning("pairing failed: %s; trying again", e)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
         self._task = asyncio.create_task(self._supervise(), name="pairing")
         self._task.add_done_callback(self._ended)
 
@@ -74,11 +93,11 @@ class DecodePairing:
     async def _supervise(self) -> None:
         while True:
             try:
-                reason = await until_down(self.health_stub, self.metadata, self.data.stopped)
+                reason = await until_down(self._watch, self.data.stopped)
             except Exception as e:  # a bug here must not leave the server believing the pair is up
                 log.exception("liveness watch failed")
                 reason = f"liveness watch failed: {e!r}"
-            await self._down(reason)
+            await self._down(reason, quiesce=reason == STOPPING)
             delay = 0.5
             while True:
                 try:
@@ -95,8 +114,11 @@ class DecodePairing:
 
     async def _pair(self) -> None:
         address = self.data.listen()
+        self._armed.clear()
+        if self._watch is None or self._watch.done():  # open before the handshake: the peer sees us alive
+            self._watch = asyncio.ensure_future(watch_peer(self.health_stub, self._watch_metadata(), self._armed))
         resp = await handshake(self.stub, self.compat, self.transport, self.config.handshake_timeout_s,
-                               self.config.max_receive_bytes, self.metadata, address, self.instance_id,
+                               self.data.receive_limit(), self.metadata, address, self.instance_id,
                                self.config.prefill_addr)
         if self.prefill_instance and resp.instance_id != self.prefill_instance:
             log.warning("the prefill worker restarted (instance %x -> %x)", self.prefill_instance, resp.instance_id)
@@ -104,10 +126,25 @@ class DecodePairing:
         self.prefill_instance, self.epoch = resp.instance_id, resp.epoch
         self.metrics.pairings.inc()
         await self._set_up(True, "")
+        self._armed.set()
         log.info("paired with prefill instance %x, epoch %d (%s)", resp.instance_id, resp.epoch, self.transport)
 
-    async def _down(self, reason: str) -> None:
+    def _watch_metadata(self):
+        return (*(self.metadata or ()), (DECODE_INSTANCE_KEY, f"{self.instance_id:x}"))
+
+    async def close(self) -> None:
+        """At the stop: no more pairing; a join in progress gives up, the liveness watch ends."""
+        self.data.closing = True
+        for task in (self._task, self._watch):
+            if task is not None:
+                task.cancel()
+
+    async def _down(self, reason: str, quiesce: bool = False) -> None:
+        """The pairing ended: new requests are refused at once. When the peer still answers (it is stopping),
+        what it has in flight is waited for (bounded by --peer-timeout-s); the rest fails now."""
         await self._set_up(False, reason)
+        if quiesce and await self.data.quiesce(self.config.peer_timeout_s):
+            log.info("prefill peer stopping: its transfers in flight arrived")
         log.warning("prefill peer down: %s; failing waiting requests (--on-failure %s) and pairing again", reason,
                     self.config.on_failure)
         await self.data.down(reason)

@@ -100,12 +100,17 @@ class DecodeService(pbg.DecodeServicer):
             pass
         elif not 1 <= new <= c.max_new_tokens:
             problem = f"max_new_tokens is {new}; use 1..{c.max_new_tokens} (--max-new-tokens)"
-        elif n + new > context_len:
-            problem = (f"prompt ({n}) + max_new_tokens ({new}) exceeds the model's context of {context_len} tokens; "
-                       f"ask for at most {context_len - n} new tokens")
-        elif n + new > (slot := self.engine.pool.max_seq):
-            problem = (f"prompt ({n}) + max_new_tokens ({new}) = {n + new} tokens exceeds this server's KV slot of "
-                       f"{slot} tokens (--max-seq-len); ask for fewer tokens or raise --max-seq-len")
+        elif n + new > min(context_len, slot := self.engine.pool.max_seq):  # advise the bound that binds
+            if slot >= context_len:
+                problem = (f"prompt ({n}) + max_new_tokens ({new}) exceeds the model's context of {context_len} "
+                           f"tokens; ask for at most {context_len - n} new tokens")
+            elif n >= slot:
+                problem = (f"prompt ({n}) leaves no room to generate in this server's KV slot of {slot} tokens "
+                           f"(--max-seq-len); send at most {slot - 1} prompt tokens or raise --max-seq-len")
+            else:
+                problem = (f"prompt ({n}) + max_new_tokens ({new}) = {n + new} tokens exceeds this server's KV slot "
+                           f"of {slot} tokens (--max-seq-len); ask for at most {slot - n} new tokens or raise "
+                           "--max-seq-len")
         elif request.mode not in KNOWN_MODES:
             problem = f"unknown mode {request.mode}; use AUTO, LAYERWISE, BULK or COLOCATED"
         elif request.mode != pb.MODE_COLOCATED and not c.colocated:

@@ -190,12 +190,15 @@ class Stop:
 
 
 async def shut_down(server: grpc.aio.Server, health, inflight: Inflight, stop: Stop, grace_s: float,
-                    log: logging.Logger, role: str, end=end_by_cancel) -> None:
-    """Health NOT_SERVING, drain within the grace, end the rest, stop the server; one log line."""
+                    log: logging.Logger, role: str, end=end_by_cancel, before_stop=None) -> None:
+    """Health NOT_SERVING, drain within the grace, end the rest, `before_stop()` (a coroutine function: what the
+    server must close while it still answers), stop the server (its port is free after); one log line."""
     t0 = time.monotonic()
     if health is not None:
         await health.enter_graceful_shutdown()
     count, ended = await inflight.drain(grace_s, end)
+    if before_stop is not None:
+        await before_stop()
     await server.stop(1.0)
     log.info("%s stopped on %s in %.1f s: %d requests in flight, %d finished, %d ended UNAVAILABLE "
              "(--shutdown-grace-s %g)", role, stop.signal or ("a failure" if stop.fatal else "request"),

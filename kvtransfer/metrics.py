@@ -39,7 +39,9 @@ class Metrics:
         self.receivers = Gauge("kvt_receivers_inflight", "decode: data-plane receivers holding buffers", registry=r)
         self.receive_loops = Gauge("kvt_receive_loops", "decode: receive-loop threads alive (old pairings' "
                                    "threads end when the peer closes their group)", registry=r)
-        self.peer_up = Gauge("kvt_peer_up", "1 while the peer is paired and its data plane is up", registry=r)
+        self.peer_up = Gauge("kvt_peer_up", "a pair's servers only: 1 while the peer is paired and its data plane "
+                             "is up", registry=r)
+        self._peer_up_exported = True
         self.pool_slots = Gauge("kvt_kv_pool_slots_used", "decode: KV pool slots held by requests", registry=r)
         self.running = Gauge("kvt_decode_running", "decode: sequences in the running batch (or joining it)",
                              registry=r)
@@ -55,6 +57,13 @@ class Metrics:
                                 "step's span includes its host launches)", registry=r)
         self.pairings = Counter("kvt_pairings", "pairings with the peer (the first one and every re-pairing)",
                                 registry=r)
+
+    def export_peer_up(self, export: bool) -> None:
+        """kvt_peer_up belongs to a pair; a server without a peer (colocated) does not export it, since its 0
+        would read as a pair that is down."""
+        if not export and self._peer_up_exported:
+            self.registry.unregister(self.peer_up)
+            self._peer_up_exported = False
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> int:
         """Expose /metrics over HTTP on `addr:port`; returns the port."""

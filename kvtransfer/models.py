@@ -4,17 +4,27 @@ Why presets: no machine here may download weights, yet timings must be those of 
 real models. A preset has the exact published shapes; random weights run the same
 kernels for the same time. Two workers built from the same preset and seed hold the
 same weights, which `weights_fingerprint` proves at the handshake instead of assuming.
+
+Why a local directory is checked before transformers reads it: a missing or cut-short
+safetensors file, a missing config.json or an architecture the engine cannot run would
+otherwise surface as a library traceback (or, for weights the checkpoint lacks, as
+silently random ones). Each is refused as one ValueError naming the directory, what is
+wrong and what to do; the servers print it as `cannot start: ...` and exit 2.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import zlib
 from dataclasses import dataclass
 
 import torch
+from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PreTrainedModel, Qwen2Config
+
+from .fused import SUPPORTED
 
 # Exact published shapes (config.json of HuggingFaceTB/SmolLM2-135M and Qwen/Qwen2.5-7B).
 PRESETS: dict[str, dict] = {
@@ -80,7 +90,89 @@ def load_config(name: str):
     if name in PRESETS:
         return preset_config(name)
     ModelSpec(name)  # raises the clear error for hub ids
-    return AutoConfig.from_pretrained(name, local_files_only=True)
+    _check_config_json(name)
+    try:
+        return AutoConfig.from_pretrained(name, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"model directory {name}: transformers cannot read its config.json ({_one_line(e)}); "
+                         "use the config.json that came with the checkpoint") from None
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())
+
+
+def _check_config_json(d: str) -> None:
+    """config.json exists, parses, and names a causal decoder the engine runs (kvtransfer.fused.SUPPORTED)."""
+    path = os.path.join(d, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"model directory {d} has no config.json; pass the directory that holds the checkpoint's "
+                         "config.json and *.safetensors (as save_pretrained writes them)")
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"model directory {d}: config.json is not readable JSON ({_one_line(e)}); "
+                         "copy the checkpoint's config.json again") from None
+    if not isinstance(cfg, dict) or not cfg.get("model_type"):
+        raise ValueError(f"model directory {d}: config.json names no model_type; use the config.json that came "
+                         "with the checkpoint")
+    kind, archs = cfg["model_type"], cfg.get("architectures") or []
+    archs = [archs] if isinstance(archs, str) else list(archs)
+    named = f" (architectures {', '.join(map(str, archs))})" if archs else ""
+    if kind not in SUPPORTED or any(not str(a).endswith("ForCausalLM") for a in archs):
+        raise ValueError(f"model directory {d}: model type {kind!r}{named} is not supported: kvtransfer runs "
+                         f"{', '.join(SUPPORTED)}-style causal decoders (*ForCausalLM) only; use a checkpoint of "
+                         "one of those")
+
+
+def _check_weight_files(d: str) -> None:
+    """The safetensors files the checkpoint needs exist and are whole (each header's tensors fit in its file)."""
+    index = os.path.join(d, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"model directory {d}: model.safetensors.index.json is not a valid index "
+                             f"({_one_line(e)}); copy it from the checkpoint again") from None
+        for name in files:
+            if not os.path.isfile(os.path.join(d, name)):
+                raise ValueError(f"model directory {d}: {name} is missing (model.safetensors.index.json lists it); "
+                                 "copy every shard of the checkpoint there")
+    elif os.path.isfile(os.path.join(d, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        found = sorted(f for f in os.listdir(d) if f.endswith((".safetensors", ".bin", ".pt", ".pth")))
+        raise ValueError(f"model directory {d} has no model.safetensors (nor model.safetensors.index.json for a "
+                         f"sharded checkpoint){'; it holds ' + ', '.join(found) if found else ''}; copy the "
+                         "checkpoint's safetensors there (kvtransfer loads safetensors only: save_pretrained "
+                         "writes them)")
+    for name in files:
+        _check_safetensors_file(d, name)
+
+
+def _check_safetensors_file(d: str, name: str) -> None:
+    """A safetensors file is an 8-byte header length, a JSON header, then the tensors' bytes: all must be there."""
+    path = os.path.join(d, name)
+    size = os.path.getsize(path)
+    redo = "copy or download it again"
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"model directory {d}: {name} is truncated ({size} bytes, not even a header); {redo}")
+        n = int.from_bytes(head, "little")
+        if 8 + n > size:
+            raise ValueError(f"model directory {d}: {name} is truncated ({size:,} bytes, its header alone says "
+                             f"{8 + n:,}); {redo}")
+        try:
+            header = json.loads(f.read(n))
+            end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+            raise ValueError(f"model directory {d}: {name} is not a safetensors file (bad header: {_one_line(e)}); "
+                             f"{redo}") from None
+    if 8 + n + end > size:
+        raise ValueError(f"model directory {d}: {name} is truncated ({size:,} of {8 + n + end:,} bytes); {redo}")
 
 
 @torch.no_grad()
@@ -117,14 +209,33 @@ def load_model(spec: ModelSpec, device: str | torch.device = "cpu") -> PreTraine
                                                      attn_implementation="sdpa")
         _seeded_init_(model, spec.seed)
     else:
-        model = AutoModelForCausalLM.from_pretrained(
-            spec.name, dtype=spec.torch_dtype, attn_implementation="sdpa", local_files_only=True,
-        ).to(device)
+        model = _load_local(spec).to(device)
         with torch.no_grad():  # safetensors mmaps are only 8-byte aligned; CPU GEMM results depend on it
             for p in model.parameters():
                 p.data = p.data.clone()
     model.eval()
     model.requires_grad_(False)
+    return model
+
+
+def _load_local(spec: ModelSpec) -> PreTrainedModel:
+    """A local HF directory's model, refusing (ValueError, one line) what would not be the checkpoint's weights."""
+    d = spec.name
+    config = load_config(d)
+    _check_weight_files(d)
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(
+            d, config=config, dtype=spec.torch_dtype, attn_implementation="sdpa", local_files_only=True,
+            output_loading_info=True, ignore_mismatched_sizes=True)  # mismatches are refused below, by name
+    except (OSError, ValueError, SafetensorError) as e:
+        raise ValueError(f"model directory {d}: cannot load its weights ({_one_line(e)}); copy the checkpoint's "
+                         "config.json and safetensors there again") from None
+    mismatched = info.get("mismatched_keys") or ()  # (name, checkpoint shape, model shape)
+    wrong = sorted(info.get("missing_keys") or ()) + sorted(k[0] if isinstance(k, tuple) else k for k in mismatched)
+    if wrong:
+        raise ValueError(f"model directory {d}: its safetensors do not hold what config.json describes ({len(wrong)} "
+                         f"weight(s) missing or of another shape, e.g. {', '.join(wrong[:3])}); use the config.json "
+                         "that came with these weights")
     return model
 
 

@@ -25,6 +25,7 @@ from .security import bind, server_interceptors
 
 log = logging.getLogger("kvtransfer")
 
+DECODE_INSTANCE_KEY = "kvt-decode-instance"  # the decode side's liveness watch names its instance (hex) to the prefill
 CONTROL_MESSAGE_LIMIT = 4 << 20  # default --max-message-bytes: a 32k-token prompt is < 330 KB
 BYTES_PER_TOKEN_ID = 10  # worst case of one packed int64 on the wire
 
@@ -249,7 +250,13 @@ def run_main(config_cls, argv, description: str, serve, logger: logging.Logger, 
 
     A setting that only shows at start-up (device, certificate, token file, port) exits 2
     with one line saying which. `serve` returns after a SIGTERM/SIGINT (kvtransfer.lifecycle): exit 0.
+
+    Why the process ends with `os._exit` once `serve` is over: by then every request has ended and the
+    ports are closed, but threads may still be blocked in a transport (a gloo receive the peer has not
+    closed yet, a rendezvous); the interpreter would wait for them at exit (up to --dist-timeout-s), or
+    finalize torch under them ("terminate called without an active exception", exit -6).
     """
+    import os
     import sys
 
     from .configargs import from_args
@@ -261,13 +268,18 @@ def run_main(config_cls, argv, description: str, serve, logger: logging.Logger, 
     logger.info("config %s", config.one_line())
     loop = new_event_loop()
     asyncio.set_event_loop(loop)
+    code = 0
     try:
         loop.run_until_complete(serve(config))
     except KeyboardInterrupt:
         pass
     except ValueError as e:
         logger.error("cannot start: %s", e)
-        sys.exit(2)
+        code = 2
     except FatalStop as e:  # its traceback was logged when it happened
         logger.error("exiting %d: %s", EXIT_FATAL, e)
-        sys.exit(EXIT_FATAL)
+        code = EXIT_FATAL
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -55,8 +55,9 @@ async def serve(config: PrefillConfig) -> None:
              "TLS" if config.tls_cert else "plaintext", ", token required" if token else "",
              "; fault injection on" if fault else "")
     await stop.event.wait()
+    service.pairing.stopping = True  # handshakes refused from now; a join in progress gives up
     await shut_down(server, service.pairing.health, service.inflight, stop, config.shutdown_grace_s, log,
-                    "prefill server")
+                    "prefill server", before_stop=service.close)
 
 
 def main(argv: list[str] | None = None) -> None:

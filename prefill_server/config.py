@@ -68,6 +68,9 @@ class PrefillConfig:
         for name in ("max_prompt_tokens", "max_inflight", "max_message_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.warmup_tokens > self.max_prompt_tokens:
+            raise ValueError(f"--warmup-tokens {self.warmup_tokens} is over --max-prompt-tokens "
+                             f"{self.max_prompt_tokens}: the warm-up is a prompt too; lower it (0: no warm-up)")
         if self.layerwise_min_tokens < -1 or self.warmup_tokens < 0:
             raise ValueError("--layerwise-min-tokens must be >= -1 (-1: the measured default) and --warmup-tokens >= 0")
         if self.fail_after_layers < -1 or self.fail_stall_s < 0 or self.fail_requests < 1:

@@ -12,21 +12,51 @@ new pairing with a new epoch, which supersedes the old one:
 Health is SERVING only while a pairing is up: a transfer that breaks a process group
 (peer gone, gloo timeout: the group is closed for good) ends the pairing until the next
 handshake, and the decode side, watching this health, sees it.
+
+One decode worker at a time (until xPyD): a handshake from another decode instance is refused
+FAILED_PRECONDITION, naming the paired one, while that one is alive: while its liveness watch (a
+health Watch carrying its instance id, opened before its handshake) is open here. A decode worker
+that dies closes its watch, so a restarted one pairs at once; a handshake that nobody follows up
+(no watch) leaves nothing that blocks the next.
+A stopping worker refuses handshakes (UNAVAILABLE: the decode side waits and retries), gives up a
+join in progress, and closes its data plane; nothing it runs outlives the stop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import secrets
 
 import grpc
 
+from grpc_health.v1.health import aio as health_aio
+
+from kvtransfer.serving import DECODE_INSTANCE_KEY
 from kvtransfer.transport import Cause, TransferError
 from kvtransfer.transport.registry import Rendezvous
 from proto import kvtransfer_pb2 as pb
 
 log = logging.getLogger("kvtransfer.prefill")
+
+
+
+class PeerHealth(health_aio.HealthServicer):
+    """The health service, counting the open Watch streams of each decode instance (its liveness watch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.watching: collections.Counter[int] = collections.Counter()
+
+    async def Watch(self, request, context):
+        raw = dict(context.invocation_metadata() or ()).get(DECODE_INSTANCE_KEY, "")
+        who = int(raw, 16) if raw and all(c in "0123456789abcdef" for c in raw) else 0
+        self.watching[who] += 1
+        try:
+            await super().Watch(request, context)
+        finally:
+            self.watching[who] -= 1
 
 
 class PrefillPairing:
@@ -37,12 +67,26 @@ class PrefillPairing:
         self.gpu, self.metrics, self.store = gpu, metrics, store  # store: process-group rendezvous (rendezvous.py)
         self.instance_id = secrets.randbits(63) | 1
         self.epoch = 0
-        self.health = None  # the server's health servicer, set once the server is built
+        self.health: PeerHealth | None = None  # the server's health servicer, set once the server is built
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.peer = 0  # the paired decode instance
+        self.stopping = False
+
+    def peer_alive(self) -> bool:
+        return bool(self.peer) and self.health is not None and self.health.watching[self.peer] > 0
 
     async def handshake(self, request, context) -> pb.HandshakeResponse:
         """A compatible decode peer asks to pair: start a new pairing (epoch + 1) that supersedes the old one."""
         self.loop = asyncio.get_running_loop()
+        if self.stopping:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the prefill worker is shutting down; pair with it "
+                                "once it is back, or with another one")
+        if request.instance_id != self.peer and self.peer_alive():
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"this prefill worker is paired with decode instance {self.peer:x}, which is alive; "
+                                "one decode worker per prefill worker: point this decode server's --prefill-addr at "
+                                "another prefill worker, or stop the other decode server")
+        self.peer = request.instance_id
         self.epoch += 1
         epoch = self.epoch
         log.info("handshake from decode instance %x: pairing epoch %d (%s)", request.instance_id, epoch,
@@ -62,7 +106,7 @@ class PrefillPairing:
     # --- device thread ---
 
     def _rejoin(self, epoch: int) -> None:
-        from kvtransfer.transport.rendezvous import join_pair, leave_pair, pairing_prefix
+        from kvtransfer.transport.rendezvous import PairingAbandoned, join_pair, leave_pair, pairing_prefix
         if epoch != self.epoch:
             log.info("pairing epoch %d superseded by %d before it started", epoch, self.epoch)
             return
@@ -73,9 +117,16 @@ class PrefillPairing:
         log.info("joining process group epoch %d as rank 0 (%s)", epoch, self.transport)
         try:
             join_pair(0, self.store, pairing_prefix(self.instance_id, epoch), self.worker.m.device,
-                      self.config.dist_timeout_s, self.config.dist_op_timeout_s)
+                      self.config.dist_timeout_s, self.config.dist_op_timeout_s,
+                      abandoned=lambda: epoch != self.epoch or self.stopping)
             self.worker.link = self.connect()
             self.worker.warmup(self.config.warmup_tokens)
+        except PairingAbandoned:
+            log.info("pairing epoch %d abandoned before the decode peer joined (%s)", epoch,
+                     "stopping" if self.stopping else f"superseded by epoch {self.epoch}")
+            self.worker.link = None
+            leave_pair(self.worker.m.device)
+            return
         except (TransferError, RuntimeError) as e:  # torch.distributed reports a failed rendezvous as RuntimeError
             log.error("pairing epoch %d failed: %s; waiting for the decode peer to handshake again", epoch, e)
             self.worker.link = None
@@ -95,6 +146,15 @@ class PrefillPairing:
         log.info("data plane (%s) connected to %s", self.transport, address)
         self.worker.warmup(self.config.warmup_tokens)
         self._paired(epoch)
+
+    def close(self) -> None:
+        """On the device thread, at the stop: the data plane closed, the group left (its peer hears at once)."""
+        from kvtransfer.transport.rendezvous import leave_pair
+        old, self.worker.link = self.worker.link, None
+        if old is not None:
+            old.close()
+        if self.process_group:
+            leave_pair(self.worker.m.device)
 
     def _paired(self, epoch: int) -> None:
         log.info("paired with the decode peer (epoch %d)", epoch)

@@ -28,12 +28,13 @@ from proto import kvtransfer_pb2_grpc as pbg
 
 from . import policy
 from .config import PrefillConfig
-from .pairing import PrefillPairing
+from .pairing import PeerHealth, PrefillPairing
 from .worker import WARMUP_REQUEST_ID, PrefillWorker
 
 log = logging.getLogger("kvtransfer.prefill")
 
 MODES = {pb.MODE_LAYERWISE: Mode.LAYERWISE, pb.MODE_BULK: Mode.BULK}
+CLOSE_WAIT_S = 5.0  # at the stop, the longest wait for the device thread to close the data plane
 
 
 class PrefillService(pbg.PrefillServicer):
@@ -65,6 +66,13 @@ class PrefillService(pbg.PrefillServicer):
         if self.backend.rendezvous is Rendezvous.ADDRESS and not request.data_address:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"transport {self.transport} needs the decode side's data address in the handshake")
+        warmup = self.worker.m.geometry.cache_bytes(self.config.warmup_tokens)
+        if self.config.warmup_tokens and request.max_receive_bytes and warmup > request.max_receive_bytes:
+            problem = (f"this prefill worker's warm-up of {self.config.warmup_tokens} tokens (--warmup-tokens) is "
+                       f"{warmup} bytes, over the decode worker's receive limit of {request.max_receive_bytes} bytes "
+                       "(its --max-prompt-tokens and --max-receive-bytes): lower --warmup-tokens here or raise those")
+            log.warning("handshake refused: %s", problem)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
         self.peer_max_receive_bytes = request.max_receive_bytes
         resp = await self.pairing.handshake(request, context)
         resp.compat.CopyFrom(self.compat)
@@ -91,6 +99,15 @@ class PrefillService(pbg.PrefillServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"a {n}-token cache is {size} bytes; the decode peer accepts at most {limit} "
                                 "(its --max-receive-bytes)")
+
+    async def close(self) -> None:
+        """At the stop, after the drain: the data plane closed on the device thread (bounded), the thread let go."""
+        try:
+            await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(self.gpu, self.pairing.close),
+                                   CLOSE_WAIT_S)
+        except (asyncio.TimeoutError, Exception) as e:  # noqa: BLE001 - stopping regardless
+            log.warning("closing the data plane: %r", e)
+        self.gpu.shutdown(wait=False, cancel_futures=True)
 
     async def Prefill(self, request, context):
         with self.inflight.request(context) as r:  # counts the request's one outcome when it ends
@@ -134,5 +151,5 @@ async def create_server(config: PrefillConfig, service: PrefillService, address:
     """Build (not start) the server; returns it and the bound port (tests bind port 0)."""
     server, port, service.pairing.health = build_server(
         pb.DESCRIPTOR.services_by_name["Prefill"], service, address or config.listen, config.max_message_bytes,
-        token, server_credentials(config.tls_cert, config.tls_key, config.tls_ca))
+        token, server_credentials(config.tls_cert, config.tls_key, config.tls_ca), PeerHealth())
     return server, port

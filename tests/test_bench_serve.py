@@ -4,10 +4,13 @@ request completes, nothing fails, and the result carries vLLM's metric names."""
 from __future__ import annotations
 
 import json
+import os
+import shlex
 
 import pytest
 
-from bench.cli import main
+from bench.cli import build_parser, main, serve_config
+from bench.launch import ROOT
 from bench.launch import colocated_server
 from bench.serve import METRICS, PERCENTILES, ServeConfig, length_range, make_prompts, sustained
 
@@ -85,6 +88,31 @@ def test_serve_config_bounds():
     prompts = make_prompts(cfg)
     assert cfg.vocab_size == 512 and prompts == make_prompts(cfg)
     assert all(80 <= len(p) <= 120 and 0 <= min(p) and max(p) < 512 for p in prompts)
+
+
+def readme_bench_line(command: str) -> list[str]:
+    """The argv of the README's `kvtransfer-bench COMMAND ...` example (in "## The bench"), comment dropped."""
+    text = open(os.path.join(ROOT, "README.md")).read().split("\n## The bench", 1)[1]
+    lines = [x for x in text.split("```", 2)[1].splitlines() if x.startswith(f"kvtransfer-bench {command} ")]
+    assert len(lines) == 1, lines
+    return shlex.split(lines[0], comments=True)[1:]
+
+
+def test_readme_serve_example_is_complete():
+    """The README's `serve` line as printed gets past its flags (exit 2 there is a usage error) to the load."""
+    args = build_parser().parse_args(readme_bench_line("serve"))
+    try:
+        cfg = serve_config(args)
+    except ValueError as e:
+        pytest.fail(f"the README's serve example exits 2: {e}")
+    assert cfg.model and cfg.vocab_size >= 1
+
+
+def test_serve_without_vocabulary_says_what_to_add(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--addr", "127.0.0.1:1"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "add --model" in err and "--vocab-size" in err, err
 
 
 def test_a_share_of_long_prompts(server, capsys, tmp_path):

@@ -8,12 +8,23 @@ wait timed out, is closed for good. So the prefill opens the store once for its 
 default group under a key prefix that names the pairing: (prefill instance id, epoch),
 exchanged at the handshake. Leaving destroys the group (aborts it for NCCL) so the next
 pairing can join; a thread still blocked in the old group wakes when the peer closes it.
+
+Why each side first says "here" under the prefix and waits for the other's word: a join that
+blocked inside torch could not be abandoned (a superseded pairing, a server stopping), and it
+held the prefill worker's device thread, and a stopping process, up to --dist-timeout-s. The
+wait for the peer's word is a loop of short store waits that checks `abandoned()` between them;
+only once both are there does torch build the group. And torch names an unnamed default group
+by a per-process count of groups made, which a failed join advanced on one side only (the next
+pairing then waited under `.../1//` for a peer under `.../0//`): it is reset before each join,
+so the pairing prefix alone names the group.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import time
+from collections.abc import Callable
 from urllib.parse import urlparse
 
 import torch
@@ -51,8 +62,28 @@ def pairing_prefix(instance_id: int, epoch: int) -> str:
     return f"kvt/{instance_id:x}/{epoch}/"
 
 
+PEER_POLL_S = 0.1  # how often a join waiting for its peer looks for it, and whether it was abandoned
+
+
+class PairingAbandoned(RuntimeError):
+    """The join was given up before the peer came (superseded by a newer pairing, or the server is stopping)."""
+
+
+def wait_for_peer(store: dist.Store, rank: int, timeout_s: float, abandoned: Callable[[], bool]) -> None:
+    """Say "here" as `rank` under the pairing's store, then wait for the other rank's word: at most `timeout_s`,
+    and never past `abandoned()` turning true (checked every PEER_POLL_S)."""
+    store.set(f"here/{rank}", b"1")
+    deadline = time.monotonic() + timeout_s
+    while not store.check([f"here/{1 - rank}"]):  # a look, not a wait: a timed-out store wait logs a warning
+        if abandoned():
+            raise PairingAbandoned("the pairing was abandoned before the peer joined")
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"the peer did not join the process group within {timeout_s:g} s (--dist-timeout-s)")
+        time.sleep(PEER_POLL_S)
+
+
 def join_pair(rank: int, store: dist.Store, prefix: str, device: torch.device, timeout_s: float,
-              op_timeout_s: float = 0.0) -> None:
+              op_timeout_s: float = 0.0, abandoned: Callable[[], bool] = lambda: False) -> None:
     """Join a fresh two-rank default group (0 prefill, 1 decode) under `prefix`; waits at most `timeout_s`.
 
     NCCL's watchdog timeout is per operation from the moment it is enqueued, and the decode
@@ -64,7 +95,11 @@ def join_pair(rank: int, store: dist.Store, prefix: str, device: torch.device, t
     backend = "nccl" if device.type == "cuda" else "gloo"
     kw = {"device_id": device} if device.type == "cuda" else {}
     op_timeout = op_timeout_s or (IDLE_WAIT_S if device.type == "cuda" else timeout_s)
-    dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=rank, world_size=2,
+    pair_store = dist.PrefixStore(prefix, store)
+    wait_for_peer(pair_store, rank, timeout_s, abandoned)
+    if not dist.is_initialized():
+        dist.distributed_c10d._world.group_count = 0  # the group's name: the same on both sides, whatever failed before
+    dist.init_process_group(backend, store=pair_store, rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=op_timeout), **kw)
 
 

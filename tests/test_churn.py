@@ -1,0 +1,103 @@
+"""Restart churn: kill -9, SIGTERM and restart of either worker, in a seeded random order, under load.
+
+Why: each lifecycle fix (tests/test_pair_lifecycle.py) is one order of events; an operator's restarts come in
+any order, while clients keep sending. What must hold after every cycle: the pair serves again within
+SERVE_AGAIN_S of the restart, a stopped process is gone within its grace plus EXIT_S, and no request hangs
+(each ends by its deadline). The cycle count and the times are printed as one `CHURN {...}` line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+
+from decode_server.client import generate
+from faultkit import SERVING, Pair
+
+CYCLES = 20
+GRACE_S = 3.0  # --shutdown-grace-s of both workers
+EXIT_S = 2.0  # a stopped process is gone within its grace plus this
+SERVE_AGAIN_S = 15.0  # a restarted worker's pair serves again within this of its restart
+CALL_S = 5.0  # each client request's deadline
+PROMPT = [5, 6, 7, 8]
+pytestmark = pytest.mark.churn  # run alone: make test's last pass
+
+
+class Client(threading.Thread):
+    """Sends one request after another until stopped; records each one's outcome and how long it took."""
+
+    def __init__(self, addr: str):
+        super().__init__(daemon=True)
+        self.addr, self.stopped, self.calls = addr, threading.Event(), []
+
+    def run(self) -> None:
+        while not self.stopped.is_set():
+            t0 = time.monotonic()
+            try:
+                asyncio.run(generate(self.addr, PROMPT, 4, timeout=CALL_S))
+                code = "OK"
+            except grpc.aio.AioRpcError as e:
+                code = e.code().name
+            self.calls.append((code, time.monotonic() - t0))
+            if code != "OK":
+                time.sleep(0.05)
+
+
+def serves_within(addr: str, limit: float) -> float:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit:
+        try:
+            asyncio.run(generate(addr, PROMPT, 2, timeout=2))
+            return time.monotonic() - t0
+        except grpc.aio.AioRpcError:
+            time.sleep(0.1)
+    raise AssertionError(f"the pair did not serve again within {limit} s")
+
+
+def test_restart_churn_keeps_the_pair_serving(tmp_path):
+    rng = random.Random(20261201)
+    common = ["--shutdown-grace-s", str(GRACE_S), "--dist-timeout-s", "20"]
+    with Pair(tmp_path, prefill_args=common, decode_args=[*common, "--handshake-timeout-s", "60"]) as pair:
+        pair.start()
+        client = Client(pair.addr)
+        client.start()
+        cycles = []
+        try:
+            for _ in range(CYCLES):
+                side, how = rng.choice(["prefill", "decode"]), rng.choice(["kill", "term"])
+                half = pair.prefill if side == "prefill" else pair.decode
+                t0 = time.monotonic()
+                half.proc.send_signal(signal.SIGKILL if how == "kill" else signal.SIGTERM)
+                code = half.proc.wait(timeout=GRACE_S + EXIT_S + 30)
+                gone = time.monotonic() - t0
+                if how == "term":
+                    assert code == 0 and gone <= GRACE_S + EXIT_S, (side, code, gone, pair.log_text())
+                t1 = time.monotonic()
+                half.start()
+                again = serves_within(pair.addr, SERVE_AGAIN_S + 30)
+                assert again <= SERVE_AGAIN_S, (side, how, again, pair.log_text())
+                cycles.append({"side": side, "how": how, "exit_s": round(gone, 2), "serving_again_s": round(again, 2),
+                               "restart_to_serving_s": round(time.monotonic() - t1, 2)})
+        finally:
+            client.stopped.set()
+            client.join(timeout=CALL_S + 10)
+        assert pair.wait_health(SERVING, 30) >= 0
+    assert not client.is_alive()
+    hung = [c for c in client.calls if c[1] > CALL_S + 1.0]
+    codes = {}
+    for code, _ in client.calls:
+        codes[code] = codes.get(code, 0) + 1
+    print("CHURN " + json.dumps({"cycles": len(cycles), "requests": len(client.calls), "outcomes": codes,
+                                 "hung": len(hung), "max_call_s": round(max(c[1] for c in client.calls), 2),
+                                 "max_serving_again_s": max(c["serving_again_s"] for c in cycles),
+                                 "max_exit_after_term_s": max([c["exit_s"] for c in cycles if c["how"] == "term"],
+                                                              default=None),
+                                 "per_cycle": cycles}))
+    assert len(cycles) == CYCLES and not hung and codes.get("OK", 0) > CYCLES

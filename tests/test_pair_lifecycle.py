@@ -1,0 +1,203 @@
+"""The pair through its own lifecycle (CPU, gloo, real processes): failed and abandoned pairings, one decode
+worker per prefill worker, configs that cannot work refused at start, and stops that are graceful and prompt.
+
+Why these: each was a way to wedge or kill a pair that the request-level tests never took. A pairing the
+decode side abandons must leave the prefill worker ready for the next decode worker; a stop must free the
+process (and its ports) within its grace, whatever the other side is doing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+import torch
+
+from decode_server.client import generate
+from faultkit import SERVING, Half, Pair
+from kvtransfer.compat import local_compat
+from kvtransfer.geometry import CacheGeometry
+from kvtransfer.models import ModelSpec
+from proto import kvtransfer_pb2 as pb
+from proto import kvtransfer_pb2_grpc as pbg
+
+PROMPT = [5, 6, 7, 8]
+EXIT_S = 2.0  # a stopped process is gone within this after its grace
+
+
+def serves(pair: Pair, timeout: float = 60) -> list[int]:
+    out = asyncio.run(generate(pair.addr, PROMPT, 4, timeout=timeout))
+    assert out["timing"]["mode"] in ("layerwise", "bulk"), out["timing"]
+    return out["tokens"]
+
+
+def exits(half: Half, timeout: float) -> int:
+    return half.proc.wait(timeout=timeout)
+
+
+def port_free(addr: str) -> bool:
+    """Whether a restarted server could bind `addr` (as gRPC does: SO_REUSEADDR, so TIME_WAIT does not count)."""
+    host, port = addr.rsplit(":", 1)
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, int(port)))
+            return True
+        except OSError:
+            return False
+
+
+def raw_handshake(prefill_addr: str, compat: pb.Compat) -> pb.HandshakeResponse:
+    """A handshake nobody follows up (no liveness watch, no join): a decode worker that died right after it."""
+    async def call():
+        async with grpc.aio.insecure_channel(prefill_addr) as ch:
+            return await pbg.PrefillStub(ch).Handshake(
+                pb.HandshakeRequest(compat=compat, transport=pb.TRANSPORT_GLOO, instance_id=12345), timeout=120,
+                wait_for_ready=True)
+    return asyncio.run(call())
+
+
+@pytest.fixture(scope="module")
+def compat(tiny_fp32) -> pb.Compat:
+    return local_compat(ModelSpec("tiny"), tiny_fp32, CacheGeometry.from_config(tiny_fp32.config, torch.float32),
+                        False)
+
+
+def test_an_abandoned_pairing_leaves_the_prefill_worker_ready_for_the_next(tmp_path, compat):
+    """Two handshakes whose decode worker never joins, then a real decode worker: each newer pairing makes the
+    prefill's join of the older one give way, and the real one pairs at its first try (a failed join once left
+    torch's group count advanced on one side only, and every later join waited under another key)."""
+    with Pair(tmp_path, prefill_args=["--dist-timeout-s", "5"], decode_args=["--dist-timeout-s", "30"]) as pair:
+        pair.prefill.start()
+        raw_handshake(pair.prefill_addr, compat)
+        raw_handshake(pair.prefill_addr, compat)
+        pair.wait_line(pair.prefill, "pairing epoch 1 abandoned before the decode peer joined (superseded by epoch 2)")
+        pair.wait_line(pair.prefill, "pairing epoch 2 failed: the peer did not join the process group within 5 s")
+        pair.decode.start()
+        pair.wait_health(SERVING, 120)
+        assert len(serves(pair)) == 4
+        assert "pairing failed" not in pair.decode.log_text(), pair.log_text()
+
+
+def test_a_decode_worker_checks_its_rendezvous_flag_before_the_handshake(tmp_path):
+    """--dist-init env:// without MASTER_ADDR/MASTER_PORT: exit 2 at start naming the flag; the prefill worker
+    never saw a handshake."""
+    with Pair(tmp_path) as pair:
+        pair.prefill.start()
+        pair.decode.args = [a if not a.startswith("tcp://") else "env://" for a in pair.decode.args]
+        pair.decode.start()
+        assert exits(pair.decode, 60) == 2
+        assert "--dist-init env:// needs MASTER_ADDR" in pair.decode.log_text()
+        assert "handshake from decode instance" not in pair.prefill.log_text()
+
+
+def test_a_warm_up_over_the_receive_limit_is_refused_at_start(tmp_path):
+    """Both servers with --max-prompt-tokens 100 (the warm-up is 128 tokens): the prefill worker exits 2 naming
+    both flags. A decode worker whose limit is below the prefill worker's warm-up exits 2 at the handshake."""
+    with Pair(tmp_path, prefill_args=["--max-prompt-tokens", "100"]) as pair:
+        pair.prefill.start()
+        assert exits(pair.prefill, 60) == 2
+        assert "--warmup-tokens 128 is over --max-prompt-tokens 100" in pair.prefill.log_text()
+    with Pair(tmp_path, decode_args=["--max-prompt-tokens", "100"]) as pair:
+        pair.prefill.start()
+        pair.decode.start()
+        assert exits(pair.decode, 60) == 2
+        text = pair.decode.log_text()
+        assert "--warmup-tokens" in text and "receive limit of 102400 bytes" in text, text[-2000:]
+
+
+def test_a_second_decode_worker_is_refused_and_the_paired_one_undisturbed(tmp_path):
+    with Pair(tmp_path) as pair:
+        pair.start()
+        first = serves(pair)
+        other = Half("decode_server", [a for a in pair.decode.args], str(tmp_path))
+        i = other.args.index("--listen")
+        other.args[i + 1] = f"127.0.0.1:{_free()}"
+        j = other.args.index("--metrics-port")
+        other.args[j + 1] = str(_free())
+        other.start()
+        assert exits(other, 60) == 2
+        assert "paired with decode instance" in other.log_text(), other.log_text()[-2000:]
+        assert serves(pair) == first and pair.health() == SERVING
+
+
+def _free() -> int:
+    from bench.launch import free_port
+    return free_port()
+
+
+def test_sigterm_to_the_prefill_mid_request_finishes_it_and_frees_the_process(tmp_path):
+    """The prefill worker holds a transfer for 2 s (fault injection) when SIGTERM comes: the request completes,
+    the prefill accepts no new handshake while stopping, and it exits 0 right after, its port free."""
+    with Pair(tmp_path, prefill_args=["--fail-after-layers", "2", "--fail-stall-s", "2"]) as pair:
+        pair.start()
+
+        async def scenario():
+            call = asyncio.create_task(generate(pair.addr, PROMPT, 4, timeout=60))
+            await asyncio.sleep(0.5)
+            t0 = time.monotonic()
+            pair.prefill.proc.send_signal(signal.SIGTERM)
+            return await call, t0
+        out, t0 = asyncio.run(scenario())
+        assert len(out["tokens"]) == 4 and out["timing"]["mode"] in ("layerwise", "bulk")
+        assert exits(pair.prefill, 20 + EXIT_S) == 0
+        assert time.monotonic() - t0 < 2 + 3 + EXIT_S, pair.log_text()  # the stall, a pairing's close, the exit
+        assert port_free(pair.prefill_addr)
+        assert "pairing epoch 2" not in pair.prefill.log_text()
+
+
+@pytest.mark.parametrize("first", ["prefill", "decode", "both"])
+def test_sigterm_to_both_exits_0_on_both(tmp_path, first):
+    with Pair(tmp_path) as pair:
+        pair.start()
+        serves(pair)
+        halves = {"prefill": [pair.prefill, pair.decode], "decode": [pair.decode, pair.prefill],
+                  "both": [pair.prefill, pair.decode]}[first]
+        t0 = time.monotonic()
+        for h in halves:
+            h.proc.send_signal(signal.SIGTERM)
+            if first != "both":
+                time.sleep(0.2)
+        assert [exits(h, 20 + EXIT_S) for h in halves] == [0, 0], pair.log_text()
+        assert time.monotonic() - t0 < 10, pair.log_text()
+        assert port_free(pair.addr) and port_free(pair.prefill_addr)
+        assert "terminate called" not in pair.log_text()
+
+
+def test_a_prefill_worker_stopped_during_a_join_exits_at_once(tmp_path, compat):
+    """A join in progress (a handshake whose decode worker never joins, --dist-timeout-s 60) does not hold the
+    stopping process: it exits 0 within seconds."""
+    with Pair(tmp_path, prefill_args=["--dist-timeout-s", "60"]) as pair:
+        pair.prefill.start()
+        raw_handshake(pair.prefill_addr, compat)
+        pair.wait_line(pair.prefill, "joining process group epoch 1")
+        t0 = time.monotonic()
+        pair.prefill.proc.send_signal(signal.SIGTERM)
+        assert exits(pair.prefill, 30) == 0
+        assert time.monotonic() - t0 < 5, pair.prefill.log_text()[-2000:]
+        assert port_free(pair.prefill_addr)
+
+
+def test_a_decode_worker_stopped_while_pairing_exits_at_once(tmp_path):
+    """The decode worker waits for a prefill worker that is not there yet (--handshake-timeout-s 120): SIGTERM
+    ends it within seconds, exit 0."""
+    with Pair(tmp_path, decode_args=["--handshake-timeout-s", "120"]) as pair:
+        pair.decode.start()
+        pair.wait_line(pair.decode, "NOT_SERVING until paired")
+        t0 = time.monotonic()
+        pair.decode.proc.send_signal(signal.SIGTERM)
+        assert exits(pair.decode, 30) == 0
+        assert time.monotonic() - t0 < 5
+
+
+def test_the_cli_refuses_before_any_server_runs():
+    """A flag combination that cannot work exits 2 naming it, before a model is loaded."""
+    out = subprocess.run([sys.executable, "-m", "prefill_server", "--max-prompt-tokens", "64"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 2 and "--warmup-tokens 128 is over --max-prompt-tokens 64" in out.stderr
