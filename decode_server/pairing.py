@@ -115,19 +115,24 @@ class DecodePairing:
     async def _pair(self) -> None:
         address = self.data.listen()
         self._armed.clear()
-        if self._watch is None or self._watch.done():  # open before the handshake: the peer sees us alive
-            self._watch = asyncio.ensure_future(watch_peer(self.health_stub, self._watch_metadata(), self._armed))
+        self._open_watch()  # before the handshake: the peer sees us alive
         resp = await handshake(self.stub, self.compat, self.transport, self.config.handshake_timeout_s,
                                self.data.receive_limit(), self.metadata, address, self.instance_id,
                                self.config.prefill_addr)
         if self.prefill_instance and resp.instance_id != self.prefill_instance:
             log.warning("the prefill worker restarted (instance %x -> %x)", self.prefill_instance, resp.instance_id)
         await self.data.join(resp)
+        self._open_watch()  # one that ended meanwhile (sent on the dead peer's connection) says nothing of this one
         self.prefill_instance, self.epoch = resp.instance_id, resp.epoch
         self.metrics.pairings.inc()
         await self._set_up(True, "")
         self._armed.set()
         log.info("paired with prefill instance %x, epoch %d (%s)", resp.instance_id, resp.epoch, self.transport)
+
+    def _open_watch(self) -> None:
+        """A liveness watch, unless one is open (it waits for the peer to be up: wait_for_ready)."""
+        if self._watch is None or self._watch.done():
+            self._watch = asyncio.ensure_future(watch_peer(self.health_stub, self._watch_metadata(), self._armed))
 
     def _watch_metadata(self):
         return (*(self.metadata or ()), (DECODE_INSTANCE_KEY, f"{self.instance_id:x}"))
