@@ -30,7 +30,6 @@ import logging
 import secrets
 
 import grpc
-
 from grpc_health.v1.health import aio as health_aio
 
 from kvtransfer.serving import DECODE_INSTANCE_KEY
@@ -39,7 +38,6 @@ from kvtransfer.transport.registry import Rendezvous
 from proto import kvtransfer_pb2 as pb
 
 log = logging.getLogger("kvtransfer.prefill")
-
 
 
 class PeerHealth(health_aio.HealthServicer):
