@@ -35,10 +35,10 @@ from bench.offload import OffloadConfig, run_offload, total_steps
 from bench.ttft import TtftConfig, run_ttft
 from bench.ttft import total_steps as ttft_steps
 from bench.report import json_line, print_tables, tables_for, write_outputs
-from kvtransfer.configargs import Parser
-from kvtransfer.serving import pick_device
-from kvtransfer.stacks import exit_on_sigterm
-from kvtransfer.tiers import TIER_KINDS
+from kvtransfer.rpc.configargs import Parser
+from kvtransfer.rpc.server import pick_device
+from kvtransfer.rpc.stacks import exit_on_sigterm
+from bench.measure.tiers import TIER_KINDS
 
 
 def csv(text: str) -> list[str]:

@@ -22,11 +22,11 @@ from dataclasses import asdict, dataclass
 import torch
 
 from kvtransfer.geometry import CacheGeometry
-from kvtransfer.models import DTYPES, ModelSpec, load_model
-from kvtransfer.serving import pick_device
+from kvtransfer.model.spec import DTYPES, ModelSpec, load_model
+from kvtransfer.rpc.server import pick_device
 
-from .decode_measure import Grid, Progress, bandwidth_gbps, budget, time_calls
-from .decode_report import finish_cell, targets
+from bench.decode_measure import Grid, Progress, bandwidth_gbps, budget, time_calls
+from bench.decode_report import finish_cell, targets
 
 HF_KINDS = ("eager", "static-compile")
 
@@ -113,9 +113,9 @@ def engine_context(model, geom: CacheGeometry, ctx: int, batches: list[int], cfg
                    sanity: list[dict]) -> None:
     """One pool of max(batches) slots x (ctx + 8) tokens; every batch timed at position ctx - 1 (ctx tokens live),
     then the sanity check at the largest batch that ran."""
-    from decode_server.graphs import Step  # the engine (and its kernels) only when this bench runs
-    from decode_server.pool import KVPool
-    from decode_server.runner import StepRunner
+    from kvtransfer.engine.graphs import Step  # the engine (and its kernels) only when this bench runs
+    from kvtransfer.engine.pool import KVPool
+    from kvtransfer.engine.runner import StepRunner
     pool = KVPool(geom, grid.device, slots=max(batches), max_seq=ctx + 8)
     pool.kv.normal_()  # (layers, 2, slots + 1, kv_heads, max_seq, head_dim): values do not change the times
     runner = StepRunner(model, pool)  # fuses the weights on the first pool only (idempotent)

@@ -18,9 +18,9 @@ import sys
 import torch
 
 from kvtransfer.geometry import CacheGeometry
-from kvtransfer.streaming import assemble_cache, cache_kwarg
+from kvtransfer.model.streaming import assemble_cache, cache_kwarg
 
-from .decode_measure import Grid, budget, time_calls
+from bench.decode_measure import Grid, budget, time_calls
 
 
 def hf_bytes(geom: CacheGeometry, batch: int, tokens: int) -> int:

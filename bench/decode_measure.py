@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from .stats import summarize, timed
+from bench.stats import summarize, timed
 
 HEADROOM = 2 << 30  # activations, graph pools, cuBLAS workspace: kept free beside a cell's cache
 Progress = Callable[[str], None]

@@ -25,13 +25,13 @@ import numpy as np
 import torch
 
 from decode_server.client import MODES
-from kvtransfer.models import ModelSpec, load_config
-from kvtransfer.reference import random_prompt
+from kvtransfer.model.spec import ModelSpec, load_config
+from kvtransfer.model.prefill import random_prompt
 from proto import kvtransfer_pb2 as pb
 from proto import kvtransfer_pb2_grpc as pbg
 
-from .interference_stats import arm_figures
-from .launch import colocated_server, server_pair
+from bench.interference_stats import arm_figures
+from bench.launch import colocated_server, server_pair
 
 Step = Callable[[str], None]
 ARMS = ("colocated", "chunked", "disagg")

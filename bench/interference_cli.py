@@ -11,7 +11,7 @@ import shlex
 
 import torch
 
-from .interference import ARMS, InterferenceConfig, run_interference, total_steps
+from bench.interference import ARMS, InterferenceConfig, run_interference, total_steps
 
 
 def _csv(text: str) -> list[str]:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from kvtransfer.stacks import request_dump
+from kvtransfer.rpc.stacks import request_dump
 
 DUMP_WAIT_S = 1.0  # faulthandler writes from its signal handler at once; this covers a loaded machine
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -74,7 +74,7 @@ def wait_serving(addr: str, procs, timeout: float = 300.0, credentials: grpc.Cha
 
 
 def dump_stacks(procs) -> None:
-    """Each live server's Python stacks into its log (kvtransfer.stacks), then a moment for them to land."""
+    """Each live server's Python stacks into its log (kvtransfer.rpc.stacks), then a moment for them to land."""
     if sum(request_dump(p.pid) for p in procs if p.poll() is None):
         time.sleep(DUMP_WAIT_S)
 

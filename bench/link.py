@@ -24,10 +24,10 @@ from dataclasses import asdict, dataclass
 import torch
 
 from kvtransfer.geometry import CacheGeometry
-from kvtransfer.models import DTYPES, ModelSpec, load_config
+from kvtransfer.model.spec import DTYPES, ModelSpec, load_config
 
-from .offload import filesystem, measure_links
-from .p2p import cache_patterns, measure_p2p
+from bench.offload import filesystem, measure_links
+from bench.p2p import cache_patterns, measure_p2p
 
 Step = Callable[[str], None]
 PROBES = ("p2p", "copies", "loopback", "backend")  # copies: device clone, peer, H2D/D2H, disk
@@ -125,7 +125,7 @@ def run_link(cfg: LinkConfig, step: Step = lambda _: None) -> dict:
         links["disk_write"]["note"] = links["disk_write_fsync"]["note"] = f"{directory} ({filesystem(directory)})"
 
     def loopback() -> None:
-        from .loopback import measure_loopback
+        from bench.loopback import measure_loopback
         res = measure_loopback(whole, cfg.channels, cfg.chunk_bytes, cfg.runs, cfg.warmup)
         notes = {"socket": "raw TCP", "grpc": f"raw bytes, generic handler, {cfg.chunk_bytes / 2**20:g} MiB messages"}
         for key in ("socket", "grpc"):
@@ -134,7 +134,7 @@ def run_link(cfg: LinkConfig, step: Step = lambda _: None) -> dict:
                 failures.append(f"{key} loopback: the receiver counted a different number of bytes")
 
     def backend() -> None:  # kvtransfer's own gRPC transport, framing and all, beside its own socket run
-        from .grpc_probe import measure_loopback
+        from bench.grpc_probe import measure_loopback
         res = measure_loopback(whole, cfg.channels, cfg.chunk_bytes, layers=layers, repeats=cfg.runs)
         links["grpc_backend"] = res["grpc"] | {
             "available": True, "bytes": res["bytes"], "channels": res["channels"], "pattern": f"{layers} layers",

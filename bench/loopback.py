@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from .stats import median, spread_ms, timed
+from bench.stats import median, spread_ms, timed
 
 PUSH = "/kvbench.Loopback/Push"  # stream-unary: raw chunks in, an 8-byte count back
 COUNT = struct.Struct("<Q")

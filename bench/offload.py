@@ -26,13 +26,13 @@ import transformers
 
 from kvtransfer.determinism import enable_deterministic
 from kvtransfer.geometry import CacheGeometry
-from kvtransfer.models import ModelSpec, load_model
-from kvtransfer.reference import decode, prefill, random_prompt
-from kvtransfer.streaming import assemble_cache, cache_layers, caches_equal
-from kvtransfer.pagecache import drop_page_cache, read_file, write_file
-from kvtransfer.tiers import TIER_KINDS, Tier, make_tiers
+from kvtransfer.model.spec import ModelSpec, load_model
+from kvtransfer.model.prefill import decode, prefill, random_prompt
+from kvtransfer.model.streaming import assemble_cache, cache_layers, caches_equal
+from bench.measure.pagecache import drop_page_cache, read_file, write_file
+from bench.measure.tiers import TIER_KINDS, Tier, make_tiers
 
-from .stats import clock, spread_ms, timed
+from bench.stats import clock, spread_ms, timed
 
 Step = Callable[[str], None]  # called once per finished step with a short description
 

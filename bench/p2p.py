@@ -10,14 +10,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .launch import free_port
-from .stats import median, spread_ms, timed
-from .twoproc import run_pair
+from bench.launch import free_port
+from bench.stats import median, spread_ms, timed
+from bench.twoproc import run_pair
 
 
 def _side(rank: int, address: str, devices: tuple[str, str], patterns: dict, runs: int, warmup: int) -> dict:
     from kvtransfer.determinism import sync
-    from kvtransfer.transport.dist import init_pair
+    from kvtransfer.transport.dist.backend import init_pair
     dev = torch.device(devices[rank])
     if dev.type == "cuda":
         torch.cuda.set_device(dev)

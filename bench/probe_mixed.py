@@ -1,4 +1,4 @@
-"""probe_round's `mixed` part: where a mixed step's time goes (decode_server/mixed.py, graphs.py).
+"""probe_round's `mixed` part: where a mixed step's time goes (kvtransfer/engine/mixed.py, graphs.py).
 
 Why apart: it builds its own pool and Step at the 7B model's shapes and times graphed and eager
 mixed steps and the three attention paths over prompt rows (the decode kernel one row at a time,
@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from bench.stats import summarize
-from decode_server.graphs import Step
-from decode_server.pool import KVPool
-from decode_server.runner import StepRunner, graph_us
+from kvtransfer.engine.graphs import Step
+from kvtransfer.engine.pool import KVPool
+from kvtransfer.engine.runner import StepRunner, graph_us
 from kvtransfer import kernels as K
 
 
@@ -26,7 +26,7 @@ def mixed(model, geom) -> dict:
     events; host time to return, unsynchronized); then the attention alone per layer over R rows of one prompt
     from position 0: the decode kernel (one row at a time), the chunk kernel and SDPA's flash causal attention."""
     from bench.probe_round import loop_us  # here: probe_round imports this module
-    from decode_server.mixed import Chunk, mixed_forward, piece_table
+    from kvtransfer.engine.mixed import Chunk, mixed_forward, piece_table
 
     pool = KVPool(geom, torch.device("cuda"), 33, 2304)
     pool.kv.normal_()

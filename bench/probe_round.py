@@ -31,13 +31,13 @@ from torch.profiler import ProfilerActivity, profile
 
 from bench import probe_mixed, probe_served
 from bench.stats import summarize
-from decode_server.graphs import Step
-from decode_server.pool import KVPool
-from decode_server.runner import StepRunner, graph_us
+from kvtransfer.engine.graphs import Step
+from kvtransfer.engine.pool import KVPool
+from kvtransfer.engine.runner import StepRunner, graph_us
 from kvtransfer import kernels as K
 from kvtransfer.geometry import CacheGeometry
-from kvtransfer.models import ModelSpec, load_model
-from kvtransfer.reference import logits_digest, prefill
+from kvtransfer.model.spec import ModelSpec, load_model
+from kvtransfer.model.prefill import logits_digest, prefill
 
 
 def loop_us(fn, calls: int, reps: int = 7) -> float:
@@ -161,7 +161,7 @@ class _Null:
 
 
 def prefills(model) -> list[dict]:
-    """HF's forward against the fused prefill (kvtransfer/fused_prefill.py, what both servers run)."""
+    """HF's forward against the fused prefill (kvtransfer/model/fused_prefill.py, what both servers run)."""
     out = []
     for n in (512, 1024, 1536):
         ids = torch.randint(3, 1000, (1, n), device="cuda")
@@ -225,7 +225,7 @@ def shapes(model) -> dict:
     """Fused prefill wall time (synchronized) at new and at repeated lengths, per SDPA backend set."""
     from torch.nn.attention import SDPBackend
 
-    from kvtransfer import fused_prefill
+    from kvtransfer.model import fused_prefill
 
     sets = {"default": None, "no_cudnn": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
             "flash_only": [SDPBackend.FLASH_ATTENTION], "cudnn_only": [SDPBackend.CUDNN_ATTENTION]}

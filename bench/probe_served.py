@@ -12,7 +12,7 @@ import time
 import torch
 
 from kvtransfer.geometry import CacheGeometry
-from kvtransfer.models import ModelSpec
+from kvtransfer.model.spec import ModelSpec
 
 
 def served(model_name: str, model, out_dir: str) -> dict:
@@ -22,8 +22,8 @@ def served(model_name: str, model, out_dir: str) -> dict:
     import numpy as np
 
     from bench.launch import colocated_server
-    from decode_server.engine import DecodeEngine, EngineOptions
-    from kvtransfer.serving import LoadedModel
+    from kvtransfer.engine.engine import DecodeEngine, EngineOptions
+    from kvtransfer.rpc.server import LoadedModel
     from proto import kvtransfer_pb2 as pb
     from proto import kvtransfer_pb2_grpc as pbg
 

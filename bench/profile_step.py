@@ -15,11 +15,11 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from decode_server.graphs import Step
-from decode_server.pool import KVPool
-from decode_server.runner import StepRunner
+from kvtransfer.engine.graphs import Step
+from kvtransfer.engine.pool import KVPool
+from kvtransfer.engine.runner import StepRunner
 from kvtransfer.geometry import CacheGeometry
-from kvtransfer.models import ModelSpec, load_model
+from kvtransfer.model.spec import ModelSpec, load_model
 
 
 def main(argv: list[str] | None = None) -> None:

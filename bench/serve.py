@@ -31,8 +31,8 @@ import numpy as np
 from bench.serve_metrics import BatchWatch
 from bench.stats import summarize
 from decode_server.client import MODES
-from kvtransfer.models import load_config
-from kvtransfer.modes import Mode
+from kvtransfer.model.spec import load_config
+from kvtransfer.rpc.modes import Mode
 from proto import kvtransfer_pb2 as pb
 from proto import kvtransfer_pb2_grpc as pbg
 

@@ -23,7 +23,7 @@ import time
 
 from bench.launch import colocated_server, free_port, server_pair
 from bench.serve import ServeConfig, add_long_prompt_flags, run_serve
-from kvtransfer.stacks import exit_on_sigterm
+from kvtransfer.rpc.stacks import exit_on_sigterm
 
 
 def non_negative(text: str) -> int:

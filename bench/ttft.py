@@ -15,12 +15,12 @@ from dataclasses import asdict, dataclass
 
 from decode_server.client import generate
 from kvtransfer.geometry import CacheGeometry
-from kvtransfer.models import ModelSpec, load_config
-from kvtransfer.reference import random_prompt
+from kvtransfer.model.spec import ModelSpec, load_config
+from kvtransfer.model.prefill import random_prompt
 
-from .launch import colocated_server, server_pair
-from .p2p import cache_patterns, measure_p2p
-from .stats import median, spread_ms
+from bench.launch import colocated_server, server_pair
+from bench.p2p import cache_patterns, measure_p2p
+from bench.stats import median, spread_ms
 
 Step = Callable[[str], None]
 CHECKS = ("cache_equal", "tokens_equal", "logits_equal", "tokens_equal_timed")  # every one counts in `ok`
@@ -154,7 +154,7 @@ def raw_links(cfg: TtftConfig, geom: CacheGeometry) -> dict:
     """The limit of the data plane the pair used, measured in the same run, at the largest cache size."""
     nbytes = geom.cache_bytes(max(cfg.lengths))
     if cfg.transport == "grpc":
-        from .grpc_probe import measure_loopback
+        from bench.grpc_probe import measure_loopback
         dev = "cuda" if cfg.prefill_device.startswith("cuda") else "cpu"
         r = measure_loopback(nbytes, channels=4, repeats=max(cfg.runs, 3), device=dev)
         return {f"grpc transport ({dev} source)": dict(r["grpc"], pattern=f"{nbytes / 2**20:.0f} MiB, 4 channels"),

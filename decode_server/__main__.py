@@ -7,18 +7,18 @@ import logging
 
 from grpc_health.v1 import health_pb2
 
-from kvtransfer.compat import local_compat
-from kvtransfer.lifecycle import FatalStop, Stop, shut_down
-from kvtransfer.security import ClientSecurity, resolve_token
-from kvtransfer.serving import load, new_health, peer_channel_options, pick_device, run_main, start_metrics
+from kvtransfer.rpc.compat import local_compat
+from kvtransfer.rpc.lifecycle import FatalStop, Stop, shut_down
+from kvtransfer.rpc.security import ClientSecurity, resolve_token
+from kvtransfer.rpc.server import load, new_health, peer_channel_options, pick_device, run_main, start_metrics
 from kvtransfer.transport import registry
 
-from .config import DecodeConfig
-from .engine import DecodeEngine
-from .handshake import HandshakeRefused
-from .pairing import DecodePairing
-from .server import DecodeService, create_server
-from .sizing import plan_engine
+from decode_server.config import DecodeConfig
+from kvtransfer.engine.engine import DecodeEngine
+from decode_server.peer.handshake import HandshakeRefused
+from decode_server.peer.pairing import DecodePairing
+from decode_server.server import DecodeService, create_server
+from decode_server.sizing import plan_engine
 
 log = logging.getLogger("kvtransfer.decode")
 

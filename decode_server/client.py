@@ -13,10 +13,10 @@ import time
 
 import grpc
 
-from kvtransfer.configargs import Parser
-from kvtransfer.flagchecks import check_address
-from kvtransfer.modes import Mode
-from kvtransfer.security import ClientSecurity, check_tls_flags, check_token_flags, resolve_token
+from kvtransfer.rpc.configargs import Parser
+from kvtransfer.rpc.flagchecks import check_address
+from kvtransfer.rpc.modes import Mode
+from kvtransfer.rpc.security import ClientSecurity, check_tls_flags, check_token_flags, resolve_token
 from proto import kvtransfer_pb2 as pb
 from proto import kvtransfer_pb2_grpc as pbg
 

@@ -20,22 +20,22 @@ from dataclasses import dataclass
 
 import grpc
 
-from kvtransfer.lifecycle import SHUTTING_DOWN, Inflight, end_by_cancel, request_budget
-from kvtransfer.limits import prompt_problem
-from kvtransfer.metrics import Metrics
-from kvtransfer.modes import REQUEST_MODES, Mode
-from kvtransfer.security import server_credentials
-from kvtransfer.serving import InflightLimit, build_server
+from kvtransfer.rpc.lifecycle import SHUTTING_DOWN, Inflight, end_by_cancel, request_budget
+from kvtransfer.rpc.limits import prompt_problem
+from kvtransfer.rpc.metrics import Metrics
+from kvtransfer.rpc.modes import REQUEST_MODES, Mode
+from kvtransfer.rpc.security import server_credentials
+from kvtransfer.rpc.server import InflightLimit, build_server
 from proto import kvtransfer_pb2 as pb
 from proto import kvtransfer_pb2_grpc as pbg
 
-from .config import DecodeConfig
-from .engine import DecodeEngine
-from .pairing import DecodePairing
-from .remote import PeerFailure, RequestError
-from .scheduler import EngineFailed
-from .sequence import EndCause, Ended, Sequence
-from .streams import Mailbox, TokenStream, acquire_slot
+from decode_server.config import DecodeConfig
+from kvtransfer.engine.engine import DecodeEngine
+from decode_server.peer.pairing import DecodePairing
+from decode_server.peer.remote import PeerFailure, RequestError
+from kvtransfer.engine.scheduler import EngineFailed
+from kvtransfer.engine.sequence import EndCause, Ended, Sequence
+from decode_server.streams import Mailbox, TokenStream, acquire_slot
 
 log = logging.getLogger("kvtransfer.decode")
 
@@ -96,7 +96,7 @@ class DecodeService(pbg.DecodeServicer):
         n, c, new = len(request.token_ids), self.config, request.max_new_tokens
         context_len = self.engine.m.model.config.max_position_embeddings
         problem, code = prompt_problem(request.token_ids, c.max_prompt_tokens, context_len, self.vocab), None
-        if problem is not None:  # the limits the prefill server enforces too (kvtransfer/limits.py)
+        if problem is not None:  # the limits the prefill server enforces too (kvtransfer/rpc/limits.py)
             pass
         elif not 1 <= new <= c.max_new_tokens:
             problem = f"max_new_tokens is {new}; use 1..{c.max_new_tokens} (--max-new-tokens)"

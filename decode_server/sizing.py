@@ -2,7 +2,7 @@
 
 Why here, once, after the weights are loaded: a user compares servers by starting them with no tuning
 flags, so the defaults must be the configuration that measured fastest, sized to the device they find.
-- dtype `auto` (kvtransfer.serving.resolve_dtype): bfloat16 on CUDA, float32 on CPU.
+- dtype `auto` (kvtransfer.rpc.server.resolve_dtype): bfloat16 on CUDA, float32 on CPU.
 - Prefill on CUDA: 256-row mixed steps (prompt chunks ride in the decode steps' forward), the measured
   fastest serving configuration; on CPU the whole prompt at once. Chunked and mixed prefill give up
   bit-identity between a request colocated and disaggregated (other kernel shapes); `--exact` restores it.
@@ -101,8 +101,8 @@ def plan_pool(bytes_per_token: int, context: int, max_batch: int, max_seq_len: i
 def plan_engine(config, loaded, receive_slots: int):
     """EngineOptions for `config` on `loaded`'s device, and the one log line saying what was chosen and why.
     `receive_slots`: longest-prompt caches the data plane may hold on the device (0 colocated)."""
-    from .engine import EngineOptions
-    from .mixed import check_mixed_rows
+    from kvtransfer.engine.engine import EngineOptions
+    from kvtransfer.engine.mixed import check_mixed_rows
 
     cuda = loaded.device.type == "cuda"
     if config.exact:

@@ -19,9 +19,9 @@ from collections import deque
 
 import grpc
 
-from .pool import KVPool, Lease, PoolFull
-from .remote import RequestError
-from .sequence import EndCause, Ended, Sequence, Token
+from kvtransfer.engine.pool import KVPool, Lease, PoolFull
+from decode_server.peer.remote import RequestError
+from kvtransfer.engine.sequence import EndCause, Ended, Sequence, Token
 
 ADMISSION_RECHECK_S = 0.05  # a waiting request also looks again this often (belt and braces; frees wake it)
 

@@ -7,16 +7,16 @@ import logging
 
 from grpc_health.v1 import health_pb2
 
-from kvtransfer.compat import local_compat
-from kvtransfer.lifecycle import Stop, shut_down
-from kvtransfer.security import resolve_token
-from kvtransfer.serving import load, pick_device, run_main, start_metrics
+from kvtransfer.rpc.compat import local_compat
+from kvtransfer.rpc.lifecycle import Stop, shut_down
+from kvtransfer.rpc.security import resolve_token
+from kvtransfer.rpc.server import load, pick_device, run_main, start_metrics
 from kvtransfer.transport import registry
 
-from .config import PrefillConfig
-from .faults import StallFault
-from .server import PrefillService, create_server
-from .worker import PrefillWorker
+from prefill_server.config import PrefillConfig
+from prefill_server.faults import StallFault
+from prefill_server.server import PrefillService, create_server
+from prefill_server.worker import PrefillWorker
 
 log = logging.getLogger("kvtransfer.prefill")
 

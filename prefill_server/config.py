@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvtransfer.configargs import LOG_LEVELS, check_choices, flag, one_line
-from kvtransfer.flagchecks import check_address, check_device, check_dist_init, check_positive
-from kvtransfer.models import ModelSpec
-from kvtransfer.security import check_tls_flags, check_token_flags
+from kvtransfer.rpc.configargs import LOG_LEVELS, check_choices, flag, one_line
+from kvtransfer.rpc.flagchecks import check_address, check_device, check_dist_init, check_positive
+from kvtransfer.model.spec import ModelSpec
+from kvtransfer.rpc.security import check_tls_flags, check_token_flags
 from kvtransfer.transport.registry import options_from
-from kvtransfer.serving import CONTROL_MESSAGE_LIMIT, check_message_limit, check_metrics_flags, resolve_dtype
+from kvtransfer.rpc.server import CONTROL_MESSAGE_LIMIT, check_message_limit, check_metrics_flags, resolve_dtype
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ import secrets
 import grpc
 from grpc_health.v1.health import aio as health_aio
 
-from kvtransfer.serving import DECODE_INSTANCE_KEY
+from kvtransfer.rpc.server import DECODE_INSTANCE_KEY
 from kvtransfer.transport import Cause, TransferError
 from kvtransfer.transport.registry import Rendezvous
 from proto import kvtransfer_pb2 as pb

@@ -13,23 +13,23 @@ import logging
 
 import grpc
 
-from kvtransfer.compat import mismatch
-from kvtransfer.lifecycle import SHUTTING_DOWN, Inflight
-from kvtransfer.limits import prompt_problem, request_id_problem
-from kvtransfer.metrics import Metrics
-from kvtransfer.modes import Mode
-from kvtransfer.security import server_credentials
-from kvtransfer.serving import InflightLimit, build_server, gpu_executor
-from kvtransfer.status import transfer_status
+from kvtransfer.rpc.compat import mismatch
+from kvtransfer.rpc.lifecycle import SHUTTING_DOWN, Inflight
+from kvtransfer.rpc.limits import prompt_problem, request_id_problem
+from kvtransfer.rpc.metrics import Metrics
+from kvtransfer.rpc.modes import Mode
+from kvtransfer.rpc.security import server_credentials
+from kvtransfer.rpc.server import InflightLimit, build_server, gpu_executor
+from kvtransfer.rpc.status import transfer_status
 from kvtransfer.transport import TransferError
 from kvtransfer.transport.registry import Rendezvous, Transport
 from proto import kvtransfer_pb2 as pb
 from proto import kvtransfer_pb2_grpc as pbg
 
-from . import policy
-from .config import PrefillConfig
-from .pairing import PeerHealth, PrefillPairing
-from .worker import WARMUP_REQUEST_ID, PrefillWorker
+from prefill_server import policy
+from prefill_server.config import PrefillConfig
+from prefill_server.pairing import PeerHealth, PrefillPairing
+from prefill_server.worker import WARMUP_REQUEST_ID, PrefillWorker
 
 log = logging.getLogger("kvtransfer.prefill")
 
@@ -88,7 +88,7 @@ class PrefillService(pbg.PrefillServicer):
         n = len(request.token_ids)
         problem = request_id_problem(request.request_id, WARMUP_REQUEST_ID) or prompt_problem(
             request.token_ids, self.config.max_prompt_tokens, self.worker.m.model.config.max_position_embeddings,
-            self.vocab)  # the decode server's limits (kvtransfer/limits.py): nothing it would drop is computed
+            self.vocab)  # the decode server's limits (kvtransfer/rpc/limits.py): nothing it would drop is computed
         if problem is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         if request.mode not in MODES and request.mode != pb.MODE_AUTO:

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from kvtransfer.determinism import sync
-from kvtransfer.reference import logits_digest, prefill, random_prompt
-from kvtransfer.serving import LoadedModel
-from kvtransfer.streaming import cache_layers
+from kvtransfer.model.prefill import logits_digest, prefill, random_prompt
+from kvtransfer.rpc.server import LoadedModel
+from kvtransfer.model.streaming import cache_layers
 from kvtransfer.transport import TransferError, TransferHeader
 
 log = logging.getLogger("kvtransfer.prefill")

@@ -25,15 +25,15 @@ import grpc
 import pytest
 import torch
 
-from badinputs import (CORRUPT, GENERATE, HANDSHAKE, HEALTH, PREFILL, Case, Target, call_generate, call_handshake,
+from support.badinputs import (CORRUPT, GENERATE, HANDSHAKE, HEALTH, PREFILL, Case, Target, call_generate, call_handshake,
                        call_prefill, gen_request, good_request, outcome, raw_stream, raw_unary, undocumented,
                        wait_for_log)
-from kvtransfer.compat import local_compat
+from kvtransfer.rpc.compat import local_compat
 from kvtransfer.geometry import CacheGeometry
-from kvtransfer.models import ModelSpec
+from kvtransfer.model.spec import ModelSpec
 from proto import kvtransfer_pb2 as pb
 from proto import kvtransfer_pb2_grpc as pbg
-from servers import server_pair
+from support.servers import server_pair
 
 S = grpc.StatusCode
 MSG_LIMIT = 65536

@@ -16,10 +16,10 @@ import grpc
 import pytest
 
 from decode_server.client import generate
-from kvtransfer.reference import random_prompt
+from kvtransfer.model.prefill import random_prompt
 from proto import kvtransfer_pb2 as pb
 from proto import kvtransfer_pb2_grpc as pbg
-from servers import colocated_server, free_port, server_pair
+from support.servers import colocated_server, free_port, server_pair
 
 LONG, SHORT = random_prompt(512, 3000, seed=1)[0].tolist(), [5, 6, 7, 8]
 

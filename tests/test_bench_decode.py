@@ -16,7 +16,7 @@ import torch
 from bench.decode import DecodeConfig, points
 from bench.decode_measure import Grid
 from bench.decode_report import finish_cell, targets
-from kvtransfer.models import ModelSpec, load_model
+from kvtransfer.model.spec import ModelSpec, load_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -60,8 +60,8 @@ def test_decode_files(decode_run):
 
 
 def test_second_runner_copies_no_weights():
-    from decode_server.pool import KVPool
-    from decode_server.runner import StepRunner
+    from kvtransfer.engine.pool import KVPool
+    from kvtransfer.engine.runner import StepRunner
     from kvtransfer.geometry import CacheGeometry
     model = load_model(ModelSpec("tiny", "float32"))  # own copy: fusing rebinds its parameters
     geom = CacheGeometry.from_config(model.config, torch.float32)

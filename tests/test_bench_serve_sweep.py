@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from servers import ROOT
+from support.servers import ROOT
 
 
 def test_serve_sweep_smoke(tmp_path):

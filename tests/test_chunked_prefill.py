@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from decode_server.engine import DecodeEngine, EngineOptions
+from kvtransfer.engine.engine import DecodeEngine, EngineOptions
 from kvtransfer.geometry import CacheGeometry
-from kvtransfer.models import ModelSpec, load_model
-from kvtransfer.reference import random_prompt
-from kvtransfer.serving import LoadedModel
+from kvtransfer.model.spec import ModelSpec, load_model
+from kvtransfer.model.prefill import random_prompt
+from kvtransfer.rpc.server import LoadedModel
 
 CHUNK_TOL = 1e-4  # fp32 max |diff| of first-token logits and of cache values (measured ~1e-6 on tiny)
 
@@ -57,7 +57,7 @@ def test_decode_steps_run_between_chunks():
     """A running sequence advances while a long prompt is prefilled in chunks (the point of chunking)."""
     import queue
 
-    from decode_server.sequence import Sequence
+    from kvtransfer.engine.sequence import Sequence
 
     e = engine(32)
     try:

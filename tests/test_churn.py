@@ -19,7 +19,7 @@ import grpc
 import pytest
 
 from decode_server.client import generate
-from faultkit import SERVING, Pair
+from support.faultkit import SERVING, Pair
 
 CYCLES = 20
 GRACE_S = 3.0  # --shutdown-grace-s of both workers

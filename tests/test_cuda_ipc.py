@@ -3,7 +3,7 @@
 The CPU half runs the real links over a real Unix socket with `LocalOps` (in-process
 stand-ins for the CUDA handles and events), so the message protocol, the slot pool and the
 state machine are tested here. The GPU half (marked gpu; skipped without CUDA) runs
-tests/contract.py's scenarios in two real processes over CUDA IPC: cuda:0 -> cuda:0 always,
+tests/support/contract.py's scenarios in two real processes over CUDA IPC: cuda:0 -> cuda:0 always,
 cuda:0 -> cuda:1 when two GPUs are visible. Run it with: python3 -m pytest tests/test_cuda_ipc.py -m gpu -s
 """
 
@@ -18,13 +18,13 @@ import time
 import pytest
 import torch
 
-import contract
+from support import contract
 from bench.stats import summarize
 from bench.twoproc import run_pair
-from harness import run_in_threads
+from support.harness import run_in_threads
 from kvtransfer.transport.options import IpcOptions
 from kvtransfer.transport import TransferError, TransferHeader, TransferState
-from kvtransfer.transport.cuda_ipc import LocalOps, ReceiverLink, SenderLink
+from kvtransfer.transport.cuda_ipc.backend import LocalOps, ReceiverLink, SenderLink
 
 SLOT_BYTES = 64 << 10  # contract requests need at most 4 x 2 x 2 x 64 x 8 x 4 B = 32 KiB
 
@@ -224,7 +224,7 @@ def run_gpu(scenario: str, devices: tuple[int, int], slots: int = 2, timeout: fl
 @pytest.mark.parametrize("devices", PAIRS)
 @pytest.mark.parametrize("scenario", sorted(contract.SCENARIOS))
 def test_gpu_contract(scenario, devices):
-    from harness import run_two_processes
+    from support.harness import run_two_processes
     run_two_processes("cuda_ipc", scenario, IpcOptions(slots=2), devices=tuple(f"cuda:{d}" for d in devices),
                       timeout=120)
 

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from kvtransfer.transport import TransferError
-from kvtransfer.transport import ipc_messages as msg
-from kvtransfer.transport.ipc_channel import Channel, listen
-from kvtransfer.transport.ipc_device import CudaOps
-from kvtransfer.transport.ipc_pool import HeldSlots, SlotPool
+from kvtransfer.transport.cuda_ipc import messages as msg
+from kvtransfer.transport.cuda_ipc.channel import Channel, listen
+from kvtransfer.transport.cuda_ipc.device import CudaOps
+from kvtransfer.transport.cuda_ipc.pool import HeldSlots, SlotPool
 
 SAMPLES = [
     msg.Hello(msg.MAGIC, msg.VERSION, msg.ROLE_SENDER, 4242, b"GPU-5c1e"),

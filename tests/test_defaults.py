@@ -13,8 +13,8 @@ import torch
 from decode_server.config import DecodeConfig
 from decode_server.sizing import (CPU_SEQ, CPU_SLOTS, GIB, MAX_AUTO_BATCH, WORKSPACE, Memory, plan_engine, plan_pool,
                                   workspace_bytes)
-from kvtransfer.models import preset_config
-from kvtransfer.serving import load, pick_device, resolve_dtype
+from kvtransfer.model.spec import preset_config
+from kvtransfer.rpc.server import load, pick_device, resolve_dtype
 
 QWEN_BPT, QWEN_CONTEXT = 57344, 32768
 H200 = Memory(total=int(139.8 * GIB), free=int(125.4 * GIB), ours=int(14.4 * GIB))  # after the weights
@@ -97,7 +97,7 @@ def test_the_engine_plan_on_cuda_is_the_fastest_measured_and_exact_restores_whol
 
 @pytest.fixture(scope="module")
 def tiny_loaded():
-    from kvtransfer.models import ModelSpec
+    from kvtransfer.model.spec import ModelSpec
     return load(ModelSpec("tiny", "float32"), torch.device("cpu"), False)
 
 

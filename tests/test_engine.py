@@ -17,14 +17,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from decode_server.engine import DecodeEngine, EngineOptions
-from decode_server.pool import KVPool, PoolFull
-from decode_server.runner import StepRunner, UnsupportedModel, check_supported
-from decode_server.sequence import Ended, Sequence
+from kvtransfer.engine.engine import DecodeEngine, EngineOptions
+from kvtransfer.engine.pool import KVPool, PoolFull
+from kvtransfer.engine.runner import StepRunner, UnsupportedModel, check_supported
+from kvtransfer.engine.sequence import Ended, Sequence
 from kvtransfer.geometry import CacheGeometry
-from kvtransfer.models import ModelSpec, _seeded_init_, load_model
-from kvtransfer.reference import prefill, random_prompt
-from kvtransfer.serving import LoadedModel
+from kvtransfer.model.spec import ModelSpec, _seeded_init_, load_model
+from kvtransfer.model.prefill import prefill, random_prompt
+from kvtransfer.rpc.server import LoadedModel
 
 ENGINE_VS_HF = 1e-3  # fp32, max |logit diff| vs the HF forward, teacher-forced (measured: 2e-6 tiny, 1.3e-4 smollm2-135m)
 BATCH_TOL = 1e-4  # fp32, max |logit diff| of a row in a batch vs the same request alone
@@ -199,7 +199,7 @@ def test_eos_ends_the_sequence_when_asked(engine):
 def test_token_stream_stops_a_sequence_whose_client_does_not_read():
     import asyncio
 
-    from decode_server.sequence import EndCause, Token
+    from kvtransfer.engine.sequence import EndCause, Token
     from decode_server.streams import Mailbox, TokenStream
 
     async def scenario():
@@ -274,7 +274,7 @@ def test_a_waiting_request_is_woken_by_the_free_not_by_polling(monkeypatch):
     import grpc
 
     from decode_server import streams
-    from decode_server.remote import RequestError
+    from decode_server.peer.remote import RequestError
 
     monkeypatch.setattr(streams, "ADMISSION_RECHECK_S", 60.0)
     pool = KVPool(CacheGeometry(1, 1, 2, torch.float32), torch.device("cpu"), slots=1, max_seq=4)
@@ -301,7 +301,7 @@ def test_a_deadline_that_ends_the_slot_wait_is_deadline_exceeded():
     import grpc
 
     from decode_server import streams
-    from decode_server.remote import RequestError
+    from decode_server.peer.remote import RequestError
 
     pool = KVPool(CacheGeometry(1, 1, 2, torch.float32), torch.device("cpu"), slots=1, max_seq=4)
 

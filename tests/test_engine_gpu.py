@@ -12,12 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decode_server.graphs import Step
-from decode_server.pool import KVPool
-from decode_server.runner import StepRunner
+from kvtransfer.engine.graphs import Step
+from kvtransfer.engine.pool import KVPool
+from kvtransfer.engine.runner import StepRunner
 from kvtransfer.geometry import CacheGeometry
-from kvtransfer.models import ModelSpec, load_model
-from kvtransfer.reference import prefill, random_prompt
+from kvtransfer.model.spec import ModelSpec, load_model
+from kvtransfer.model.prefill import prefill, random_prompt
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -91,7 +91,7 @@ def test_mixed_graph_matches_the_eager_mixed_step_and_the_whole_prefill():
     """A prompt chunk riding in a graphed step (graphs.py, --mixed-prefill): the decode rows within GPU_BATCH_TOL of
     the plain step, the chunk's last row and the prompt's cache within it of a whole prefill, and the graph within
     it of the eager mixed forward (padding changes the GEMM shapes, so not bit for bit)."""
-    from decode_server.mixed import Chunk, mixed_forward
+    from kvtransfer.engine.mixed import Chunk, mixed_forward
 
     model, pool, runner = build("smollm2-135m", slots=8)
     step = Step(runner, max_batch=8, cuda_graphs=True, chunk=68, max_rows=136)  # 68 rows: 64 beside bucket 4

@@ -1,4 +1,4 @@
-"""The fused prefill (kvtransfer/fused_prefill.py) against the HF forward it replaces, on CPU.
+"""The fused prefill (kvtransfer/model/fused_prefill.py) against the HF forward it replaces, on CPU.
 
 Why: both servers prefill through it, so the colocated == disaggregated guarantee rests on it being
 one deterministic function; on CPU its reference ops mirror HF's eager math, so it must equal
@@ -12,10 +12,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, MistralConfig
 
-from kvtransfer import fused_prefill as fp
-from kvtransfer.models import ModelSpec, _seeded_init_, load_model
-from kvtransfer.reference import decode, prefill, random_prompt
-from kvtransfer.streaming import cache_layers, caches_equal, same_bytes
+from kvtransfer.model import fused_prefill as fp
+from kvtransfer.model.spec import ModelSpec, _seeded_init_, load_model
+from kvtransfer.model.prefill import decode, prefill, random_prompt
+from kvtransfer.model.streaming import cache_layers, caches_equal, same_bytes
 from tests.test_engine import tiny_qwen2
 
 
@@ -56,7 +56,7 @@ def test_short_prompts_never_take_cudnn_attention_long_ones_keep_sdpas_choice():
     """cuDNN builds a graph per new length (~0.1 s on an H200): short prompts skip it, long ones amortize it."""
     from torch.nn.attention import SDPBackend
 
-    from kvtransfer.fused_prefill import CUDNN_MIN_TOKENS, sdpa_backends
+    from kvtransfer.model.fused_prefill import CUDNN_MIN_TOKENS, sdpa_backends
 
     short = sdpa_backends(1024)
     assert short and SDPBackend.CUDNN_ATTENTION not in short and SDPBackend.FLASH_ATTENTION == short[0]
@@ -64,7 +64,7 @@ def test_short_prompts_never_take_cudnn_attention_long_ones_keep_sdpas_choice():
 
 
 def test_fused_layers_are_kept_per_model_until_its_weights_are_rebound():
-    from kvtransfer.fused import fused_layers
+    from kvtransfer.model.fused import fused_layers
 
     model = load_model(ModelSpec("tiny", "float32", 0))
     layers = fused_layers(model)

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from kvtransfer.geometry import CODE_DTYPES, DTYPE_CODES, CacheGeometry
-from kvtransfer.models import load_config
-from kvtransfer.reference import prefill
-from kvtransfer.streaming import cache_layers
+from kvtransfer.model.spec import load_config
+from kvtransfer.model.prefill import prefill
+from kvtransfer.model.streaming import cache_layers
 
 
 def geom(name: str, dtype: torch.dtype = torch.bfloat16) -> CacheGeometry:

@@ -13,12 +13,12 @@ import grpc
 import pytest
 import torch
 
-import contract
+from support import contract
 from bench.launch import free_port
-from kvtransfer.status import CAUSE_STATUS
+from kvtransfer.rpc.status import CAUSE_STATUS
 from kvtransfer.transport import Cause, TransferError, TransferState
-from kvtransfer.transport import grpc_frames as wire
-from kvtransfer.transport.grpc_backend import Checksum, ReceiverLink, SenderLink
+from kvtransfer.transport.grpc import frames as wire
+from kvtransfer.transport.grpc.backend import Checksum, ReceiverLink, SenderLink
 from proto import kvdata_pb2 as pb
 
 

@@ -23,7 +23,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from kvtransfer import kernels as K
-from kvtransfer.kernels._testdata import attention_gold, decode_case
+from bench.measure.kernel_inputs import attention_gold, decode_case
 
 DTYPES = [torch.float32, torch.bfloat16]
 # (q heads, kv heads, head dim): tiny, smollm2-135m, Qwen2.5-7B-like (scaled down D), MHA

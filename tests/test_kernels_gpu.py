@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from kvtransfer import kernels as K
-from kvtransfer.kernels._testdata import DecodeCase, attention_gold, decode_case, ragged_lengths
+from bench.measure.kernel_inputs import DecodeCase, attention_gold, decode_case, ragged_lengths
 
 pytestmark = [
     pytest.mark.gpu,

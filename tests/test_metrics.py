@@ -13,9 +13,9 @@ from prometheus_client import generate_latest
 
 from decode_server.client import generate
 from decode_server.config import DecodeConfig
-from faultkit import NOT_SERVING, SERVING, Pair, assert_no_leaks, value
-from kvtransfer.metrics import Metrics
-from kvtransfer.reference import random_prompt
+from support.faultkit import NOT_SERVING, SERVING, Pair, assert_no_leaks, value
+from kvtransfer.rpc.metrics import Metrics
+from kvtransfer.model.prefill import random_prompt
 from prefill_server.config import PrefillConfig
 
 BYTES_PER_TOKEN = 1024  # tiny, float32: 2 x 4 layers x 2 kv heads x 16 x 4 bytes

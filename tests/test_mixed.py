@@ -1,4 +1,4 @@
-"""Prefill chunks riding in decode steps (decode_server/mixed.py), on CPU in fp32.
+"""Prefill chunks riding in decode steps (kvtransfer/engine/mixed.py), on CPU in fp32.
 
 Why: the mixed forward computes two things in one pass; a row offset, a mask aligned the wrong
 way or a K/V write into the wrong slot shows up as decode rows that stop matching the plain step
@@ -12,16 +12,16 @@ import queue
 import pytest
 import torch
 
-from decode_server.engine import DecodeEngine, EngineOptions
-from decode_server.mixed import Chunk, mixed_forward
-from decode_server.pool import KVPool
-from decode_server.runner import StepRunner
-from decode_server.sequence import Ended, Sequence
+from kvtransfer.engine.engine import DecodeEngine, EngineOptions
+from kvtransfer.engine.mixed import Chunk, mixed_forward
+from kvtransfer.engine.pool import KVPool
+from kvtransfer.engine.runner import StepRunner
+from kvtransfer.engine.sequence import Ended, Sequence
 from kvtransfer.geometry import CacheGeometry
-from kvtransfer.models import ModelSpec, load_model
-from kvtransfer.reference import prefill, random_prompt
-from kvtransfer.serving import LoadedModel
-from kvtransfer.streaming import cache_layers
+from kvtransfer.model.spec import ModelSpec, load_model
+from kvtransfer.model.prefill import prefill, random_prompt
+from kvtransfer.rpc.server import LoadedModel
+from kvtransfer.model.streaming import cache_layers
 
 TOL = 1e-4  # fp32: other GEMM shapes than the plain step / whole prefill
 
@@ -86,7 +86,7 @@ def _engine(model, max_batch: int = 4, **kw) -> DecodeEngine:
 
 def _record_steps(monkeypatch) -> tuple[list, list]:
     """Every mixed step from now on: its chunks as (start, tokens) and its size (Step.rows_for)."""
-    from decode_server.graphs import Step
+    from kvtransfer.engine.graphs import Step
 
     pieces, rows = [], []
     mixed = Step.mixed
@@ -158,7 +158,7 @@ def test_prompts_prefilled_inside_decode_steps_decode_to_the_same_tokens(tiny, m
     plain = _engine(tiny)
     want_long, want_other = _decode(plain, long_prompt, 10), _decode(plain, other, 40)
     plain.close()
-    from decode_server.graphs import Step
+    from kvtransfer.engine.graphs import Step
 
     rows, pieces = [], []  # decode rows and prompt chunks of every mixed forward
     mixed = Step.mixed
@@ -199,7 +199,7 @@ def test_prompts_prefilled_inside_decode_steps_decode_to_the_same_tokens(tiny, m
 
 
 def test_a_mixed_step_leaves_rows_for_prompt_chunks(tiny):
-    from decode_server.graphs import Step
+    from kvtransfer.engine.graphs import Step
 
     pool = KVPool(CacheGeometry.from_config(tiny.config, torch.float32), torch.device("cpu"), slots=8, max_seq=64)
     with pytest.raises(ValueError, match=r"2 x --max-batch \(16\)"):
@@ -224,8 +224,8 @@ def test_the_server_refuses_a_mixed_step_with_no_room_for_prompt_rows():
 def test_a_larger_step_runs_only_when_the_prompt_tokens_waiting_fill_it(tiny):
     """--mixed-max-rows: steps of 24, 48 and 96 rows (not 192: over 100); beside n decode rows (bucket b) a step
     takes the largest size whose c - b prompt rows the tokens waiting fill, else the smallest."""
-    from decode_server.graphs import Step
-    from decode_server.mixed import step_sizes
+    from kvtransfer.engine.graphs import Step
+    from kvtransfer.engine.mixed import step_sizes
 
     assert step_sizes(24, 100) == [24, 48, 96] and step_sizes(24, 0) == [24]
     pool = KVPool(CacheGeometry.from_config(tiny.config, torch.float32), torch.device("cpu"), slots=8, max_seq=64)
@@ -299,7 +299,7 @@ def test_the_oldest_prompt_gets_each_steps_first_prompt_rows(tiny, monkeypatch):
     yet every token would stay right: only this order shows it."""
     import threading
 
-    from decode_server.graphs import Step
+    from kvtransfer.engine.graphs import Step
 
     prompts = [random_prompt(tiny.config.vocab_size, 40, seed=30 + s)[0].tolist() for s in range(3)]
     pieces, mixed = [], Step.mixed  # every mixed step's chunks as (slot, start, tokens)

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from kvtransfer.models import (
+from kvtransfer.model.spec import (
     PRESETS,
     ModelNotFoundError,
     ModelSpec,
@@ -15,7 +15,7 @@ from kvtransfer.models import (
     load_model,
     weights_fingerprint,
 )
-from kvtransfer.reference import colocated_generate
+from kvtransfer.model.prefill import colocated_generate
 
 
 # ---------------------------------------------------------------- preset configs

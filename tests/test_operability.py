@@ -219,7 +219,7 @@ def test_readme_cpu_quickstart_colocated():
         module, argv = as_module(line, {})
         if module == "decode_server":
             from decode_server.config import DecodeConfig
-            from kvtransfer.configargs import from_args
+            from kvtransfer.rpc.configargs import from_args
             assert from_args(DecodeConfig, argv, "").colocated
 
 
@@ -289,7 +289,7 @@ def test_bad_flags_in_real_processes():
 
 def test_every_flag_has_help_and_default():
     from decode_server.config import DecodeConfig
-    from kvtransfer.configargs import Parser, add_arguments
+    from kvtransfer.rpc.configargs import Parser, add_arguments
     from prefill_server.config import PrefillConfig
     for cls in (DecodeConfig, PrefillConfig):
         parser = Parser(prog="x")

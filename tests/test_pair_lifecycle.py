@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from decode_server.client import generate
-from faultkit import SERVING, Half, Pair
-from kvtransfer.compat import local_compat
+from support.faultkit import SERVING, Half, Pair
+from kvtransfer.rpc.compat import local_compat
 from kvtransfer.geometry import CacheGeometry
-from kvtransfer.models import ModelSpec
+from kvtransfer.model.spec import ModelSpec
 from proto import kvtransfer_pb2 as pb
 from proto import kvtransfer_pb2_grpc as pbg
 

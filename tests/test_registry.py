@@ -11,9 +11,9 @@ import time
 import pytest
 import torch
 
-import contract
+from support import contract
 from decode_server.config import DecodeConfig
-from decode_server.receiver import ReceiveLoop
+from decode_server.peer.receiver import ReceiveLoop
 from kvtransfer.geometry import CacheGeometry
 from kvtransfer.transport import registry
 from kvtransfer.transport.options import DistOptions, GrpcOptions, IpcOptions
@@ -70,9 +70,9 @@ def test_transport_enum_matches_the_proto():
 
 
 def test_transport_modules_do_not_import_transformers():
-    code = ("import sys; import kvtransfer.transport.grpc_backend, kvtransfer.transport.cuda_ipc, "
-            "kvtransfer.transport.fake, kvtransfer.transport.dist, kvtransfer.transport.registry; "
-            "bad = [m for m in ('transformers', 'kvtransfer.streaming') if m in sys.modules]; "
+    code = ("import sys; import kvtransfer.transport.grpc.backend, kvtransfer.transport.cuda_ipc.backend, "
+            "kvtransfer.transport.fake, kvtransfer.transport.dist.backend, kvtransfer.transport.registry; "
+            "bad = [m for m in ('transformers', 'kvtransfer.model.streaming') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
@@ -80,7 +80,7 @@ def test_transport_modules_do_not_import_transformers():
 def test_grpc_path_does_not_import_torch_distributed_backend():
     code = ("import sys; from kvtransfer.transport import registry; "
             "registry.receiver_link('grpc', 'cpu', address='127.0.0.1:0').close(); "
-            "assert 'kvtransfer.transport.dist' not in sys.modules")
+            "assert 'kvtransfer.transport.dist.backend' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
@@ -130,7 +130,7 @@ def test_a_frame_that_does_not_match_its_request_is_dropped():
 def test_a_slot_stays_held_while_a_late_frame_lands_in_it():
     """The receive loop holds the request's slot lease from the moment its frame starts landing until it stops,
     so a request that gives up meanwhile cannot have its slot handed to another request under the late frame."""
-    from decode_server.pool import KVPool
+    from kvtransfer.engine.pool import KVPool
 
     r_link = registry.receiver_link("fake", "cpu", address="fake://late", max_bytes=1 << 30)
     s_link = registry.sender_link("fake", "cpu", address="fake://late")

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from servers import ROOT
+from support.servers import ROOT
 
 RUNBOOKS = {"two-gpu-1-smoke.sh": 4, "two-gpu-2-interference.sh": 2, "two-gpu-3-serve.sh": 1}  # python3 calls
 
@@ -20,7 +20,7 @@ def test_a_runbooks_commands_parse(tmp_path, name, calls):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     shim = bin_dir / "python3"
-    shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{ROOT}/tests/runbook_checker.py" "$@"\n')
+    shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{ROOT}/tests/support/runbook_checker.py" "$@"\n')
     shim.chmod(0o755)
     record = tmp_path / "calls.jsonl"
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", OUT=str(tmp_path / "out"),

@@ -1,4 +1,4 @@
-"""The scheduler's one-step lookahead (decode_server/scheduler.py) against a fake step, on CPU.
+"""The scheduler's one-step lookahead (kvtransfer/engine/scheduler.py) against a fake step, on CPU.
 
 Why: step k+1 is queued before step k's tokens are read, its input tokens gathered on the device
 from step k's argmax. A wrong gather feeds a row another row's token; a wrong end frees a slot
@@ -13,9 +13,9 @@ import queue
 
 import torch
 
-from decode_server.pool import KVPool
-from decode_server.scheduler import Scheduler
-from decode_server.sequence import Ended, Sequence
+from kvtransfer.engine.pool import KVPool
+from kvtransfer.engine.scheduler import Scheduler
+from kvtransfer.engine.sequence import Ended, Sequence
 from kvtransfer.geometry import CacheGeometry
 
 VOCAB = 97

@@ -7,8 +7,8 @@ batch of 0, or a busy share read off the wrong series would misreport the run.
 
 from __future__ import annotations
 
-from decode_server.scheduler import StepStats
-from kvtransfer.metrics import Metrics
+from kvtransfer.engine.scheduler import StepStats
+from kvtransfer.rpc.metrics import Metrics
 
 
 def series(m: Metrics) -> dict[str, float]:
@@ -63,12 +63,12 @@ def test_the_scheduler_reports_every_delivered_step_once():
 
     import torch
 
-    from decode_server.engine import DecodeEngine, EngineOptions
-    from decode_server.sequence import Ended, Sequence
+    from kvtransfer.engine.engine import DecodeEngine, EngineOptions
+    from kvtransfer.engine.sequence import Ended, Sequence
     from kvtransfer.geometry import CacheGeometry
-    from kvtransfer.models import ModelSpec, load_model
-    from kvtransfer.reference import random_prompt
-    from kvtransfer.serving import LoadedModel
+    from kvtransfer.model.spec import ModelSpec, load_model
+    from kvtransfer.model.prefill import random_prompt
+    from kvtransfer.rpc.server import LoadedModel
 
     model = load_model(ModelSpec("tiny", "float32", 0))
     lm = LoadedModel(ModelSpec("tiny", "float32", 0), model, CacheGeometry.from_config(model.config, torch.float32),

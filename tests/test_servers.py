@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from decode_server.client import generate
-from kvtransfer.models import ModelSpec, load_model
-from enginekit import engine_generate
-from kvtransfer.reference import prefill, random_prompt
-from kvtransfer.streaming import cache_digest, cache_layers
-from servers import colocated_server, server_pair
+from kvtransfer.model.spec import ModelSpec, load_model
+from support.enginekit import engine_generate
+from kvtransfer.model.prefill import prefill, random_prompt
+from kvtransfer.model.streaming import cache_digest, cache_layers
+from support.servers import colocated_server, server_pair
 
 LENGTHS = [1, 7, 33, 130]
 

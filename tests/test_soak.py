@@ -18,9 +18,9 @@ import time
 
 import grpc
 
-from faultkit import Pair, assert_no_leaks, value
-from enginekit import engine_generate
-from kvtransfer.reference import random_prompt
+from support.faultkit import Pair, assert_no_leaks, value
+from support.enginekit import engine_generate
+from kvtransfer.model.prefill import random_prompt
 from proto import kvtransfer_pb2 as pb
 from proto import kvtransfer_pb2_grpc as pbg
 

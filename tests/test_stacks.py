@@ -11,10 +11,10 @@ import time
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from servers import ROOT, colocated_server
+from support.servers import ROOT, colocated_server
 
 from bench.launch import stop
-from kvtransfer.stacks import catches_dump_signal, request_dump
+from kvtransfer.rpc.stacks import catches_dump_signal, request_dump
 
 STACK = "most recent call first"  # faulthandler's header, per thread
 
@@ -45,7 +45,7 @@ def test_a_server_dumps_its_stacks_on_sigusr1_and_keeps_serving(tmp_path):
 
 def test_stop_dumps_the_stacks_of_a_process_that_will_not_stop(tmp_path):
     log = tmp_path / "stuck.log"
-    code = ("import signal, sys, time; from kvtransfer.stacks import enable_stack_dumps; enable_stack_dumps(); "
+    code = ("import signal, sys, time; from kvtransfer.rpc.stacks import enable_stack_dumps; enable_stack_dumps(); "
             "signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True)\n"
             "def stuck_here():\n    time.sleep(120)\nstuck_here()")
     p = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT)

@@ -1,4 +1,4 @@
-"""The status tables (kvtransfer/status.py), every row of both checked against docs/errors.md.
+"""The status tables (kvtransfer/rpc/status.py), every row of both checked against docs/errors.md.
 
 Why against the document: operators read the table there to tell what a status means; a row changed in the code
 and not in the doc (or the reverse) misleads them, so each test fails on either drift.
@@ -10,7 +10,7 @@ import os
 
 import grpc
 
-from kvtransfer.status import _CAUSE_OF_BARE_STATUS, CAUSE_STATUS, cause_of_status, transfer_status
+from kvtransfer.rpc.status import _CAUSE_OF_BARE_STATUS, CAUSE_STATUS, cause_of_status, transfer_status
 from kvtransfer.transport import Cause, TransferError
 from proto import kvdata_pb2
 
@@ -64,7 +64,7 @@ def test_a_call_cancelled_at_its_deadline_counts_as_deadline_exceeded():
     """The client's deadline runs out a few ms before the server's: that cancellation is the deadline's."""
     import asyncio
 
-    from kvtransfer.lifecycle import DEADLINE_SLACK_S, outcome
+    from kvtransfer.rpc.lifecycle import DEADLINE_SLACK_S, outcome
 
     class Ctx:
         def __init__(self, left):
@@ -88,7 +88,7 @@ def test_a_server_ends_a_request_before_the_clients_deadline():
     """Its own DEADLINE_EXCEEDED, with the reason, goes out while the call is still open (not racing gRPC's)."""
     import pytest
 
-    from kvtransfer.lifecycle import DEADLINE_MARGIN_S, request_budget
+    from kvtransfer.rpc.lifecycle import DEADLINE_MARGIN_S, request_budget
 
     assert request_budget(None, 30.0) == 30.0                      # no client deadline: the server's limit
     assert request_budget(100.0, 30.0) == 30.0                     # the limit is the shorter

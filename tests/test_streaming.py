@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtransfer.reference import colocated_generate, decode, prefill
-from kvtransfer.streaming import (
+from kvtransfer.model.prefill import colocated_generate, decode, prefill
+from kvtransfer.model.streaming import (
     StreamingCache,
     assemble_cache,
     cache_layers,
@@ -152,7 +152,7 @@ def test_decode_does_not_rerun_prefill(tiny_model, prompt, forward_inputs):
 def test_colocated_runs_prefill_once_then_single_tokens(tiny_model, prompt, forward_inputs):
     seen = forward_inputs(tiny_model)
     colocated_generate(tiny_model, prompt, STEPS)
-    # the fused prefill (kvtransfer/fused_prefill.py) runs no HF forward; decoding is one token per forward
+    # the fused prefill (kvtransfer/model/fused_prefill.py) runs no HF forward; decoding is one token per forward
     assert seen == [1] * (STEPS - 1)
 
 

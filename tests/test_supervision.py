@@ -13,8 +13,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from decode_server.client import generate
-from kvtransfer.lifecycle import EXIT_FATAL
-from servers import colocated_server
+from kvtransfer.rpc.lifecycle import EXIT_FATAL
+from support.servers import colocated_server
 
 PROMPT = [5, 6, 7, 8]
 

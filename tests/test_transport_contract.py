@@ -1,4 +1,4 @@
-"""Runs the contract scenarios (tests/contract.py) against every backend available here.
+"""Runs the contract scenarios (tests/support/contract.py) against every backend available here.
 
 Links are built through the registry with non-default options: gRPC with the checksum on
 and off, several channels and small chunks; gloo with several layers per message.
@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import contract
-from harness import run_in_threads, run_two_processes
+from support import contract
+from support.harness import run_in_threads, run_two_processes
 from kvtransfer.transport.options import DistOptions, GrpcOptions, IpcOptions
 
 SCENARIOS = sorted(contract.SCENARIOS)

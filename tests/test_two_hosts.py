@@ -10,11 +10,11 @@ import sys
 
 import pytest
 
-import netns
+from support import netns
 from bench.launch import ROOT, free_port, spawn, stop
-from kvtransfer.models import ModelSpec, load_model
-from enginekit import engine_generate
-from kvtransfer.reference import random_prompt
+from kvtransfer.model.spec import ModelSpec, load_model
+from support.enginekit import engine_generate
+from kvtransfer.model.prefill import random_prompt
 
 REASON = netns.unavailable_reason()
 pytestmark = [pytest.mark.netns, pytest.mark.skipif(REASON is not None, reason=f"no network namespaces: {REASON}")]

@@ -21,7 +21,7 @@ import pytest
 
 from bench.launch import colocated_server, free_port
 from decode_server.client import generate
-from servers import server_pair
+from support.servers import server_pair
 
 MAX_SEQ = 600       # --max-seq-len: the KV slot, below tiny's context of 4,096 tokens
 EXIT_DEADLINE_S = 240

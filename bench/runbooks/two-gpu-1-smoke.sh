@@ -2,7 +2,7 @@
 # Two-GPU call 1 of 3 (issue #14 items 1 and 4): the GPU tests on both GPUs, raw links, then TTFT prefill
 # cuda:0 -> decode cuda:1 over nccl and over cuda_ipc. ~8 min (hard limits 480 s in all). Run from the repo root on nvidia-h200-x2 after
 # the usual preamble (PYTHONPATH with the grpcio wheels, NCCL_NVLS_ENABLE=0); everything lands under $OUT.
-# Each step has a hard `timeout`: a bench stopped by it prints its stacks and its servers' (kvtransfer/stacks.py).
+# Each step has a hard `timeout`: a bench stopped by it prints its stacks and its servers' (kvtransfer/rpc/stacks.py).
 set -u
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN} NCCL_NVLS_ENABLE=0
 mkdir -p "$OUT"

@@ -1,6 +1,6 @@
 """Causal attention of prompt-chunk rows over their slot's cache, flash style (Triton).
 
-Why: a mixed step (decode_server/mixed.py) carries up to MAX_PIECES prompt chunks as rows of the
+Why: a mixed step (kvtransfer/engine/mixed.py) carries up to MAX_PIECES prompt chunks as rows of the
 decode step. Through the decode kernel each such row streams its slot's K/V on its own: a
 1,024-token prompt then reads ~n^2/2 positions per layer, ~5 ms of the 7B model's step time on
 an H200 against ~1.6 ms for flash attention over the same rows (bench/probe_round --only mixed).

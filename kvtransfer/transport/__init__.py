@@ -6,7 +6,7 @@ transport module imports transformers (layout.py holds the memory views they sha
 
 from __future__ import annotations
 
-from .base import (Cause, Destination, DestinationProvider, KVReceiver, KVSender, ReceiverLink, SenderLink,
+from kvtransfer.transport.base import (Cause, Destination, DestinationProvider, KVReceiver, KVSender, ReceiverLink, SenderLink,
                    TransferError, TransferHeader, TransferState, fresh_destination)
 
 __all__ = ["Cause", "Destination", "DestinationProvider", "KVReceiver", "KVSender", "ReceiverLink", "SenderLink",

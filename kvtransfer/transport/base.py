@@ -25,7 +25,7 @@ class TransferState(enum.IntEnum):
 
 
 class Cause(enum.StrEnum):
-    """Why a transfer failed; kvtransfer.status maps each to the gRPC status a request ends with."""
+    """Why a transfer failed; kvtransfer.rpc.status maps each to the gRPC status a request ends with."""
     ABORTED = "aborted"      # one side gave up (abort, or the receiver let go)
     TIMEOUT = "timeout"      # a deadline passed
     PEER = "peer"            # the other side or the connection is gone

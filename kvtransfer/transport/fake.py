@@ -16,10 +16,10 @@ import time
 
 import torch
 
-from . import base
-from .base import KVReceiver, KVSender, TransferError, TransferHeader, TransferState
-from .frames import Placement, check_header, check_layer, destination_for
-from .options import FakeOptions
+from kvtransfer.transport import base
+from kvtransfer.transport.base import KVReceiver, KVSender, TransferError, TransferHeader, TransferState
+from kvtransfer.transport.frames import Placement, check_header, check_layer, destination_for
+from kvtransfer.transport.options import FakeOptions
 
 _OK, _ABORT = "ok", "abort"
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from ..geometry import CODE_DTYPES, DTYPE_CODES
-from .base import Destination, DestinationProvider, TransferError, TransferHeader, fresh_destination
-from .layout import contiguous_run, kv_block, kv_pair_view
+from kvtransfer.geometry import CODE_DTYPES, DTYPE_CODES
+from kvtransfer.transport.base import Destination, DestinationProvider, TransferError, TransferHeader, fresh_destination
+from kvtransfer.transport.layout import contiguous_run, kv_block, kv_pair_view
 
 MAX_LAYERS = 4096  # no model has more; a larger count is a corrupt header
 DIMS = ("seq_len", "num_layers", "kv_heads", "head_dim", "batch")

@@ -15,8 +15,8 @@ import enum
 import importlib
 from dataclasses import dataclass, fields
 
-from .base import ReceiverLink, SenderLink
-from .options import DistOptions, FakeOptions, GrpcOptions, IpcOptions
+from kvtransfer.transport.base import ReceiverLink, SenderLink
+from kvtransfer.transport.options import DistOptions, FakeOptions, GrpcOptions, IpcOptions
 
 
 class Transport(enum.StrEnum):
@@ -59,11 +59,11 @@ _GRPC_FLAGS = (("grpc_channels", "channels"), ("grpc_chunk_bytes", "chunk_bytes"
 _IPC_FLAGS = (("ipc_slots", "slots"), ("ipc_slot_timeout_s", "slot_timeout_s"))
 
 BACKENDS: dict[Transport, Backend] = {b.name: b for b in (
-    Backend(Transport.NCCL, "kvtransfer.transport.dist", Rendezvous.PROCESS_GROUP, True, DistOptions, _DIST_FLAGS),
-    Backend(Transport.GLOO, "kvtransfer.transport.dist", Rendezvous.PROCESS_GROUP, False, DistOptions, _DIST_FLAGS),
-    Backend(Transport.GRPC, "kvtransfer.transport.grpc_backend", Rendezvous.ADDRESS, False, GrpcOptions,
+    Backend(Transport.NCCL, "kvtransfer.transport.dist.backend", Rendezvous.PROCESS_GROUP, True, DistOptions, _DIST_FLAGS),
+    Backend(Transport.GLOO, "kvtransfer.transport.dist.backend", Rendezvous.PROCESS_GROUP, False, DistOptions, _DIST_FLAGS),
+    Backend(Transport.GRPC, "kvtransfer.transport.grpc.backend", Rendezvous.ADDRESS, False, GrpcOptions,
             _GRPC_FLAGS),
-    Backend(Transport.CUDA_IPC, "kvtransfer.transport.cuda_ipc", Rendezvous.ADDRESS, True, IpcOptions, _IPC_FLAGS),
+    Backend(Transport.CUDA_IPC, "kvtransfer.transport.cuda_ipc.backend", Rendezvous.ADDRESS, True, IpcOptions, _IPC_FLAGS),
     Backend(Transport.FAKE, "kvtransfer.transport.fake", Rendezvous.IN_PROCESS, False, FakeOptions, ()),
 )}
 SERVER_TRANSPORTS = ("auto", "nccl", "gloo", "grpc", "cuda_ipc")  # what --transport accepts

@@ -30,7 +30,7 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
-from .dist import IDLE_WAIT_S
+from kvtransfer.transport.dist.backend import IDLE_WAIT_S
 
 
 def store_address(init_method: str) -> tuple[str, int]:

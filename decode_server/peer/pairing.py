@@ -1,0 +1,180 @@
+"""The decode side of the pair: handshake, pairing state, and re-pairing after a failure.
+
+Why the decode side leads: it is the front door, so it needs to know at every moment
+whether remote prefill can work, and it sees failures first. A pairing is one handshake
+plus the data plane built for it. It ends when the liveness watch (a health `Watch` stream
+on the prefill worker over the keepalive'd control channel) breaks or reports NOT_SERVING,
+or when the receive loop stops. Then every waiting request is failed at once (each goes
+to the --on-failure policy), health says NOT_SERVING, and the supervisor handshakes again
+until the peer answers, without restarting this process:
+- nccl/gloo: the old group is destroyed (an old receive thread still blocked in it ends
+  when the peer closes its side) and a fresh one joined under the (instance, epoch) that
+  the prefill worker named in its answer; a new receive loop serves it.
+- grpc/cuda_ipc: the listener stays; the handshake makes the prefill worker reconnect.
+A new instance id in the answer means the prefill worker restarted; it is logged.
+The data plane (links, receive loops, one request's remote prefill) is dataplane.py; the liveness watch
+is liveness.py; health is given at construction and follows the pairing from the start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvtransfer.rpc.server import DECODE_INSTANCE_KEY
+from proto import kvtransfer_pb2 as pb
+from proto import kvtransfer_pb2_grpc as pbg
+
+from decode_server.peer.dataplane import DataPlane
+from decode_server.peer.handshake import HandshakeRefused, handshake
+from decode_server.peer.liveness import STOPPING, until_down, watch_peer
+from decode_server.peer.remote import PeerFailure, Remote
+
+log = logging.getLogger("kvtransfer.decode")
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+DECODE_SERVICE = pb.DESCRIPTOR.services_by_name["Decode"].full_name
+
+
+class DecodePairing:
+    def __init__(self, config, loaded, backend, compat: pb.Compat, channel, metadata, metrics, health):
+        self.config, self.compat, self.metadata, self.metrics, self.health = config, compat, metadata, metrics, health
+        self.data = DataPlane(config, loaded, backend, metrics)
+        self.transport = backend.name
+        self.stub = pbg.PrefillStub(channel)
+        self.health_stub = health_pb2_grpc.HealthStub(channel)
+        self.instance_id = secrets.randbits(63) | 1
+        self.up, self.down_reason, self.down_since = False, "not paired yet", time.monotonic()
+        self.prefill_instance = self.epoch = 0
+        self._task = None
+        self._watch: asyncio.Future | None = None  # the liveness watch; opened before each handshake
+        self._armed = asyncio.Event()  # set once a pairing is up: the watch's NOT_SERVING counts from then
+        self.on_fatal = None  # called if the supervising task dies: the server must stop, not look paired
+
+    def watch_fatal(self, on_fatal) -> None:
+        """`on_fatal(what, error)` when the pairing's task or a receive loop dies of a bug."""
+        self.on_fatal = self.data.on_fatal = on_fatal
+
+    # --- the pairing's life ---
+
+    async def start(self) -> None:
+        """The first pairing, then supervise it. A refusal, or no pairing within --handshake-timeout-s, raises
+        HandshakeRefused (the server exits 2); a join that failed is tried again until then."""
+        deadline, delay = time.monotonic() + self.config.handshake_timeout_s, 0.5
+        while True:
+            try:
+                await self._pair()
+                break
+            except HandshakeRefused:
+                raise
+            except Exception as e:  # a rendezvous that timed out or failed (RuntimeError)
+                await self.data.drop_group("the pairing failed")
+                if time.monotonic() + delay > deadline:
+                    raise HandshakeRefused(f"could not pair with the prefill worker at {self.config.prefill_addr} "
+                                           f"within --handshake-timeout-s {self.config.handshake_timeout_s:g} s: "
+                                           f"{e}") from None
+                log.warning("pairing failed: %s; trying again", e)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+        self._task = asyncio.create_task(self._supervise(), name="pairing")
+        self._task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task) -> None:
+        """The supervising task never returns; if it ended other than by cancel, pairing is over for good."""
+        if task.cancelled() or self.on_fatal is None:
+            return
+        error = task.exception() or RuntimeError("the pairing task returned")
+        self.on_fatal("the pairing task", error)
+
+    async def _supervise(self) -> None:
+        while True:
+            try:
+                reason = await until_down(self._watch, self.data.stopped)
+            except Exception as e:  # a bug here must not leave the server believing the pair is up
+                log.exception("liveness watch failed")
+                reason = f"liveness watch failed: {e!r}"
+            await self._down(reason, quiesce=reason == STOPPING)
+            delay = 0.5
+            while True:
+                try:
+                    await self._pair()
+                    break
+                except HandshakeRefused as e:
+                    self.down_reason = str(e)
+                    log.error("re-pairing: %s", e)
+                except Exception as e:  # a rendezvous that timed out or failed (RuntimeError), a bad address
+                    log.warning("re-pairing failed: %s; trying again", e)
+                    await self.data.drop_group("re-pairing failed")
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    async def _pair(self) -> None:
+        address = self.data.listen()
+        self._armed.clear()
+        self._open_watch()  # before the handshake: the peer sees us alive
+        resp = await handshake(self.stub, self.compat, self.transport, self.config.handshake_timeout_s,
+                               self.data.receive_limit(), self.metadata, address, self.instance_id,
+                               self.config.prefill_addr)
+        if self.prefill_instance and resp.instance_id != self.prefill_instance:
+            log.warning("the prefill worker restarted (instance %x -> %x)", self.prefill_instance, resp.instance_id)
+        await self.data.join(resp)
+        self._open_watch()  # one that ended meanwhile (sent on the dead peer's connection) says nothing of this one
+        self.prefill_instance, self.epoch = resp.instance_id, resp.epoch
+        self.metrics.pairings.inc()
+        await self._set_up(True, "")
+        self._armed.set()
+        log.info("paired with prefill instance %x, epoch %d (%s)", resp.instance_id, resp.epoch, self.transport)
+
+    def _open_watch(self) -> None:
+        """A liveness watch, unless one is open (it waits for the peer to be up: wait_for_ready)."""
+        if self._watch is None or self._watch.done():
+            self._watch = asyncio.ensure_future(watch_peer(self.health_stub, self._watch_metadata(), self._armed))
+
+    def _watch_metadata(self):
+        return (*(self.metadata or ()), (DECODE_INSTANCE_KEY, f"{self.instance_id:x}"))
+
+    async def close(self) -> None:
+        """At the stop: no more pairing; a join in progress gives up, the liveness watch ends."""
+        self.data.closing = True
+        for task in (self._task, self._watch):
+            if task is not None:
+                task.cancel()
+
+    async def _down(self, reason: str, quiesce: bool = False) -> None:
+        """The pairing ended: new requests are refused at once. When the peer still answers (it is stopping),
+        what it has in flight is waited for (bounded by --peer-timeout-s); the rest fails now."""
+        await self._set_up(False, reason)
+        if quiesce and await self.data.quiesce(self.config.peer_timeout_s):
+            log.info("prefill peer stopping: its transfers in flight arrived")
+        log.warning("prefill peer down: %s; failing waiting requests (--on-failure %s) and pairing again", reason,
+                    self.config.on_failure)
+        await self.data.down(reason)
+
+    # --- what the front door asks ---
+
+    async def remote_prefill(self, request, rid: int, deadline: float, metadata, destination, lease) -> Remote:
+        """One request's remote prefill over the data plane, refused at once while the peer is down."""
+        if not self.up:
+            raise PeerFailure("peer_down", grpc.StatusCode.UNAVAILABLE, f"the prefill worker at "
+                              f"{self.config.prefill_addr} is unavailable: {self.why_down()}")
+        return await self.data.remote_prefill(self.stub, request, rid, deadline, metadata, destination, lease)
+
+    def why_down(self) -> str:
+        return f"{self.down_reason} ({time.monotonic() - self.down_since:.1f} s ago)"
+
+    async def _set_up(self, up: bool, reason: str) -> None:
+        if not up:
+            self.down_reason, self.down_since = reason, time.monotonic()
+        self.up = up
+        self.metrics.peer_up.set(1 if up else 0)
+        await self.publish()
+
+    async def publish(self) -> None:
+        """"" follows the peer; the Decode service stays SERVING under --on-failure recompute (it still answers)."""
+        await self.health.set("", SERVING if self.up else NOT_SERVING)
+        await self.health.set(DECODE_SERVICE, SERVING if self.up or self.config.on_failure == "recompute"
+                              else NOT_SERVING)

@@ -1,0 +1,119 @@
+"""The decode worker's device side: the KV pool, the batched step and the scheduler, built once at start.
+
+Why one object: the servicer needs four things from the device: a slot, a local prefill into
+that slot (colocated, recompute), a digest of a slot's cache, and decoding. All device work runs
+on the scheduler's one thread; the servicer only awaits futures and reads sinks.
+
+A local prefill runs exactly the prefill worker's forward (`kvtransfer.model.prefill.prefill`: the
+fused prefill for supported models, same kernels), and copies each layer into the slot as it is
+made: the same one device-local copy per layer that a transport's landing does, so colocated and
+disaggregated requests reach the step with byte-identical caches.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+
+from kvtransfer.determinism import sync
+from kvtransfer.model.prefill import logits_digest, prefill
+from kvtransfer.rpc.server import LoadedModel
+from kvtransfer.model.streaming import cache_digest
+
+from kvtransfer.engine.chunk_attention import chunk_attention_on
+from kvtransfer.engine.graphs import Step
+from kvtransfer.engine.mixed import MixedPrefill
+from kvtransfer.engine.pool import KVPool, Lease
+from kvtransfer.engine.runner import StepRunner
+from kvtransfer.engine.scheduler import Job, Scheduler
+from kvtransfer.engine.sequence import LocalPrefill
+
+log = logging.getLogger("kvtransfer.decode.engine")
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    max_batch: int = 16  # pool slots = sequences decoded together
+    max_seq_len: int = 4096  # tokens per slot (prompt + generated)
+    cuda_graphs: bool = True  # capture the step per bucketed batch size (CUDA only)
+    prefill_chunk: int = 0  # local prefill: tokens per piece between decode steps (0: the whole prompt at once)
+    mixed_prefill: bool = False  # prompt chunks ride in the decode steps' forward (mixed.py); prefill_chunk is then
+    # the rows of such a step, decode rows included (graphs.py checks it is >= 2 x max_batch)
+    mixed_max_rows: int = 0  # mixed: steps of 2, 4 .. x prefill_chunk rows too, up to this (0: prefill_chunk only)
+    fail_scheduler_after_steps: int = -1  # fault injection: the scheduler thread dies after this many steps
+
+    def __post_init__(self):
+        if self.mixed_prefill and self.prefill_chunk < 1:
+            raise ValueError("--mixed-prefill needs --prefill-chunk N (the rows of a step, decode rows included)")
+
+
+class DecodeEngine:
+    def __init__(self, loaded: LoadedModel, options: EngineOptions, on_step=None, on_fatal=None):
+        """`on_fatal(what, error)`: called once if the scheduler thread dies (the server must then stop)."""
+        self.m, self.options = loaded, options
+        self.pool = KVPool(loaded.geometry, loaded.device, options.max_batch, options.max_seq_len)
+        self.runner = StepRunner(loaded.model, self.pool)
+        self.step = Step(self.runner, options.max_batch, options.cuda_graphs,
+                         options.prefill_chunk if options.mixed_prefill else 0, options.mixed_max_rows)
+        self.scheduler = Scheduler(self.step, loaded.device, on_step, on_fatal, options.fail_scheduler_after_steps)
+        eos = getattr(loaded.model.config, "eos_token_id", None)
+        self.eos = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        log.info("decode engine: batch <= %d, %d tokens per slot, step %s%s", options.max_batch, options.max_seq_len,
+                 "Triton kernels" if self.runner.use_triton else "torch reference ops",
+                 f", CUDA graphs for batch {','.join(map(str, self.step.buckets))}" if self.step.graphs else ", eager")
+
+    def prefill_job(self, token_ids: list[int], lease: Lease, want_digest: bool) -> Job:
+        """Prefill the prompt into the leased slot; returns LocalPrefill.
+
+        Whole (prefill_chunk 0, or a prompt no longer than a chunk): one `next()`, exactly the prefill worker's
+        forward. Chunked (Sarathi-Serve): one chunk per `next()`, so the scheduler runs a decode step between two
+        chunks; each later chunk attends over the cache so far (lower-right causal, chunk_attention.py). Chunked logits and cache then equal the whole prefill's
+        only within a tolerance (other kernel shapes; tests/test_chunked_prefill.py). The job holds the lease
+        while it writes, so a request that gives up meanwhile cannot free the slot under it.
+        """
+        lease.hold()
+        try:
+            n, chunk = len(token_ids), self.options.prefill_chunk or len(token_ids)
+            views = self.pool.views(lease.slot, n)
+            ids = torch.tensor([token_ids], dtype=torch.long).to(self.m.device)  # (1, seq)
+            sync(self.m.device)
+            t0, c0 = time.perf_counter(), time.thread_time()
+            cache, start = None, 0
+
+            def land(i: int, k: torch.Tensor, v: torch.Tensor) -> None:  # k, v: (1, kv_heads, end, head_dim) so far
+                views[i][0][:, :, start:end].copy_(k[:, :, start:end])
+                views[i][1][:, :, start:end].copy_(v[:, :, start:end])
+            while start < n:
+                end = min(n, start + chunk)
+                with chunk_attention_on(self.m.model) if start else nullcontext():
+                    cache, logits = prefill(self.m.model, ids[:, start:end], on_layer=land, cache=cache)
+                start = end
+                if start < n:
+                    yield
+            first = int(logits.argmax())
+            ms, cpu = (time.perf_counter() - t0) * 1e3, (time.thread_time() - c0) * 1e3
+            log.debug("local prefill of %d tokens: %.1f ms, %.1f ms of thread CPU", n, ms, cpu)
+            return LocalPrefill(first, logits_digest(logits) if want_digest else "", ms, cpu)
+        finally:
+            lease.release()
+
+    def prefill(self, token_ids: list[int], lease: Lease, want_digest: bool):
+        """Future -> LocalPrefill, run on the device thread between decode steps; with --mixed-prefill, in them
+        (one chunk per step), unless the prompt fits one chunk and nothing decodes: then exactly the prefill
+        worker's forward, so a request alone stays bit-identical to a disaggregated one."""
+        o = self.options
+        if o.mixed_prefill and (len(token_ids) > o.prefill_chunk or self.scheduler.active()):
+            ids = torch.tensor(token_ids, dtype=torch.long).to(self.m.device)  # (n,)
+            return self.scheduler.submit_mixed(MixedPrefill(ids, lease, want_digest))
+        return self.scheduler.submit(self.prefill_job(token_ids, lease, want_digest))
+
+    def digest(self, slot: int, seq_len: int):
+        """Future -> digest of the slot's cache, byte for byte as the transports' cache_digest of the same cache."""
+        return self.scheduler.call(lambda: cache_digest(self.pool.views(slot, seq_len)))
+
+    def close(self) -> None:
+        self.scheduler.close()

@@ -1,0 +1,167 @@
+"""The decode step captured as CUDA graphs, one per bucketed batch size (nano-vllm's scheme).
+
+Why: eagerly, the step launches a few hundred kernels from Python and the host, not the GPU,
+sets the pace. A graph replays them in one call. Shapes must be static, so batches are padded
+up to the next bucket (1, 2, 4, 8, then every 16): padding rows feed token 0 at position 0 of
+the pool's scratch slot. Captured eagerly at start-up (time and memory logged) rather than
+lazily: the first request must not pay a capture, and a capture that fails should fail the
+start, not a request. All graphs share one memory pool, largest first.
+
+With --mixed-prefill there is a second graph per bucket b: --prefill-chunk rows in all, the b
+decode rows and then prompt chunks in the rest (mixed.py: up to MAX_PIECES prompts, padded when they
+fall short), keeping the bucket's rows and MAX_PIECES more for lm_head (each chunk's last row;
+unused ones point at a padding row). Padding rows write and read only the scratch slot. One row
+count for every bucket, because the GEMMs are compute bound there and run in 128-row tiles: 16
+decode rows + 256 prompt rows would pay for 384 (measured on one H200: 9.7 ms a step).
+With --mixed-max-rows there are such graphs at 2, 4 .. x --prefill-chunk rows too (mixed.step_sizes); a step
+takes the largest size that the prompt tokens waiting fill (`prompt_budget`). Eagerly, a mixed step is host
+bound (~22 ms of launches for the 7B model at any row count up to ~1k, measured), so every size is a graph.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from kvtransfer.engine.mixed import MAX_PIECES, Chunk, check_mixed_rows, mixed_forward, piece_table, step_sizes
+from kvtransfer.engine.runner import StepRunner
+
+log = logging.getLogger("kvtransfer.decode.graphs")
+
+
+def buckets(max_batch: int) -> list[int]:
+    out = [b for b in (1, 2, 4, 8) if b < max_batch] + list(range(16, max_batch, 16))
+    return sorted(set(out + [max_batch]))
+
+
+class Step:
+    """`step(tokens, positions, slots)` -> logits (n, vocab): eager (CPU, --no-cuda-graphs) or graph replay.
+    `step.mixed(tokens, positions, slots, chunks)` -> (logits (n, vocab), each chunk's last row (P, vocab)): the
+    same step with prompt tokens riding along in P <= MAX_PIECES chunks, in the smallest of `sizes` (`chunk` rows,
+    then 2, 4 .. x chunk) that holds them beside the bucket (graphed when `chunk` > 0; `prompt_budget` says how
+    many to hand it).
+
+    The graphed logits are a view into the graph's output buffer: valid until the next call.
+    """
+
+    def __init__(self, runner: StepRunner, max_batch: int, cuda_graphs: bool, chunk: int = 0, max_rows: int = 0):
+        if chunk:
+            check_mixed_rows(chunk, max_batch, max_rows)
+        self.runner, self.max_batch, self.chunk = runner, max_batch, chunk
+        self.sizes = step_sizes(chunk, max_rows) if chunk else []  # the mixed steps' row counts, ascending
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.mixed_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # (rows, bucket)
+        self.buckets = buckets(max_batch)
+        if cuda_graphs and runner.device.type == "cuda":
+            self._capture()
+
+    def _inputs(self) -> None:
+        dev, rows = self.runner.device, max([self.max_batch, *self.sizes])
+        self.tokens = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.slots = torch.full((rows,), self.runner.pool.scratch, dtype=torch.long, device=dev)
+        self.keep = torch.zeros(self.max_batch + MAX_PIECES, dtype=torch.long, device=dev)
+        self.pieces = torch.zeros(MAX_PIECES, 4, dtype=torch.int32, device=dev)  # the chunks' table (mixed.piece_table)
+
+    def _capture(self) -> None:
+        self._inputs()
+        dev = self.runner.device
+        torch.cuda.synchronize(dev)
+        before, t0 = torch.cuda.memory_allocated(dev), time.perf_counter()
+        mempool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):  # warm-up off the default stream (Triton compiles here), as capture wants
+            for _ in range(2):
+                self.runner.forward(self.tokens[:self.max_batch], self.positions[:self.max_batch],
+                                    self.slots[:self.max_batch])
+                for c in self.sizes:
+                    self.runner.forward(self.tokens[:c], self.positions[:c], self.slots[:c], self.keep,
+                                        (1, self.pieces))
+        torch.cuda.current_stream(dev).wait_stream(side)
+        for c in reversed(self.sizes):  # the largest graphs first: they size the shared pool
+            for b in reversed(self.buckets):
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=mempool):
+                    out = self.runner.forward(self.tokens[:c], self.positions[:c], self.slots[:c],
+                                              self.keep[:b + MAX_PIECES], (b, self.pieces))
+                self.mixed_graphs[c, b] = (g, out)
+        for b in reversed(self.buckets):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=mempool):
+                out = self.runner.forward(self.tokens[:b], self.positions[:b], self.slots[:b])
+            self.graphs[b] = (g, out)
+        torch.cuda.synchronize(dev)
+        log.info("captured %d decode-step CUDA graphs (batch %s%s) in %.1f s, %.0f MiB",
+                 len(self.graphs) + len(self.mixed_graphs), ",".join(map(str, self.buckets)),
+                 f"; each also as {'/'.join(map(str, self.sizes))} rows with prompt chunks" if self.sizes else "",
+                 time.perf_counter() - t0,
+                 (torch.cuda.memory_allocated(dev) - before) / 2**20)
+
+    def bucket(self, n: int) -> int:
+        return next(x for x in self.buckets if x >= n)
+
+    def chunk_budget(self, n: int) -> int:
+        """Prompt tokens the smallest mixed step beside n decode rows carries: the rows its graph has left."""
+        return self.chunk - self.bucket(n) if self.chunk else 0
+
+    def prompt_budget(self, n: int, waiting: int) -> int:
+        """Prompt tokens a mixed step beside n decode rows carries while `waiting` prompt tokens wait: the rows left
+        in the largest size they fill, else in the smallest (so only the smallest size is ever padded)."""
+        b = self.bucket(n)
+        return max([c for c in self.sizes if c - b <= waiting] or self.sizes[:1]) - b if self.chunk else 0
+
+    def rows_for(self, n: int, prompt_rows: int) -> int:
+        """The mixed step size that carries `prompt_rows` beside n decode rows: the smallest with room (0: none)."""
+        b = self.bucket(n)
+        return next((c for c in self.sizes if prompt_rows <= c - b), 0)
+
+    def _fill(self, n: int, b: int, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """Rows 0..n-1 of the input buffers from the caller's, rows n..b-1 padding (scratch slot, position 0)."""
+        self.tokens[:n].copy_(tokens, non_blocking=True)
+        self.positions[:n].copy_(positions, non_blocking=True)
+        self.slots[:n].copy_(slots, non_blocking=True)
+        if b > n:
+            self.tokens[n:b].zero_()
+            self.positions[n:b].zero_()
+            self.slots[n:b].fill_(self.runner.pool.scratch)
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        n = tokens.shape[0]
+        if not self.graphs:
+            return self.runner.forward(tokens, positions, slots)
+        b = self.bucket(n)
+        self._fill(n, b, tokens, positions, slots)
+        g, out = self.graphs[b]
+        g.replay()
+        return out[:n]
+
+    def mixed(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+              chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor]:
+        n, sizes = tokens.shape[0], [c.ids.shape[0] for c in chunks]
+        rows = self.rows_for(n, sum(sizes))
+        if not self.mixed_graphs or not rows or len(chunks) > MAX_PIECES:
+            return mixed_forward(self.runner, tokens, positions, slots, chunks)
+        b, total = self.bucket(n), sum(sizes)
+        C = rows - b
+        self._fill(n, b, tokens, positions, slots)
+        # rows b .. b + C - 1: the chunks one after another, then padding (scratch slot, position 0)
+        pos, at, keep, row = torch.zeros(C, dtype=torch.long), torch.full((C,), self.runner.pool.scratch), [], 0
+        for c, size in zip(chunks, sizes):
+            self.tokens[b + row:b + row + size].copy_(c.ids, non_blocking=True)
+            pos[row:row + size] = torch.arange(c.start, c.start + size)
+            at[row:row + size] = c.slot
+            row += size
+            keep.append(b + row - 1)
+        if total < C:
+            self.tokens[b + total:b + C].zero_()
+        keep += [b + C - 1] * (MAX_PIECES - len(chunks))  # unused: a padding (or the last chunk's) row
+        self.positions[b:b + C].copy_(pos, non_blocking=True)
+        self.slots[b:b + C].copy_(at, non_blocking=True)
+        self.keep[:b + MAX_PIECES].copy_(torch.cat([torch.arange(b), torch.tensor(keep)]), non_blocking=True)
+        self.pieces.copy_(piece_table(chunks, MAX_PIECES), non_blocking=True)
+        g, out = self.mixed_graphs[rows, b]
+        g.replay()
+        return out[:n], out[b:b + len(chunks)]

@@ -1,0 +1,98 @@
+"""One decode step queued on the device and not yet delivered: how the scheduler runs one step ahead.
+
+Why apart: queueing a step without waiting for the device is the scheduler's hot path and has its
+own invariants (next tokens gathered on the device from the step still in flight; every row's slot
+held until delivery; a prompt chunk riding along, --mixed-prefill); scheduler.py decides who runs
+and delivers what a step made.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvtransfer.engine.graphs import Step
+from kvtransfer.engine.mixed import Chunk, MixedPrefill
+from kvtransfer.engine.sequence import Sequence
+
+
+@dataclass
+class InFlight:
+    """One step queued on the device and not yet delivered: its rows, their next tokens (device, and the pinned
+    host copy on its way), the event after that copy, and the logits rows kept for digests."""
+
+    batch: list[Sequence]
+    next: torch.Tensor  # (n,) int64 on the device
+    host: torch.Tensor  # (n,) int64 [+ a finished prompt's first token], pinned on CUDA
+    event: torch.cuda.Event | None
+    rows: dict[int, torch.Tensor]
+    left: list[int]  # each row's tokens still to make after this step
+    after: list = field(default_factory=list)  # (sequence, Token | Ended) to end once this step is delivered
+    chunk_tasks: list[MixedPrefill] = field(default_factory=list)  # prompts with a chunk in this step: their slots
+    # are held until delivery
+    first_tasks: list[MixedPrefill] = field(default_factory=list)  # ... whose last chunk it was: the host copy ends
+    # with their first tokens, in this order
+    first_logits: list[torch.Tensor | None] = field(default_factory=list)  # (vocab,) each, kept when a digest is wanted
+    start: torch.cuda.Event | None = None  # recorded just before the step's launch: start -> event is its device time
+    prompt_rows: int = 0  # prompt tokens that rode in this step
+    step_rows: int = 0  # the mixed step's size (Step.rows_for; 0: a plain step, or eager)
+
+    def device_s(self) -> float:
+        """The step's device time, s (0 on CPU); call after `event` completed."""
+        return self.start.elapsed_time(self.event) / 1e3 if self.start is not None else 0.0
+
+
+def queue_step(step: Step, dev: torch.device, batch: list[Sequence], prev: InFlight | None,
+               pieces: list[tuple[MixedPrefill, Chunk]] = ()) -> InFlight:
+    """Queue one step for `batch` without waiting for the device. A row that was in the step still in flight
+    reads its next input token from that step's argmax on the device; a row joining now reads it from the host.
+    Positions and slots are the host's. Each row's lease is held until this step has been delivered, so no
+    slot is handed to another request while a queued step may still write into it. With pieces (prompt chunks),
+    one forward runs the decode rows and those chunks together (mixed.py); each chunk's slot is held the same
+    way, and a prompt's first token travels with the step's tokens when its last chunk rode in it."""
+    n = len(batch)
+    where = {id(s): j for j, s in enumerate(prev.batch)} if prev is not None else {}
+    fresh = [s for s in batch if id(s) not in where]
+    host_tokens = torch.tensor([s.last_token for s in fresh], dtype=torch.long).to(dev, non_blocking=True)
+    if len(fresh) == n:
+        tokens = host_tokens  # (n,)
+    else:  # rows of prev: prev.next[j]; fresh rows: host_tokens[i], gathered from one (len(prev) + fresh,) vector
+        src = torch.cat([prev.next, host_tokens])
+        k = iter(range(len(prev.batch), len(prev.batch) + len(fresh)))
+        gather = [where[id(s)] if id(s) in where else next(k) for s in batch]
+        tokens = src[torch.tensor(gather, dtype=torch.long).to(dev, non_blocking=True)]
+    positions = torch.tensor([s.length for s in batch], dtype=torch.long).to(dev, non_blocking=True)
+    slots = torch.tensor([s.slot for s in batch], dtype=torch.long).to(dev, non_blocking=True)
+    done = [j for j, (_, c) in enumerate(pieces) if c.last]  # prompts whose first token this step makes
+    lasts, chunks = None, [c for _, c in pieces]
+    prompt_rows = sum(c.ids.shape[0] for c in chunks)
+    start = None
+    if dev.type == "cuda":  # from here to `event`: the step's launch (a replay; eager: its launches too) and work
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+    if not pieces:
+        logits = step(tokens, positions, slots)  # (n, vocab): the graph's buffer, overwritten by the next step
+    else:
+        logits, lasts = step.mixed(tokens, positions, slots, chunks)  # (n, vocab), (P, vocab)
+        for task, _ in pieces:
+            task.lease.hold()
+    nxt = logits.argmax(dim=-1)  # (n,) on the device
+    rows_out = torch.cat([nxt, *(lasts[j].argmax().view(1) for j in done)])  # (n + finished prompts,); no H2D index
+    rows = {j: logits[j].clone() for j, s in enumerate(batch) if s.want_digest}  # (vocab,) each, kept
+    host = torch.empty(rows_out.shape[0], dtype=torch.long, pin_memory=dev.type == "cuda")
+    host.copy_(rows_out, non_blocking=True)
+    event = None
+    if dev.type == "cuda":
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+    for s in batch:
+        s.lease.hold()
+        s.length += 1
+        s.remaining -= 1
+    firsts = [pieces[j][0] for j in done]
+    return InFlight(batch, nxt, host, event, rows, [s.remaining for s in batch],
+                    chunk_tasks=[task for task, _ in pieces], first_tasks=firsts,
+                    first_logits=[lasts[j].clone() if t.want_digest else None for j, t in zip(done, firsts)],
+                    start=start, prompt_rows=prompt_rows,
+                    step_rows=step.rows_for(n, prompt_rows) if pieces and step.mixed_graphs else 0)

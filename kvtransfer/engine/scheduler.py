@@ -1,0 +1,348 @@
+"""Continuous batching: one thread owns the device; every step advances every running sequence.
+
+Why one thread: a CUDA graph replay, a local prefill and a cache digest must not interleave on
+the device, and tokens must come out in step order. Between two steps the thread, in order:
+runs one piece of device work asked for by the servicer (a local prefill, or one chunk of a
+chunked one; a digest), drops the sequences asked to stop (their slots are let go once no queued
+step writes into them), admits the sequences whose caches are complete, then queues one step for
+all of them; with --mixed-prefill that step also carries prompt tokens, in a step of --prefill-chunk
+rows in all (or a larger size, --mixed-max-rows): the next chunk of each prompt in progress, then of
+new ones (mixed.py).
+A sequence leaves when its last token is made. Nothing here waits on a client: tokens go to each
+sequence's sink, which never blocks.
+
+One step runs ahead (SGLang's overlap scheduling): step k+1 is queued on the device, its input
+tokens gathered there from step k's argmax, before the thread waits for step k's tokens and
+hands them out. The host's share of a step (building inputs, launching the graph, streaming
+tokens) then hides behind the device's. What it costs: a sequence that hits EOS at step k has
+already been queued for step k+1; that row's token is dropped. Slots stay held by every queued
+step that writes into them (`Lease.hold`), so a slot is never handed on while a write is queued
+(inflight.py queues a step).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+
+from kvtransfer.model.prefill import logits_digest
+
+from kvtransfer.engine.graphs import Step
+from kvtransfer.engine.queued import InFlight, queue_step
+from kvtransfer.engine.mixed import MAX_PIECES, Chunk, MixedPrefill
+from kvtransfer.engine.sequence import EndCause, Ended, LocalPrefill, Sequence, Token
+
+log = logging.getLogger("kvtransfer.decode.scheduler")
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one delivered step did, for the metrics."""
+
+    rows: int  # decode rows (sequences advanced)
+    prompt_rows: int  # prompt tokens that rode along (--mixed-prefill)
+    step_rows: int  # the mixed step's size in rows, padding included (0: a plain decode step)
+    device_s: float  # its device time from CUDA events, s (0 on CPU)
+
+
+# A piece of device work: a generator run one `next()` per gap between steps; its return value resolves the future.
+Job = Iterator[None]
+
+
+class EngineFailed(RuntimeError):
+    """The scheduler thread died: every request it held, and every later one, ends with this (INTERNAL)."""
+
+
+class InjectedFault(Exception):
+    """--fail-scheduler-after-steps: the scheduler thread dies on purpose (tests of the server's supervision)."""
+
+
+class Scheduler:
+    def __init__(self, step: Step, device: torch.device, on_step: Callable[[StepStats], None] | None = None,
+                 on_fatal: Callable[[str, BaseException], None] | None = None, fail_after_steps: int = -1):
+        self.step, self.device, self.on_step = step, device, on_step
+        self.on_fatal = on_fatal  # called once, on this thread, if it dies (the server then stops, non-zero)
+        self.fail_after_steps = fail_after_steps
+        self.dead: str | None = None  # why the thread died
+        self._job: tuple[Job, Future] | None = None  # the piece of device work in hand (this thread's)
+        self.max_batch = step.max_batch
+        self._cond = threading.Condition()
+        self._jobs: deque[tuple[Job, Future]] = deque()
+        self._joining: list[Sequence] = []
+        self._tasks: deque[MixedPrefill] = deque()  # prompts whose chunks ride in decode steps (--mixed-prefill)
+        self._active: list[MixedPrefill] = []  # ... those with chunks handed out, oldest first (this thread's)
+        self.running: list[Sequence] = []
+        self.steps = 0
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="decode-scheduler", daemon=True)
+        self._thread.start()
+
+    # --- called from other threads ---
+
+    def submit(self, job: Job) -> Future:
+        """Run `job` on the device thread between steps; the future gets what the generator returns."""
+        fut: Future = Future()
+        with self._cond:
+            self._refuse_if_dead()
+            if self._closed:
+                raise RuntimeError("the decode scheduler is stopped")
+            self._jobs.append((job, fut))
+            self._cond.notify()
+        return fut
+
+    def submit_mixed(self, task: MixedPrefill) -> Future:
+        """Hand out `task`'s chunks one per step, each in the same forward as the decode rows (mixed.py)."""
+        with self._cond:
+            self._refuse_if_dead()
+            if self._closed:
+                raise RuntimeError("the decode scheduler is stopped")
+            self._tasks.append(task)
+            self._cond.notify()
+        return task.future
+
+    def call(self, fn: Callable, *args) -> Future:
+        """Run `fn(*args)` on the device thread between two steps."""
+        def job():
+            return fn(*args)
+            yield  # noqa: unreachable: makes this a generator
+        return self.submit(job())
+
+    def add(self, seq: Sequence) -> None:
+        """Its cache is complete in its slot: it joins at the next step."""
+        with self._cond:
+            if self.dead is None:
+                self._joining.append(seq)
+                self._cond.notify()
+                return
+        self._end(seq, Ended(EndCause.ENGINE_FAILED, self.dead))
+
+    def _refuse_if_dead(self) -> None:
+        if self.dead is not None:
+            raise EngineFailed(self.dead)
+
+    def active(self) -> int:
+        with self._cond:
+            return len(self.running) + len(self._joining)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(timeout=10)
+
+    # --- the device thread ---
+
+    def _run(self) -> None:
+        """The thread: its loop, and if anything escapes it, every request ends INTERNAL and the server is told."""
+        try:
+            self._loop()
+        except BaseException as e:  # noqa: BLE001 - a dead scheduler must never look alive
+            self._die(e)
+
+    def _die(self, error: BaseException) -> None:
+        with self._cond:
+            self.dead = (f"the decode engine stopped: its scheduler thread died ({type(error).__name__}: {error}); "
+                         "the server is exiting, retry on another replica")
+            jobs, self._jobs = list(self._jobs), deque()
+            tasks, self._tasks = [*self._active, *self._tasks], deque()
+            joining, self._joining = self._joining, []
+            self._active = []
+        for s in self.running + joining:
+            if not s.over:
+                self._end(s, Ended(EndCause.ENGINE_FAILED, self.dead))
+        self.running = []
+        if self._job is not None:  # the piece of work in hand (its future is running)
+            jobs.append(self._job)
+        for _, fut in jobs:
+            if not fut.done():
+                fut.set_exception(EngineFailed(self.dead))
+        for task in tasks:
+            if not task.future.done():
+                task.future.set_exception(EngineFailed(self.dead))
+        if self.on_fatal is not None:
+            self.on_fatal("the decode scheduler thread", error)
+        else:
+            log.error("the decode scheduler thread died", exc_info=error)
+
+    def _loop(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self._job = None
+        pending: InFlight | None = None
+        while True:
+            with self._cond:
+                while not (self._closed or self._jobs or self._joining or self.running or self._job or pending
+                           or self._tasks or self._active):
+                    self._cond.wait()
+                if self._closed:
+                    break
+                if 0 <= self.fail_after_steps <= self.steps:
+                    raise InjectedFault(f"injected after {self.steps} steps (--fail-scheduler-after-steps)")
+                while self._job is None and self._jobs:
+                    self._job = self._jobs.popleft()
+                    if not self._job[1].set_running_or_notify_cancel():  # cancelled while queued (its request gave up)
+                        self._job[0].close()
+                        self._job = None
+                joining, self._joining = self._joining, []
+            if self._job is not None and self._advance(*self._job):
+                self._job = None
+            self.running.extend(joining)
+            self._drop_stopped(pending)
+            newer = None
+            pieces: list[tuple[MixedPrefill, Chunk]] = []
+            try:
+                launch = [s for s in self.running if s.remaining > 0 and not s.over]
+                pieces = self._pieces(len(launch))
+                newer = queue_step(self.step, self.device, launch, pending, pieces) if launch or pieces else None
+                if pending is not None:
+                    self._deliver(pending, newer)
+                pending = newer
+            except Exception as e:  # a failed step fails every running request loudly, not silently
+                log.exception("decode step failed")
+                for s in self.running:
+                    if not s.over:
+                        self._end(s, Ended(EndCause.STEP_FAILED, f"decode step failed: {e}"))
+                self.running = []
+                pending = self._let_go(pending)
+                if newer is not pending:
+                    self._let_go(newer)
+                for task in [t for t, _ in pieces] + self._active:
+                    if not task.future.done():
+                        task.future.set_exception(RuntimeError(f"decode step failed: {e}"))
+                self._active = []
+        pending = self._let_go(pending)
+        for s in self.running + self._joining:
+            if not s.over:
+                self._end(s, Ended(EndCause.SHUTDOWN, "the decode server is stopping"))
+        for _, fut in self._jobs:
+            fut.set_exception(RuntimeError("the decode server is stopping"))
+        for task in [*self._active, *self._tasks]:
+            if not task.future.done():
+                task.future.set_exception(RuntimeError("the decode server is stopping"))
+
+    def _pieces(self, n: int) -> list[tuple[MixedPrefill, Chunk]]:
+        """This step's prompt chunks (--mixed-prefill): the next chunk of each prompt in progress, oldest first, then
+        of prompts not yet begun, while the step's budget of prompt tokens beside n decode rows and its count of
+        prompts last (Step.prompt_budget: the largest step size that the prompt tokens waiting fill)."""
+        if not (self._active or self._tasks):
+            return []
+        with self._cond:  # the prompt tokens this step could take: of the first MAX_PIECES live prompts
+            live = [task for task in (*self._active, *self._tasks) if not task.future.cancelled()][:MAX_PIECES]
+        waiting = sum(task.left for task in live)
+        budget, out = self.step.prompt_budget(n, waiting), []
+        for task in self._active:
+            if budget <= 0 or len(out) == MAX_PIECES:
+                break
+            out.append((task, task.next_chunk(budget)))
+            budget -= out[-1][1].ids.shape[0]
+        while budget > 0 and len(out) < MAX_PIECES:
+            with self._cond:
+                task = self._tasks.popleft() if self._tasks else None
+            if task is None:
+                break
+            if not task.future.set_running_or_notify_cancel():  # its request gave up while queued
+                continue
+            task.t0 = time.perf_counter()  # its prefill_ms counts from its first chunk
+            self._active.append(task)
+            out.append((task, task.next_chunk(budget)))
+            budget -= out[-1][1].ids.shape[0]
+        self._active = [task for task in self._active if not task.handed_out]
+        return out
+
+    @staticmethod
+    def _advance(job: Job, fut: Future) -> bool:
+        """One piece of the job; True when it is over (its future is then resolved)."""
+        try:
+            next(job)
+        except StopIteration as done:
+            fut.set_result(done.value)
+            return True
+        except BaseException as e:
+            fut.set_exception(e)
+            return True
+        return False
+
+    def _drop_stopped(self, pending: InFlight | None) -> None:
+        """Sequences asked to stop leave now; one queued in `pending` ends once that step is delivered."""
+        queued = {id(s) for s in pending.batch} if pending is not None else set()
+        keep = []
+        for s in self.running:
+            if s.stopped:
+                s.over = True
+                if id(s) in queued:
+                    pending.after.append((s, Ended(s.stop_cause, s.stop_reason)))
+                else:
+                    self._end(s, Ended(s.stop_cause, s.stop_reason))
+            else:
+                keep.append(s)
+        self.running = keep
+
+    @staticmethod
+    def _end(s: Sequence, item: Token | Ended) -> None:
+        """Let go of the sequence's slot, then hand it its last token or its end (a stream ends with its slot free)."""
+        s.over = True
+        s.lease.release()
+        s.sink(item)
+
+    def _deliver(self, done: InFlight, newer: InFlight | None) -> None:
+        """Wait for a queued step and hand each row's token to its sink; sequences whose last token it was leave
+        the batch. A sequence still queued in `newer` (it hit EOS here) gets its last token when `newer` is
+        delivered: a stream ends only once its slot is free."""
+        if done.event is not None:
+            done.event.synchronize()  # the one host wait per step, while `newer` already runs
+        tokens = done.host.tolist()
+        t = time.perf_counter()
+        if done.batch:
+            self.steps += 1
+        if self.on_step is not None:
+            self.on_step(StepStats(len(done.batch), done.prompt_rows, done.step_rows, done.device_s()))
+        ends: list[tuple[Sequence, Token | Ended]] = []
+        queued = {id(s) for s in newer.batch} if newer is not None else set()
+        for j, s in enumerate(done.batch):
+            if s.over:  # ended at an earlier step (EOS, stopped): this row ran ahead of that news
+                continue
+            s.index += 1
+            s.last_token = tokens[j]
+            last = done.left[j] == 0 or tokens[j] in s.eos
+            tok = Token(s.index, tokens[j], logits_digest(done.rows[j]) if s.want_digest else "", t, last)
+            if not last:
+                s.sink(tok)
+                continue
+            s.over = True
+            (newer.after if id(s) in queued else ends).append((s, tok))
+        if ends or (newer is not None and newer.after):
+            self.running = [s for s in self.running if not s.over]
+        for s in done.batch:
+            s.lease.release()  # the step's own hold
+        for task in done.chunk_tasks:
+            task.lease.release()  # the chunk's hold on its prompt's slot
+        for j, (task, first_logits) in enumerate(zip(done.first_tasks, done.first_logits)):
+            digest = logits_digest(first_logits) if first_logits is not None else ""
+            task.future.set_result(LocalPrefill(tokens[len(done.batch) + j], digest, (t - task.t0) * 1e3))
+        for s, item in done.after + ends:
+            self._end(s, item)
+
+    def _let_go(self, pending: InFlight | None) -> None:
+        """After a failure or at shutdown: wait for a queued step (its writes) and drop its holds."""
+        if pending is not None:
+            if pending.event is not None:
+                try:
+                    pending.event.synchronize()
+                except Exception:  # noqa: BLE001 - the device failed; the slots are released regardless
+                    log.exception("waiting for the last queued step")
+            for s in pending.batch:
+                s.lease.release()
+            for task in pending.chunk_tasks:
+                task.lease.release()
+                if not task.future.done():
+                    task.future.set_exception(RuntimeError("the decode step with its chunk failed"))
+            for s, item in pending.after:
+                self._end(s, item)  # a last token stays valid: only the row queued after it failed
+            pending.batch, pending.after, pending.chunk_tasks = [], [], []  # let go once
+        return None

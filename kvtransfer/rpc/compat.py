@@ -1,0 +1,60 @@
+"""Compatibility fingerprint exchanged at the handshake.
+
+Why: two workers that disagree on weights, dtype or cache layout would exchange caches
+that decode to wrong tokens without any error. The handshake compares everything that
+decides the bytes on the wire and refuses a mismatched peer with a message that says
+which flag to fix.
+
+Why `relayed`: the prefill worker words a refusal from its own side (`dtype: here 'float32',
+peer 'bfloat16'`, here = the prefill worker); the decode worker logs and exits with that text
+too, where "here" would read as itself. It rewrites each difference with both sides named.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from proto import kvtransfer_pb2 as pb
+
+from kvtransfer.geometry import CacheGeometry
+from kvtransfer.model.spec import ModelSpec, weights_fingerprint
+
+PROTOCOL_VERSION = 1
+LAYOUT = "l2bhsd"  # (layers, K|V, batch, kv_heads, seq, head_dim), K and V of a layer adjacent
+
+
+def local_compat(spec: ModelSpec, model, geometry: CacheGeometry, deterministic: bool) -> pb.Compat:
+    return pb.Compat(
+        model=os.path.basename(os.path.normpath(spec.name)), dtype=str(geometry.dtype).removeprefix("torch."),
+        weights_fingerprint=weights_fingerprint(model), geometry_digest=geometry.digest(),
+        num_layers=geometry.num_layers, kv_heads=geometry.kv_heads, head_dim=geometry.head_dim,
+        layout=LAYOUT, protocol_version=PROTOCOL_VERSION, deterministic=deterministic)
+
+
+def mismatch(mine: pb.Compat, theirs: pb.Compat, here: str = "here", peer: str = "peer") -> str | None:
+    """None when the peers can exchange caches, else what differs (`mine` as `here`, `theirs` as `peer`) and how
+    to fix it."""
+    problems = []
+    for field in ("protocol_version", "layout", "dtype", "num_layers", "kv_heads", "head_dim",
+                  "geometry_digest", "model", "weights_fingerprint"):
+        a, b = getattr(mine, field), getattr(theirs, field)
+        if a != b:
+            problems.append(f"{field}: {here} {a!r}, {peer} {b!r}")
+    if not problems:
+        return None
+    return (f"{peer} is incompatible (" + "; ".join(problems) + "). Start both workers with the same "
+            "--model, --dtype and --seed (or the same local model directory) and the same kvtransfer version.")
+
+
+# One difference as a worker words it with the default labels: `field: here VALUE, peer VALUE` (VALUE a repr:
+# a quoted string, a number or a bool), as `mismatch` and the prefill worker's transport check write it.
+_VALUE = r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"|-?\d+|True|False"
+_DIFF = re.compile(rf"\b(\w+): here ({_VALUE}), peer ({_VALUE})")
+
+
+def relayed(refusal: str, speaker: str = "prefill worker", listener: str = "this decode worker") -> str:
+    """`refusal` as written by `speaker` ("here" = the speaker, "peer" = the listener), reworded for the listener's
+    own log: each difference names both sides (`dtype: this decode worker 'bfloat16', prefill worker 'float32'`)."""
+    text = _DIFF.sub(lambda m: f"{m[1]}: {listener} {m[3]}, {speaker} {m[2]}", refusal)
+    return text.replace("peer is incompatible (", "incompatible (", 1)

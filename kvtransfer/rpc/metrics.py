@@ -1,0 +1,89 @@
+"""Prometheus metrics for both servers, on a separate port (`--metrics-port`, 0 = off).
+
+Why here: the two servers report the same families (a dashboard needs one name per
+figure), and prometheus-client is the well-kept way to expose them. Live values (requests
+in flight, buffers held, frames expected) are read at scrape time from the objects that
+own them, so a gauge can never drift from the truth it reports; that is also what the
+fault tests use to prove that nothing leaks.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+_MS_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000)
+
+
+class Metrics:
+    """One registry per server process (tests may build several in one process)."""
+
+    def __init__(self, role: str):
+        self.registry = r = CollectorRegistry()
+        self.role = role
+        Gauge("kvt_info", "constant 1, labelled with the server's role", ["role"], registry=r).labels(role).set(1)
+        self.ttft_ms = Histogram("kvt_ttft_ms", "request in -> whole cache and first token on the decode worker",
+                                 ["mode"], buckets=_MS_BUCKETS, registry=r)
+        self.transfer_ms = Histogram("kvt_transfer_ms", "prefill start -> last layer sent/received", ["mode"],
+                                     buckets=_MS_BUCKETS, registry=r)
+        self.prefill_ms = Histogram("kvt_prefill_ms", "prefill compute (synchronized)", ["mode"],
+                                    buckets=_MS_BUCKETS, registry=r)
+        self.bytes = Counter("kvt_transfer_bytes", "KV bytes moved", registry=r)
+        self.gbps = Gauge("kvt_transfer_gbps", "achieved GB/s of the last transfer", registry=r)
+        self.requests = Counter("kvt_requests", "finished requests by final gRPC status", ["outcome"], registry=r)
+        self.failures = Counter("kvt_failures", "remote prefill/transfer failures by cause (whatever the policy "
+                                "then did)", ["cause"], registry=r)
+        self.inflight = Gauge("kvt_inflight_requests", "requests in flight", registry=r)
+        self.buffer_bytes = Gauge("kvt_buffer_bytes", "bytes held in receive/send buffers for requests in flight",
+                                  registry=r)
+        self.expected = Gauge("kvt_expected_frames", "decode: requests waiting for their cache frame", registry=r)
+        self.receivers = Gauge("kvt_receivers_inflight", "decode: data-plane receivers holding buffers", registry=r)
+        self.receive_loops = Gauge("kvt_receive_loops", "decode: receive-loop threads alive (old pairings' "
+                                   "threads end when the peer closes their group)", registry=r)
+        self.peer_up = Gauge("kvt_peer_up", "a pair's servers only: 1 while the peer is paired and its data plane "
+                             "is up", registry=r)
+        self._peer_up_exported = True
+        self.pool_slots = Gauge("kvt_kv_pool_slots_used", "decode: KV pool slots held by requests", registry=r)
+        self.running = Gauge("kvt_decode_running", "decode: sequences in the running batch (or joining it)",
+                             registry=r)
+        self.batch_size = Histogram("kvt_decode_batch_size", "decode: sequences advanced per step",
+                                    buckets=(1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256), registry=r)
+        self.prompt_rows = Counter("kvt_decode_prompt_rows", "decode: prompt tokens that rode in decode steps "
+                                   "(--mixed-prefill)", registry=r)
+        self.mixed_steps = Counter("kvt_decode_mixed_steps", "decode: steps that carried prompt rows, by the step's "
+                                   "size in rows (--prefill-chunk, --mixed-max-rows; 0: eager, no graphs)", ["rows"],
+                                   registry=r)
+        self.device_s = Counter("kvt_decode_device_seconds", "decode: device time of the decode steps, launch to "
+                                "end (CUDA events; over wall time: how busy the scheduler keeps the GPU; an eager "
+                                "step's span includes its host launches)", registry=r)
+        self.pairings = Counter("kvt_pairings", "pairings with the peer (the first one and every re-pairing)",
+                                registry=r)
+
+    def export_peer_up(self, export: bool) -> None:
+        """kvt_peer_up belongs to a pair; a server without a peer (colocated) does not export it, since its 0
+        would read as a pair that is down."""
+        if not export and self._peer_up_exported:
+            self.registry.unregister(self.peer_up)
+            self._peer_up_exported = False
+
+    def serve(self, port: int, addr: str = "127.0.0.1") -> int:
+        """Expose /metrics over HTTP on `addr:port`; returns the port."""
+        server, _ = start_http_server(port, addr=addr, registry=self.registry)
+        return server.server_port
+
+    def finished(self, outcome: str) -> None:
+        self.requests.labels(outcome).inc()
+
+    def moved(self, nbytes: int, seconds: float, mode: str) -> None:
+        self.bytes.inc(nbytes)
+        self.transfer_ms.labels(mode).observe(seconds * 1e3)
+        if seconds > 0:
+            self.gbps.set(nbytes / seconds / 1e9)
+
+    def stepped(self, stats) -> None:
+        """One delivered decode step (kvtransfer.engine.scheduler.StepStats)."""
+        if stats.rows:
+            self.batch_size.observe(stats.rows)
+        self.prompt_rows.inc(stats.prompt_rows)
+        if stats.prompt_rows:
+            self.mixed_steps.labels(str(stats.step_rows)).inc()
+        self.device_s.inc(stats.device_s)

@@ -1,0 +1,50 @@
+"""The in-process oracle for server tests: one request decoded alone by the same engine the decode server runs.
+
+Why the engine and not the HF decode loop: the decode server decodes with its batched step, whose logits agree
+with the HF forward only within a tolerance (tests/test_engine.py); a request alone is bit-identical between this
+oracle and a server (same code, same shapes), which is what the pair-vs-colocated tests check byte for byte.
+"""
+
+from __future__ import annotations
+
+import queue
+
+import torch
+
+from kvtransfer.engine.engine import DecodeEngine, EngineOptions
+from kvtransfer.engine.sequence import Ended, Sequence
+from kvtransfer.geometry import CacheGeometry
+from kvtransfer.model.spec import ModelSpec
+from kvtransfer.rpc.server import LoadedModel
+
+_ENGINES: dict[int, DecodeEngine] = {}
+
+
+def _engine(model) -> DecodeEngine:
+    if id(model) not in _ENGINES:
+        dtype = next(model.parameters()).dtype
+        lm = LoadedModel(ModelSpec("tiny"), model, CacheGeometry.from_config(model.config, dtype), torch.device("cpu"))
+        _ENGINES[id(model)] = DecodeEngine(lm, EngineOptions(max_batch=1, max_seq_len=4096, cuda_graphs=False))
+    return _ENGINES[id(model)]
+
+
+def engine_generate(model, ids: list[int], max_new_tokens: int) -> tuple[list[int], list[str]]:
+    """(tokens, logits digests) of greedy decoding `ids` alone, as the decode server does it."""
+    e = _engine(model)
+    lease = e.pool.try_lease()
+    first = e.prefill(list(ids), lease, True).result(timeout=60)
+    tokens, digests = [first.first], [first.digest]
+    if max_new_tokens > 1:
+        q: queue.Queue = queue.Queue()
+        e.scheduler.add(Sequence(0, lease, len(ids), first.first, max_new_tokens - 1, q.put, True))
+        while True:
+            t = q.get(timeout=60)
+            if isinstance(t, Ended):
+                raise RuntimeError(t.reason)
+            tokens.append(t.token_id)
+            digests.append(t.logits_digest)
+            if t.last:
+                break
+    else:
+        lease.release()
+    return tokens, digests

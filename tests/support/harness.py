@@ -1,0 +1,82 @@
+"""Run a transport scenario's two halves: in two threads (in-process backends) or two real processes.
+
+Why here: every transport test starts its two sides the same way (the process plumbing is
+bench/twoproc.py's and the free port bench/launch.py's, shared with the benches); both sides
+build their links through the registry (kvtransfer.transport.registry), with the options
+given, exactly as the servers do.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import threading
+import traceback
+
+import torch
+
+from support import contract
+from bench.launch import free_port
+from bench.twoproc import exit_now, run_pair
+from kvtransfer.transport import registry
+
+__all__ = ["free_port", "run_in_threads", "run_two_processes"]
+
+
+def _links(backend: str, rank: int, address: str, options, dev):
+    """This side's link; rank 0 sends, rank 1 receives. Process groups are joined here first."""
+    b = registry.backend(backend)
+    if b.rendezvous is registry.Rendezvous.PROCESS_GROUP:
+        from kvtransfer.transport.dist.backend import init_pair
+        init_pair(rank, address, dev, timeout_s=30)
+        address = ""
+    if rank == 0:
+        return registry.sender_link(backend, dev, options, address=address, connect_timeout_s=30)
+    return registry.receiver_link(backend, dev, options, address=address, max_bytes=16 << 20,
+                                  max_layers=contract.LAYERS)
+
+
+def run_in_threads(backend: str, scenario: str, options=None, address: str = "") -> None:
+    """Both halves in this process (fake; cuda_ipc with its CPU stand-in): the receiver here, the sender in a
+    thread (its link is built there: a cuda_ipc sender's handshake needs the receiver's first accept)."""
+    send, recv = contract.SCENARIOS[scenario]
+    address = address or (f"unix:{tempfile.mkdtemp(prefix='kvt')}/s.sock" if backend == "cuda_ipc"
+                          else f"{backend}://{scenario}")
+    r_link = _links(backend, 1, address, options, torch.device("cpu"))
+    errors = []
+
+    def sender():
+        try:
+            send(_links(backend, 0, r_link.address or address, options, torch.device("cpu")), "cpu")
+        except BaseException:  # surfaced by the assert below
+            errors.append(traceback.format_exc())
+
+    t = threading.Thread(target=sender)
+    t.start()
+    contract.DIE = lambda link: link.close()
+    try:
+        recv(r_link, "cpu")
+    finally:
+        t.join(timeout=60)
+        r_link.close()
+    assert not errors, errors[0]
+
+
+def _side(rank: int, backend: str, address: str, scenario: str, options, devices) -> None:
+    """One side in its own process: build its link, run its half; a receive half that dies exits hard."""
+    dev = torch.device(devices[rank])
+    if dev.type == "cuda":
+        dev = torch.device("cuda", dev.index or 0)  # "cuda" means the first GPU; set_device needs an index
+        torch.cuda.set_device(dev)
+    link = _links(backend, rank, address, options, dev)
+    contract.DIE = lambda _link: exit_now()
+    contract.SCENARIOS[scenario][rank](link, dev)
+
+
+def run_two_processes(backend: str, scenario: str, options=None, device: str = "cpu", timeout: float = 90,
+                      devices: tuple[str, str] | None = None) -> None:
+    """devices: (sender's, receiver's), default both `device`."""
+    address = f"127.0.0.1:{free_port()}"
+    if registry.backend(backend).rendezvous is registry.Rendezvous.PROCESS_GROUP:
+        address = f"tcp://{address}"
+    run_pair(_side, (backend, address, scenario, options, devices or (device, device)), timeout,
+             what=f"{backend}/{scenario}")

@@ -1,0 +1,34 @@
+"""Stands in for `python3` while a runbook runs on CPU (tests/test_runbooks.py): each bench command line is
+parsed by the bench's own parser (and --decode-args by the decode server's) instead of being run."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+
+
+def check(argv: list[str]) -> None:
+    if argv[:2] == ["-m", "pytest"]:
+        return
+    if argv[:2] == ["-m", "bench.cli"]:
+        from bench.cli import build_parser
+        build_parser().parse_args(argv[2:])
+        return
+    if argv[:2] == ["-m", "bench.serve_sweep"]:
+        from bench.serve_sweep import build_parser
+        from decode_server.config import DecodeConfig
+        from kvtransfer.rpc.configargs import from_args
+        args = build_parser().parse_args(argv[2:])
+        for extra in (args.decode_args, args.baseline_decode_args or ""):
+            from_args(DecodeConfig, ["--device", "cpu", *shlex.split(extra)], "check", "kvtransfer-decode")
+        return
+    raise SystemExit(f"runbook ran an unexpected python3 command: {shlex.join(argv)}")
+
+
+if __name__ == "__main__":
+    check(sys.argv[1:])
+    with open(os.environ["RUNBOOK_CALLS"], "a") as f:
+        f.write(json.dumps(sys.argv[1:]) + "\n")
+    print(json.dumps({"ok": True}))
