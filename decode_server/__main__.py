@@ -10,7 +10,10 @@ from grpc_health.v1 import health_pb2
 from kvtransfer.rpc.compat import local_compat
 from kvtransfer.rpc.lifecycle import FatalStop, Stop, shut_down
 from kvtransfer.rpc.security import ClientSecurity, resolve_token
-from kvtransfer.rpc.server import load, new_health, peer_channel_options, pick_device, run_main, start_metrics
+from kvtransfer.model.loaded import load, pick_device
+from kvtransfer.rpc.main import run_main
+from kvtransfer.rpc.metrics import start_metrics
+from kvtransfer.rpc.server import new_health, peer_channel_options
 from kvtransfer.transport import registry
 
 from decode_server.config import DecodeConfig

@@ -13,10 +13,12 @@ from kvtransfer.rpc.configargs import LOG_LEVELS, check_choices, flag, one_line
 from kvtransfer.rpc.flagchecks import check_address, check_device, check_dist_init, check_positive
 from kvtransfer.model.spec import ModelSpec
 from kvtransfer.rpc.security import check_tls_flags, check_token_flags
-from kvtransfer.rpc.server import CONTROL_MESSAGE_LIMIT, check_message_limit, check_metrics_flags, resolve_dtype
+from kvtransfer.model.loaded import resolve_dtype
+from kvtransfer.rpc.limits import check_message_limit, CONTROL_MESSAGE_LIMIT
+from kvtransfer.rpc.metrics import check_metrics_flags
 from kvtransfer.transport.registry import options_from
 
-from kvtransfer.engine.mixed import check_mixed_rows
+from kvtransfer.engine.engine import check_options
 
 ON_FAILURE = ("fail", "recompute")
 
@@ -119,15 +121,8 @@ class DecodeConfig:
             raise ValueError("--exact prefills whole prompts: drop --prefill-chunk/--mixed-prefill, or drop --exact")
         if self.fail_scheduler_after_steps < -1:
             raise ValueError("--fail-scheduler-after-steps must be >= 0, or -1 (off)")
-        if self.mixed_prefill and self.prefill_chunk == 0:
-            raise ValueError("--mixed-prefill needs --prefill-chunk N (the rows of a step, decode rows included)")
-        if self.mixed_max_rows < 0:
-            raise ValueError("--mixed-max-rows must be >= 0 (0: steps of --prefill-chunk rows only)")
-        if self.mixed_max_rows and not self.mixed_prefill:
-            raise ValueError("--mixed-max-rows sizes the steps of --mixed-prefill: add --mixed-prefill, or drop "
-                             "--mixed-max-rows")
-        if self.mixed_prefill and self.prefill_chunk > 0 and self.max_batch:
-            check_mixed_rows(self.prefill_chunk, self.max_batch, self.mixed_max_rows)
+        check_options(max_batch=self.max_batch, prefill_chunk=self.prefill_chunk, mixed_prefill=self.mixed_prefill,
+                      mixed_max_rows=self.mixed_max_rows)
         if self.admission_wait_s < 0:
             raise ValueError("--admission-wait-s must be >= 0")
         check_positive(self, "request_timeout_s", "handshake_timeout_s", "peer_timeout_s", "peer_keepalive_s",

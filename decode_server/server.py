@@ -20,17 +20,19 @@ from dataclasses import dataclass
 
 import grpc
 
-from kvtransfer.rpc.lifecycle import SHUTTING_DOWN, Inflight, end_by_cancel, request_budget
+from kvtransfer.rpc.lifecycle import SHUTTING_DOWN, RunningRequests, end_by_cancel, request_budget
 from kvtransfer.rpc.limits import prompt_problem
 from kvtransfer.rpc.metrics import Metrics
 from kvtransfer.rpc.modes import REQUEST_MODES, Mode
 from kvtransfer.rpc.security import server_credentials
-from kvtransfer.rpc.server import InflightLimit, build_server
+from kvtransfer.rpc.limits import ConcurrencyLimit
+from kvtransfer.rpc.server import build_server
 from proto import kvtransfer_pb2 as pb
 from proto import kvtransfer_pb2_grpc as pbg
 
 from decode_server.config import DecodeConfig
 from kvtransfer.engine.engine import DecodeEngine
+from decode_server.peer.choice import choose_peer
 from decode_server.peer.pairing import DecodePairing
 from decode_server.peer.remote import PeerFailure, RequestError
 from kvtransfer.engine.scheduler import EngineFailed
@@ -61,10 +63,10 @@ class DecodeService(pbg.DecodeServicer):
         self.config, self.engine, self.pairing = config, engine, pairing
         self.vocab = engine.m.model.config.vocab_size
         self.ids = itertools.count(1)  # 0 is the warm-up frame
-        self.admit = InflightLimit(config.max_inflight)
+        self.admit = ConcurrencyLimit(config.max_inflight)
         self.prefill_metadata = prefill_metadata  # the prefill worker's token, when it asks for one
         self.metrics = metrics or Metrics("decode")
-        self.inflight = Inflight(self.metrics)
+        self.inflight = RunningRequests(self.metrics)
         self._mailbox: Mailbox | None = None  # tokens from the scheduler thread to this server's loop, one wake a burst
         self.failed = ""  # set by fail_all: a thread the server depends on died; every request ends INTERNAL
         self.metrics.inflight.set_function(lambda: self.admit.count)
@@ -90,15 +92,17 @@ class DecodeService(pbg.DecodeServicer):
         left = context.time_remaining()  # grpc.aio's done() is only "status sent"; a passed deadline shows here
         if context.done() or context.cancelled() or (left is not None and left <= 0):
             raise asyncio.CancelledError(message)  # gRPC already ended the call: a status now fails in core
-        await context.abort(code, message)  # counted once, by Inflight.request
+        await context.abort(code, message)  # counted once, by RunningRequests.request
 
     async def _validate(self, request, context) -> None:
         n, c, new = len(request.token_ids), self.config, request.max_new_tokens
         context_len = self.engine.m.model.config.max_position_embeddings
-        problem, code = prompt_problem(request.token_ids, c.max_prompt_tokens, context_len, self.vocab), None
-        if problem is not None:  # the limits the prefill server enforces too (kvtransfer/rpc/limits.py)
-            pass
-        elif not 1 <= new <= c.max_new_tokens:
+        # the limits the prefill server enforces too (kvtransfer/rpc/limits.py), then this server's own
+        problem = prompt_problem(request.token_ids, c.max_prompt_tokens, context_len, self.vocab)
+        code = None
+        if problem is not None:
+            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, problem)
+        if not 1 <= new <= c.max_new_tokens:
             problem = f"max_new_tokens is {new}; use 1..{c.max_new_tokens} (--max-new-tokens)"
         elif n + new > min(context_len, slot := self.engine.pool.max_seq):  # advise the bound that binds
             if slot >= context_len:
@@ -194,8 +198,9 @@ class DecodeService(pbg.DecodeServicer):
         timing = pb.Timing()
         if not (self.config.colocated or request.mode == pb.MODE_COLOCATED):
             try:
-                r = await self.pairing.remote_prefill(request, rid, deadline, self.prefill_metadata,
-                                         self.engine.pool.views(lease.slot, len(request.token_ids)), lease)
+                peer = choose_peer(self.pairing)
+                r = await peer.data.remote_prefill(peer.stub, request, rid, deadline, self.prefill_metadata,
+                                                   self.engine.pool.views(lease.slot, len(request.token_ids)), lease)
             except RequestError as e:
                 await self._abort(context, e.code, e.message)
             except PeerFailure as f:

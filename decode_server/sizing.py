@@ -2,7 +2,7 @@
 
 Why here, once, after the weights are loaded: a user compares servers by starting them with no tuning
 flags, so the defaults must be the configuration that measured fastest, sized to the device they find.
-- dtype `auto` (kvtransfer.rpc.server.resolve_dtype): bfloat16 on CUDA, float32 on CPU.
+- dtype `auto` (kvtransfer.model.loaded.resolve_dtype): bfloat16 on CUDA, float32 on CPU.
 - Prefill on CUDA: 256-row mixed steps (prompt chunks ride in the decode steps' forward), the measured
   fastest serving configuration; on CPU the whole prompt at once. Chunked and mixed prefill give up
   bit-identity between a request colocated and disaggregated (other kernel shapes); `--exact` restores it.
@@ -102,7 +102,6 @@ def plan_engine(config, loaded, receive_slots: int):
     """EngineOptions for `config` on `loaded`'s device, and the one log line saying what was chosen and why.
     `receive_slots`: longest-prompt caches the data plane may hold on the device (0 colocated)."""
     from kvtransfer.engine.engine import EngineOptions
-    from kvtransfer.engine.mixed import check_mixed_rows
 
     cuda = loaded.device.type == "cuda"
     if config.exact:
@@ -120,10 +119,9 @@ def plan_engine(config, loaded, receive_slots: int):
     workspace = workspace_bytes(model, g.bytes_per_token, config.max_prompt_tokens, g.dtype.itemsize, receive_slots)
     plan = plan_pool(g.bytes_per_token, model.max_position_embeddings, config.max_batch, config.max_seq_len,
                      config.kv_pool_gib, config.gpu_memory_utilization, device_memory(loaded.device), workspace, cap)
-    if mixed:
-        check_mixed_rows(chunk, plan.slots, config.mixed_max_rows)
-    options = EngineOptions(plan.slots, plan.max_seq, config.cuda_graphs, chunk, mixed, config.mixed_max_rows,
-                            config.fail_scheduler_after_steps)
+    options = EngineOptions(max_batch=plan.slots, max_seq_len=plan.max_seq, cuda_graphs=config.cuda_graphs,
+                            prefill_chunk=chunk, mixed_prefill=mixed, mixed_max_rows=config.mixed_max_rows,
+                            fail_scheduler_after_steps=config.fail_scheduler_after_steps)
     line = (f"engine defaults on {loaded.device}: dtype {loaded.spec.dtype}"
             f"{' (auto)' if config.dtype == 'auto' else ''}; prefill: {prefill_why}; KV pool {plan.slots} x "
             f"{plan.max_seq} tokens x {g.bytes_per_token} B = {plan.slots * plan.max_seq * g.bytes_per_token / GIB:.2f}"

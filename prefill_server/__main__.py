@@ -10,7 +10,9 @@ from grpc_health.v1 import health_pb2
 from kvtransfer.rpc.compat import local_compat
 from kvtransfer.rpc.lifecycle import Stop, shut_down
 from kvtransfer.rpc.security import resolve_token
-from kvtransfer.rpc.server import load, pick_device, run_main, start_metrics
+from kvtransfer.model.loaded import load, pick_device
+from kvtransfer.rpc.main import run_main
+from kvtransfer.rpc.metrics import start_metrics
 from kvtransfer.transport import registry
 
 from prefill_server.config import PrefillConfig

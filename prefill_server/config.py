@@ -13,7 +13,9 @@ from kvtransfer.rpc.flagchecks import check_address, check_device, check_dist_in
 from kvtransfer.model.spec import ModelSpec
 from kvtransfer.rpc.security import check_tls_flags, check_token_flags
 from kvtransfer.transport.registry import options_from
-from kvtransfer.rpc.server import CONTROL_MESSAGE_LIMIT, check_message_limit, check_metrics_flags, resolve_dtype
+from kvtransfer.model.loaded import resolve_dtype
+from kvtransfer.rpc.limits import check_message_limit, CONTROL_MESSAGE_LIMIT
+from kvtransfer.rpc.metrics import check_metrics_flags
 
 
 @dataclass(frozen=True)

@@ -14,12 +14,14 @@ import logging
 import grpc
 
 from kvtransfer.rpc.compat import mismatch
-from kvtransfer.rpc.lifecycle import SHUTTING_DOWN, Inflight
+from kvtransfer.rpc.lifecycle import SHUTTING_DOWN, RunningRequests
 from kvtransfer.rpc.limits import prompt_problem, request_id_problem
 from kvtransfer.rpc.metrics import Metrics
 from kvtransfer.rpc.modes import Mode
 from kvtransfer.rpc.security import server_credentials
-from kvtransfer.rpc.server import InflightLimit, build_server, gpu_executor
+from kvtransfer.rpc.limits import ConcurrencyLimit
+from kvtransfer.rpc.main import gpu_executor
+from kvtransfer.rpc.server import build_server
 from kvtransfer.rpc.status import transfer_status
 from kvtransfer.transport import TransferError
 from kvtransfer.transport.registry import Rendezvous, Transport
@@ -46,10 +48,10 @@ class PrefillService(pbg.PrefillServicer):
         self.transport = backend.name
         self.gpu = gpu_executor(worker.m.device, "prefill-gpu")
         self.vocab = worker.m.model.config.vocab_size
-        self.admit = InflightLimit(config.max_inflight)
+        self.admit = ConcurrencyLimit(config.max_inflight)
         self.peer_max_receive_bytes = 0  # announced by the decode peer at the handshake (0: unknown)
         self.metrics = metrics or Metrics("prefill")
-        self.inflight = Inflight(self.metrics)
+        self.inflight = RunningRequests(self.metrics)
         self.metrics.inflight.set_function(lambda: self.admit.count)
         self.metrics.buffer_bytes.set_function(lambda: worker.sending_bytes)
         self.pairing = PrefillPairing(config, worker, backend, connect, self.gpu, self.metrics, store)

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from kvtransfer.determinism import sync
+from kvtransfer.engine.sampler import first_token
 from kvtransfer.model.prefill import logits_digest, prefill, random_prompt
-from kvtransfer.rpc.server import LoadedModel
+from kvtransfer.model.loaded import LoadedModel
 from kvtransfer.model.streaming import cache_layers
 from kvtransfer.transport import TransferError, TransferHeader
 
@@ -65,7 +66,7 @@ class PrefillWorker:
                 cache, logits = prefill(self.m.model, ids, on_layer=send)
             else:
                 cache, logits = prefill(self.m.model, ids)
-            first = logits.argmax()
+            first = first_token(logits)
             if mode == "bulk":
                 for i, (k, v) in enumerate(cache_layers(cache)):
                     send(i, k, v)

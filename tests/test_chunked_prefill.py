@@ -14,7 +14,7 @@ from kvtransfer.engine.engine import DecodeEngine, EngineOptions
 from kvtransfer.geometry import CacheGeometry
 from kvtransfer.model.spec import ModelSpec, load_model
 from kvtransfer.model.prefill import random_prompt
-from kvtransfer.rpc.server import LoadedModel
+from kvtransfer.model.loaded import LoadedModel
 
 CHUNK_TOL = 1e-4  # fp32 max |diff| of first-token logits and of cache values (measured ~1e-6 on tiny)
 

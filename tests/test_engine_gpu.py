@@ -104,7 +104,7 @@ def test_mixed_graph_matches_the_eager_mixed_step_and_the_whole_prefill():
     plain = step(tok, pos, slots).clone()
     prompt = random_prompt(model.config.vocab_size, 150, seed=9, device="cuda")
     other = random_prompt(model.config.vocab_size, 40, seed=10, device="cuda")  # shares the last step's budget
-    assert step.chunk_budget(3) == 64
+    assert step.prompt_budget(3, 0) == 64
     for start in range(0, 150, 64):  # chunks of 64, 64, then 22 + the 40 of `other` (padded to 64 rows)
         chunks = [Chunk(prompt[0, start:start + 64], 5, start, start + 64 >= 150)]
         if start + 64 >= 150:

@@ -9,7 +9,8 @@ import torch
 
 from kvtransfer.determinism import enable_deterministic
 from kvtransfer.model.spec import ModelSpec, load_model, weights_fingerprint
-from kvtransfer.model.prefill import colocated_generate, decode, prefill, random_prompt
+from kvtransfer.model.prefill import decode, prefill, random_prompt
+from support.generate import colocated_generate
 from kvtransfer.model.streaming import assemble_cache, cache_layers, caches_equal
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -20,7 +20,7 @@ from kvtransfer.engine.sequence import Ended, Sequence
 from kvtransfer.geometry import CacheGeometry
 from kvtransfer.model.spec import ModelSpec, load_model
 from kvtransfer.model.prefill import prefill, random_prompt
-from kvtransfer.rpc.server import LoadedModel
+from kvtransfer.model.loaded import LoadedModel
 from kvtransfer.model.streaming import cache_layers
 
 TOL = 1e-4  # fp32: other GEMM shapes than the plain step / whole prefill
@@ -203,9 +203,9 @@ def test_a_mixed_step_leaves_rows_for_prompt_chunks(tiny):
 
     pool = KVPool(CacheGeometry.from_config(tiny.config, torch.float32), torch.device("cpu"), slots=8, max_seq=64)
     with pytest.raises(ValueError, match=r"2 x --max-batch \(16\)"):
-        Step(StepRunner(tiny, pool), max_batch=8, cuda_graphs=False, chunk=15)
+        EngineOptions(max_batch=8, prefill_chunk=15, mixed_prefill=True)
     step = Step(StepRunner(tiny, pool), max_batch=8, cuda_graphs=False, chunk=24)
-    assert [step.chunk_budget(n) for n in (0, 1, 3, 8)] == [23, 23, 20, 16]  # rows left beside each bucket
+    assert [step.prompt_budget(n, 0) for n in (0, 1, 3, 8)] == [23, 23, 20, 16]  # rows left beside each bucket
 
 
 def test_mixed_prefill_needs_a_chunk_size():
@@ -230,7 +230,7 @@ def test_a_larger_step_runs_only_when_the_prompt_tokens_waiting_fill_it(tiny):
     assert step_sizes(24, 100) == [24, 48, 96] and step_sizes(24, 0) == [24]
     pool = KVPool(CacheGeometry.from_config(tiny.config, torch.float32), torch.device("cpu"), slots=8, max_seq=64)
     with pytest.raises(ValueError, match=r"--mixed-max-rows 40 must be >= 2 x --prefill-chunk \(48\)"):
-        Step(StepRunner(tiny, pool), max_batch=8, cuda_graphs=False, chunk=24, max_rows=40)
+        EngineOptions(max_batch=8, prefill_chunk=24, mixed_prefill=True, mixed_max_rows=40)
     step = Step(StepRunner(tiny, pool), max_batch=8, cuda_graphs=False, chunk=24, max_rows=100)
     assert step.sizes == [24, 48, 96]
     # n = 3 decode rows: bucket 4

@@ -15,7 +15,7 @@ from kvtransfer.model.spec import (
     load_model,
     weights_fingerprint,
 )
-from kvtransfer.model.prefill import colocated_generate
+from support.generate import colocated_generate
 
 
 # ---------------------------------------------------------------- preset configs

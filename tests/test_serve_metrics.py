@@ -7,7 +7,7 @@ batch of 0, or a busy share read off the wrong series would misreport the run.
 
 from __future__ import annotations
 
-from kvtransfer.engine.scheduler import StepStats
+from kvtransfer.engine.queued import StepStats
 from kvtransfer.rpc.metrics import Metrics
 
 
@@ -68,7 +68,7 @@ def test_the_scheduler_reports_every_delivered_step_once():
     from kvtransfer.geometry import CacheGeometry
     from kvtransfer.model.spec import ModelSpec, load_model
     from kvtransfer.model.prefill import random_prompt
-    from kvtransfer.rpc.server import LoadedModel
+    from kvtransfer.model.loaded import LoadedModel
 
     model = load_model(ModelSpec("tiny", "float32", 0))
     lm = LoadedModel(ModelSpec("tiny", "float32", 0), model, CacheGeometry.from_config(model.config, torch.float32),

@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtransfer.model.prefill import colocated_generate, decode, prefill
+from kvtransfer.model.prefill import decode, prefill
+from support.generate import colocated_generate
 from kvtransfer.model.streaming import (
     StreamingCache,
     assemble_cache,

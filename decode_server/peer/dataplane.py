@@ -122,7 +122,7 @@ class DataPlane:
                                   return_logits_digest=request.return_logits_digest),
                 timeout=max(peer_deadline - t_sent, 0.001), metadata=metadata)
             t_first = time.perf_counter()
-            layers = await asyncio.wait_for(asyncio.wrap_future(exp.future), max(peer_deadline - t_first, 0.001))
+            await asyncio.wait_for(asyncio.wrap_future(exp.future), max(peer_deadline - t_first, 0.001))
             arrived = True
         except grpc.aio.AioRpcError as e:
             code = e.code()
@@ -144,7 +144,7 @@ class DataPlane:
             if not arrived:  # failed, timed out or cancelled: a late frame is drained and dropped
                 loop.forget(rid)
                 loop.release(exp)
-        return Remote(resp, layers, t_sent, t_first, max(exp.t_ready, t_first), lambda: loop.release(exp))
+        return Remote(resp, t_sent, t_first, max(exp.t_ready, t_first), lambda: loop.release(exp))
 
     # --- what the metrics read ---
 

@@ -33,7 +33,6 @@ from proto import kvtransfer_pb2_grpc as pbg
 from decode_server.peer.dataplane import DataPlane
 from decode_server.peer.handshake import HandshakeRefused, handshake
 from decode_server.peer.liveness import STOPPING, until_down, watch_peer
-from decode_server.peer.remote import PeerFailure, Remote
 
 log = logging.getLogger("kvtransfer.decode")
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
@@ -153,15 +152,6 @@ class DecodePairing:
         log.warning("prefill peer down: %s; failing waiting requests (--on-failure %s) and pairing again", reason,
                     self.config.on_failure)
         await self.data.down(reason)
-
-    # --- what the front door asks ---
-
-    async def remote_prefill(self, request, rid: int, deadline: float, metadata, destination, lease) -> Remote:
-        """One request's remote prefill over the data plane, refused at once while the peer is down."""
-        if not self.up:
-            raise PeerFailure("peer_down", grpc.StatusCode.UNAVAILABLE, f"the prefill worker at "
-                              f"{self.config.prefill_addr} is unavailable: {self.why_down()}")
-        return await self.data.remote_prefill(self.stub, request, rid, deadline, metadata, destination, lease)
 
     def why_down(self) -> str:
         return f"{self.down_reason} ({time.monotonic() - self.down_since:.1f} s ago)"

@@ -40,7 +40,6 @@ class RequestError(Exception):
 @dataclass
 class Remote:
     response: pb.PrefillResponse
-    layers: list  # [(k, v)] per layer, on the device
     t_sent: float  # perf_counter: Prefill call made
     t_first: float  # first token known
     t_ready: float  # whole cache on the device

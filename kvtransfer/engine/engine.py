@@ -21,7 +21,7 @@ import torch
 
 from kvtransfer.determinism import sync
 from kvtransfer.model.prefill import logits_digest, prefill
-from kvtransfer.rpc.server import LoadedModel
+from kvtransfer.model.loaded import LoadedModel
 from kvtransfer.model.streaming import cache_digest
 
 from kvtransfer.engine.chunk_attention import chunk_attention_on
@@ -29,26 +29,50 @@ from kvtransfer.engine.graphs import Step
 from kvtransfer.engine.mixed import MixedPrefill
 from kvtransfer.engine.pool import KVPool, Lease
 from kvtransfer.engine.runner import StepRunner
+from kvtransfer.engine.sampler import first_token
 from kvtransfer.engine.scheduler import Job, Scheduler
 from kvtransfer.engine.sequence import LocalPrefill
 
 log = logging.getLogger("kvtransfer.decode.engine")
 
 
-@dataclass(frozen=True)
+def check_options(*, max_batch: int, prefill_chunk: int, mixed_prefill: bool | None, mixed_max_rows: int) -> None:
+    """The engine's option combinations, checked in this one place, in the flags' words: by EngineOptions (every
+    value known), and by the decode server's config at parse time (max_batch 0, prefill_chunk -1 and
+    mixed_prefill None mean "chosen at start", and the checks that need them wait for EngineOptions)."""
+    if mixed_max_rows < 0:
+        raise ValueError("--mixed-max-rows must be >= 0 (0: steps of --prefill-chunk rows only)")
+    if mixed_max_rows and not mixed_prefill:
+        raise ValueError("--mixed-max-rows sizes the steps of --mixed-prefill: add --mixed-prefill, or drop "
+                         "--mixed-max-rows")
+    if mixed_prefill and prefill_chunk == 0:
+        raise ValueError("--mixed-prefill needs --prefill-chunk N (the rows of a step, decode rows included)")
+    if mixed_prefill and prefill_chunk > 0 and max_batch > 0:  # room for prompt rows beside a full batch
+        if prefill_chunk < 2 * max_batch:
+            raise ValueError(f"--prefill-chunk {prefill_chunk} with --mixed-prefill is the rows of a step, decode "
+                             f"rows included: it must be >= 2 x --max-batch ({2 * max_batch})")
+        if mixed_max_rows and mixed_max_rows < 2 * prefill_chunk:
+            raise ValueError(f"--mixed-max-rows {mixed_max_rows} must be >= 2 x --prefill-chunk ({2 * prefill_chunk}):"
+                             " the larger steps are 2, 4 .. x --prefill-chunk rows (0: --prefill-chunk only)")
+
+
+@dataclass(frozen=True, kw_only=True)
 class EngineOptions:
     max_batch: int = 16  # pool slots = sequences decoded together
     max_seq_len: int = 4096  # tokens per slot (prompt + generated)
     cuda_graphs: bool = True  # capture the step per bucketed batch size (CUDA only)
     prefill_chunk: int = 0  # local prefill: tokens per piece between decode steps (0: the whole prompt at once)
     mixed_prefill: bool = False  # prompt chunks ride in the decode steps' forward (mixed.py); prefill_chunk is then
-    # the rows of such a step, decode rows included (graphs.py checks it is >= 2 x max_batch)
+    # the rows of such a step, decode rows included (>= 2 x max_batch, check_options)
     mixed_max_rows: int = 0  # mixed: steps of 2, 4 .. x prefill_chunk rows too, up to this (0: prefill_chunk only)
     fail_scheduler_after_steps: int = -1  # fault injection: the scheduler thread dies after this many steps
 
     def __post_init__(self):
-        if self.mixed_prefill and self.prefill_chunk < 1:
-            raise ValueError("--mixed-prefill needs --prefill-chunk N (the rows of a step, decode rows included)")
+        if self.max_batch < 1 or self.prefill_chunk < 0:
+            raise ValueError(f"engine options not resolved: max_batch {self.max_batch}, prefill_chunk "
+                             f"{self.prefill_chunk} (decode_server/sizing.py chooses them)")
+        check_options(max_batch=self.max_batch, prefill_chunk=self.prefill_chunk, mixed_prefill=self.mixed_prefill,
+                      mixed_max_rows=self.mixed_max_rows)
 
 
 class DecodeEngine:
@@ -94,7 +118,7 @@ class DecodeEngine:
                 start = end
                 if start < n:
                     yield
-            first = int(logits.argmax())
+            first = int(first_token(logits))
             ms, cpu = (time.perf_counter() - t0) * 1e3, (time.thread_time() - c0) * 1e3
             log.debug("local prefill of %d tokens: %.1f ms, %.1f ms of thread CPU", n, ms, cpu)
             return LocalPrefill(first, logits_digest(logits) if want_digest else "", ms, cpu)

@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from kvtransfer.engine.mixed import MAX_PIECES, Chunk, check_mixed_rows, mixed_forward, piece_table, step_sizes
+from kvtransfer.engine.mixed import MAX_PIECES, Chunk, lay_out, mixed_forward, step_sizes
 from kvtransfer.engine.runner import StepRunner
 
 log = logging.getLogger("kvtransfer.decode.graphs")
@@ -47,8 +47,6 @@ class Step:
     """
 
     def __init__(self, runner: StepRunner, max_batch: int, cuda_graphs: bool, chunk: int = 0, max_rows: int = 0):
-        if chunk:
-            check_mixed_rows(chunk, max_batch, max_rows)
         self.runner, self.max_batch, self.chunk = runner, max_batch, chunk
         self.sizes = step_sizes(chunk, max_rows) if chunk else []  # the mixed steps' row counts, ascending
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -103,10 +101,6 @@ class Step:
     def bucket(self, n: int) -> int:
         return next(x for x in self.buckets if x >= n)
 
-    def chunk_budget(self, n: int) -> int:
-        """Prompt tokens the smallest mixed step beside n decode rows carries: the rows its graph has left."""
-        return self.chunk - self.bucket(n) if self.chunk else 0
-
     def prompt_budget(self, n: int, waiting: int) -> int:
         """Prompt tokens a mixed step beside n decode rows carries while `waiting` prompt tokens wait: the rows left
         in the largest size they fill, else in the smallest (so only the smallest size is ever padded)."""
@@ -140,28 +134,18 @@ class Step:
 
     def mixed(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
               chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor]:
-        n, sizes = tokens.shape[0], [c.ids.shape[0] for c in chunks]
-        rows = self.rows_for(n, sum(sizes))
+        n = tokens.shape[0]
+        rows = self.rows_for(n, sum(c.ids.shape[0] for c in chunks))
         if not self.mixed_graphs or not rows or len(chunks) > MAX_PIECES:
             return mixed_forward(self.runner, tokens, positions, slots, chunks)
-        b, total = self.bucket(n), sum(sizes)
-        C = rows - b
+        b = self.bucket(n)
         self._fill(n, b, tokens, positions, slots)
-        # rows b .. b + C - 1: the chunks one after another, then padding (scratch slot, position 0)
-        pos, at, keep, row = torch.zeros(C, dtype=torch.long), torch.full((C,), self.runner.pool.scratch), [], 0
-        for c, size in zip(chunks, sizes):
-            self.tokens[b + row:b + row + size].copy_(c.ids, non_blocking=True)
-            pos[row:row + size] = torch.arange(c.start, c.start + size)
-            at[row:row + size] = c.slot
-            row += size
-            keep.append(b + row - 1)
-        if total < C:
-            self.tokens[b + total:b + C].zero_()
-        keep += [b + C - 1] * (MAX_PIECES - len(chunks))  # unused: a padding (or the last chunk's) row
-        self.positions[b:b + C].copy_(pos, non_blocking=True)
-        self.slots[b:b + C].copy_(at, non_blocking=True)
-        self.keep[:b + MAX_PIECES].copy_(torch.cat([torch.arange(b), torch.tensor(keep)]), non_blocking=True)
-        self.pieces.copy_(piece_table(chunks, MAX_PIECES), non_blocking=True)
+        p = lay_out(chunks, b, rows - b, MAX_PIECES, self.runner.pool.scratch)  # rows b .. rows - 1: the chunks
+        self.tokens[b:rows].copy_(p.tokens, non_blocking=True)
+        self.positions[b:rows].copy_(p.positions, non_blocking=True)
+        self.slots[b:rows].copy_(p.slots, non_blocking=True)
+        self.keep[:b + MAX_PIECES].copy_(p.keep, non_blocking=True)
+        self.pieces.copy_(p.table, non_blocking=True)
         g, out = self.mixed_graphs[rows, b]
         g.replay()
         return out[:n], out[b:b + len(chunks)]

@@ -45,16 +45,6 @@ from kvtransfer.engine.runner import StepRunner
 MAX_PIECES = 4  # prompt chunks in one step (each keeps one row for lm_head)
 
 
-def check_mixed_rows(rows: int, max_batch: int, max_rows: int = 0) -> None:
-    """A mixed step of `rows` rows must leave room for prompt rows beside a full batch; larger sizes double it."""
-    if rows < 2 * max_batch:
-        raise ValueError(f"--prefill-chunk {rows} with --mixed-prefill is the rows of a step, decode rows included: "
-                         f"it must be >= 2 x --max-batch ({2 * max_batch})")
-    if max_rows and max_rows < 2 * rows:
-        raise ValueError(f"--mixed-max-rows {max_rows} must be >= 2 x --prefill-chunk ({2 * rows}): the larger steps "
-                         "are 2, 4 .. x --prefill-chunk rows (0: --prefill-chunk only)")
-
-
 def step_sizes(rows: int, max_rows: int) -> list[int]:
     """The mixed steps' row counts: rows, 2 x rows, 4 x rows .. up to max_rows."""
     out = [rows]
@@ -71,21 +61,47 @@ class Chunk:
     last: bool  # the prompt's final chunk: its last row's logits give the first token
 
 
+@dataclass
+class PromptRows:
+    """The prompt chunks' rows of one mixed step, laid out after its b decode rows (the one layout both the eager
+    step and its CUDA graphs use)."""
+
+    tokens: torch.Tensor  # (rows,) int64: the chunks' ids one after another, then padding (token 0)
+    positions: torch.Tensor  # (rows,) int64: each chunk's start .. start + c - 1, then 0
+    slots: torch.Tensor  # (rows,) int64: each chunk's slot, then the scratch slot
+    keep: torch.Tensor  # (b + pieces,) int64: the decode rows, then each chunk's last row (unused: the last row)
+    table: torch.Tensor  # (pieces, 4) int32: what kernels.chunk_attention reads (piece_table)
+
+
+def lay_out(chunks: list[Chunk], b: int, rows: int, pieces: int, scratch: int) -> PromptRows:
+    """The rows of `chunks` after b decode rows, padded to `rows` rows and `pieces` pieces (rows >= their tokens,
+    pieces >= len(chunks)). Built on the host; the caller moves them to the device."""
+    sizes = [c.ids.shape[0] for c in chunks]
+    total = sum(sizes)
+    dev = chunks[0].ids.device
+    tokens = torch.cat([*(c.ids for c in chunks), torch.zeros(rows - total, dtype=torch.long, device=dev)])
+    positions, slots = torch.zeros(rows, dtype=torch.long), torch.full((rows,), scratch, dtype=torch.long)
+    keep, at = list(range(b)), 0
+    for c, size in zip(chunks, sizes):
+        positions[at:at + size] = torch.arange(c.start, c.start + size)
+        slots[at:at + size] = c.slot
+        at += size
+        keep.append(b + at - 1)
+    keep += [b + rows - 1] * (pieces - len(chunks))  # unused pieces: a padding (or the last chunk's) row
+    return PromptRows(tokens, positions, slots, torch.tensor(keep, dtype=torch.long), piece_table(chunks, pieces))
+
+
 @torch.inference_mode()
 def mixed_forward(r: StepRunner, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                   chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor]:
     """tokens/positions/slots: (B,) decode rows (B may be 0); chunks: P pieces of prompts, each c_j tokens into its
-    slot. Eager. Returns (decode logits (B, vocab), each chunk's last-row logits (P, vocab))."""
+    slot. Eager, unpadded. Returns (decode logits (B, vocab), each chunk's last-row logits (P, vocab))."""
     b, dev = tokens.shape[0], tokens.device
-    ends = torch.tensor([c.ids.shape[0] for c in chunks]).cumsum(0) + b - 1  # each chunk's last row
-    keep = torch.cat([torch.arange(b), ends]).to(dev, non_blocking=True)  # (B + P,)
-    pieces = piece_table(chunks, len(chunks)).to(dev, non_blocking=True)  # (P, 4)
-    logits = r.forward(torch.cat([tokens, *(c.ids for c in chunks)]),  # (B + sum c_j,)
-                       torch.cat([positions, *(torch.arange(c.start, c.start + c.ids.shape[0], device=dev)
-                                               for c in chunks)]),
-                       torch.cat([slots, *(torch.full((c.ids.shape[0],), c.slot, dtype=torch.long, device=dev)
-                                           for c in chunks)]),
-                       keep, (b, pieces))  # (B + P, vocab)
+    p = lay_out(chunks, b, sum(c.ids.shape[0] for c in chunks), len(chunks), r.pool.scratch)
+    logits = r.forward(torch.cat([tokens, p.tokens]),  # (B + sum c_j,)
+                       torch.cat([positions, p.positions.to(dev, non_blocking=True)]),
+                       torch.cat([slots, p.slots.to(dev, non_blocking=True)]),
+                       p.keep.to(dev, non_blocking=True), (b, p.table.to(dev, non_blocking=True)))  # (B + P, vocab)
     return logits[:b], logits[b:]
 
 

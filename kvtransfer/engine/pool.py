@@ -50,7 +50,6 @@ class Lease:
             if self._holders:
                 return
             self.pool._free.append(self.slot)
-            self.pool._changed.notify_all()
             listeners = list(self.pool._listeners)
         for wake in listeners:  # outside the lock: a listener may take a slot
             wake()
@@ -67,7 +66,6 @@ class KVPool:
                               device=device)
         self.scratch = slots
         self._lock = threading.Lock()
-        self._changed = threading.Condition(self._lock)
         self._free = list(range(slots - 1, -1, -1))  # pop() hands out slot 0 first
         self._listeners: set = set()  # called (on the releasing thread) each time a slot is freed
         log.info("KV pool: %d slots x %d tokens x %d B/token = %.2f GiB on %s (+1 scratch slot)", slots, max_seq,
@@ -95,13 +93,6 @@ class KVPool:
     def unsubscribe(self, wake) -> None:
         with self._lock:
             self._listeners.discard(wake)
-
-    def lease(self, timeout: float) -> Lease:
-        """A slot, waiting at most `timeout` seconds for one to be released (PoolFull after that)."""
-        with self._changed:
-            if not self._changed.wait_for(lambda: bool(self._free), timeout=max(timeout, 0.0)):
-                raise PoolFull()
-            return Lease(self, self._free.pop())
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's K and V pools, each (slots + 1, kv_heads, max_seq, head_dim)."""

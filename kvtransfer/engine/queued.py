@@ -8,17 +8,31 @@ and delivers what a step made.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
 
 from kvtransfer.engine.graphs import Step
 from kvtransfer.engine.mixed import Chunk, MixedPrefill
+from kvtransfer.engine.sampler import first_token, next_tokens
 from kvtransfer.engine.sequence import Sequence
+
+log = logging.getLogger("kvtransfer.decode.scheduler")
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one delivered step did, for the metrics."""
+
+    rows: int  # decode rows (sequences advanced)
+    prompt_rows: int  # prompt tokens that rode along (--mixed-prefill)
+    step_rows: int  # the mixed step's size in rows, padding included (0: a plain decode step)
+    device_s: float  # its device time from CUDA events, s (0 on CPU)
 
 
 @dataclass
-class InFlight:
+class QueuedStep:
     """One step queued on the device and not yet delivered: its rows, their next tokens (device, and the pinned
     host copy on its way), the event after that copy, and the logits rows kept for digests."""
 
@@ -43,10 +57,10 @@ class InFlight:
         return self.start.elapsed_time(self.event) / 1e3 if self.start is not None else 0.0
 
 
-def queue_step(step: Step, dev: torch.device, batch: list[Sequence], prev: InFlight | None,
-               pieces: list[tuple[MixedPrefill, Chunk]] = ()) -> InFlight:
+def queue_step(step: Step, dev: torch.device, batch: list[Sequence], prev: QueuedStep | None,
+               pieces: list[tuple[MixedPrefill, Chunk]] = ()) -> QueuedStep:
     """Queue one step for `batch` without waiting for the device. A row that was in the step still in flight
-    reads its next input token from that step's argmax on the device; a row joining now reads it from the host.
+    reads its next input token from that step's choice on the device (sampler.py); a row joining now reads it from the host.
     Positions and slots are the host's. Each row's lease is held until this step has been delivered, so no
     slot is handed to another request while a queued step may still write into it. With pieces (prompt chunks),
     one forward runs the decode rows and those chunks together (mixed.py); each chunk's slot is held the same
@@ -77,8 +91,8 @@ def queue_step(step: Step, dev: torch.device, batch: list[Sequence], prev: InFli
         logits, lasts = step.mixed(tokens, positions, slots, chunks)  # (n, vocab), (P, vocab)
         for task, _ in pieces:
             task.lease.hold()
-    nxt = logits.argmax(dim=-1)  # (n,) on the device
-    rows_out = torch.cat([nxt, *(lasts[j].argmax().view(1) for j in done)])  # (n + finished prompts,); no H2D index
+    nxt = next_tokens(logits)  # (n,) on the device
+    rows_out = torch.cat([nxt, *(first_token(lasts[j]).view(1) for j in done)])  # (n + finished prompts,); no H2D index
     rows = {j: logits[j].clone() for j, s in enumerate(batch) if s.want_digest}  # (vocab,) each, kept
     host = torch.empty(rows_out.shape[0], dtype=torch.long, pin_memory=dev.type == "cuda")
     host.copy_(rows_out, non_blocking=True)
@@ -91,8 +105,29 @@ def queue_step(step: Step, dev: torch.device, batch: list[Sequence], prev: InFli
         s.length += 1
         s.remaining -= 1
     firsts = [pieces[j][0] for j in done]
-    return InFlight(batch, nxt, host, event, rows, [s.remaining for s in batch],
+    return QueuedStep(batch, nxt, host, event, rows, [s.remaining for s in batch],
                     chunk_tasks=[task for task, _ in pieces], first_tasks=firsts,
                     first_logits=[lasts[j].clone() if t.want_digest else None for j, t in zip(done, firsts)],
                     start=start, prompt_rows=prompt_rows,
                     step_rows=step.rows_for(n, prompt_rows) if pieces and step.mixed_graphs else 0)
+
+
+def let_go(pending: QueuedStep | None, end) -> None:
+    """After a failure or at shutdown: wait for a queued step (its writes) and drop its holds; `end(seq, item)`
+    ends the sequences whose last token it held. Returns None (the caller's `pending` is then gone)."""
+    if pending is not None:
+        if pending.event is not None:
+            try:
+                pending.event.synchronize()
+            except Exception:  # noqa: BLE001 - the device failed; the slots are released regardless
+                log.exception("waiting for the last queued step")
+        for s in pending.batch:
+            s.lease.release()
+        for task in pending.chunk_tasks:
+            task.lease.release()
+            if not task.future.done():
+                task.future.set_exception(RuntimeError("the decode step with its chunk failed"))
+        for s, item in pending.after:
+            end(s, item)  # a last token stays valid: only the row queued after it failed
+        pending.batch, pending.after, pending.chunk_tasks = [], [], []  # let go once
+    return None

@@ -17,7 +17,7 @@ hands them out. The host's share of a step (building inputs, launching the graph
 tokens) then hides behind the device's. What it costs: a sequence that hits EOS at step k has
 already been queued for step k+1; that row's token is dropped. Slots stay held by every queued
 step that writes into them (`Lease.hold`), so a slot is never handed on while a write is queued
-(inflight.py queues a step).
+(queued.py queues a step).
 """
 
 from __future__ import annotations
@@ -35,21 +35,12 @@ import torch
 from kvtransfer.model.prefill import logits_digest
 
 from kvtransfer.engine.graphs import Step
-from kvtransfer.engine.queued import InFlight, queue_step
-from kvtransfer.engine.mixed import MAX_PIECES, Chunk, MixedPrefill
+from kvtransfer.engine.queued import QueuedStep, StepStats, let_go, queue_step
+from kvtransfer.engine.mixed import Chunk, MixedPrefill
+from kvtransfer.engine.prompt_queue import PromptQueue
 from kvtransfer.engine.sequence import EndCause, Ended, LocalPrefill, Sequence, Token
 
 log = logging.getLogger("kvtransfer.decode.scheduler")
-
-@dataclass(frozen=True)
-class StepStats:
-    """What one delivered step did, for the metrics."""
-
-    rows: int  # decode rows (sequences advanced)
-    prompt_rows: int  # prompt tokens that rode along (--mixed-prefill)
-    step_rows: int  # the mixed step's size in rows, padding included (0: a plain decode step)
-    device_s: float  # its device time from CUDA events, s (0 on CPU)
-
 
 # A piece of device work: a generator run one `next()` per gap between steps; its return value resolves the future.
 Job = Iterator[None]
@@ -75,8 +66,7 @@ class Scheduler:
         self._cond = threading.Condition()
         self._jobs: deque[tuple[Job, Future]] = deque()
         self._joining: list[Sequence] = []
-        self._tasks: deque[MixedPrefill] = deque()  # prompts whose chunks ride in decode steps (--mixed-prefill)
-        self._active: list[MixedPrefill] = []  # ... those with chunks handed out, oldest first (this thread's)
+        self._prompts = PromptQueue(self._cond)  # prompts whose chunks ride in decode steps (--mixed-prefill)
         self.running: list[Sequence] = []
         self.steps = 0
         self._closed = False
@@ -102,7 +92,7 @@ class Scheduler:
             self._refuse_if_dead()
             if self._closed:
                 raise RuntimeError("the decode scheduler is stopped")
-            self._tasks.append(task)
+            self._prompts.waiting.append(task)
             self._cond.notify()
         return task.future
 
@@ -150,9 +140,8 @@ class Scheduler:
             self.dead = (f"the decode engine stopped: its scheduler thread died ({type(error).__name__}: {error}); "
                          "the server is exiting, retry on another replica")
             jobs, self._jobs = list(self._jobs), deque()
-            tasks, self._tasks = [*self._active, *self._tasks], deque()
+            tasks = self._prompts.take_all()
             joining, self._joining = self._joining, []
-            self._active = []
         for s in self.running + joining:
             if not s.over:
                 self._end(s, Ended(EndCause.ENGINE_FAILED, self.dead))
@@ -174,11 +163,11 @@ class Scheduler:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self._job = None
-        pending: InFlight | None = None
+        pending: QueuedStep | None = None
         while True:
             with self._cond:
                 while not (self._closed or self._jobs or self._joining or self.running or self._job or pending
-                           or self._tasks or self._active):
+                           or self._prompts):
                     self._cond.wait()
                 if self._closed:
                     break
@@ -198,7 +187,7 @@ class Scheduler:
             pieces: list[tuple[MixedPrefill, Chunk]] = []
             try:
                 launch = [s for s in self.running if s.remaining > 0 and not s.over]
-                pieces = self._pieces(len(launch))
+                pieces = self._prompts.pieces(self.step, len(launch))
                 newer = queue_step(self.step, self.device, launch, pending, pieces) if launch or pieces else None
                 if pending is not None:
                     self._deliver(pending, newer)
@@ -209,51 +198,22 @@ class Scheduler:
                     if not s.over:
                         self._end(s, Ended(EndCause.STEP_FAILED, f"decode step failed: {e}"))
                 self.running = []
-                pending = self._let_go(pending)
+                pending = let_go(pending, self._end)
                 if newer is not pending:
-                    self._let_go(newer)
-                for task in [t for t, _ in pieces] + self._active:
+                    let_go(newer, self._end)
+                for task in [t for t, _ in pieces] + self._prompts.active:
                     if not task.future.done():
                         task.future.set_exception(RuntimeError(f"decode step failed: {e}"))
-                self._active = []
-        pending = self._let_go(pending)
+                self._prompts.active = []
+        pending = let_go(pending, self._end)
         for s in self.running + self._joining:
             if not s.over:
                 self._end(s, Ended(EndCause.SHUTDOWN, "the decode server is stopping"))
         for _, fut in self._jobs:
             fut.set_exception(RuntimeError("the decode server is stopping"))
-        for task in [*self._active, *self._tasks]:
+        for task in self._prompts.take_all():
             if not task.future.done():
                 task.future.set_exception(RuntimeError("the decode server is stopping"))
-
-    def _pieces(self, n: int) -> list[tuple[MixedPrefill, Chunk]]:
-        """This step's prompt chunks (--mixed-prefill): the next chunk of each prompt in progress, oldest first, then
-        of prompts not yet begun, while the step's budget of prompt tokens beside n decode rows and its count of
-        prompts last (Step.prompt_budget: the largest step size that the prompt tokens waiting fill)."""
-        if not (self._active or self._tasks):
-            return []
-        with self._cond:  # the prompt tokens this step could take: of the first MAX_PIECES live prompts
-            live = [task for task in (*self._active, *self._tasks) if not task.future.cancelled()][:MAX_PIECES]
-        waiting = sum(task.left for task in live)
-        budget, out = self.step.prompt_budget(n, waiting), []
-        for task in self._active:
-            if budget <= 0 or len(out) == MAX_PIECES:
-                break
-            out.append((task, task.next_chunk(budget)))
-            budget -= out[-1][1].ids.shape[0]
-        while budget > 0 and len(out) < MAX_PIECES:
-            with self._cond:
-                task = self._tasks.popleft() if self._tasks else None
-            if task is None:
-                break
-            if not task.future.set_running_or_notify_cancel():  # its request gave up while queued
-                continue
-            task.t0 = time.perf_counter()  # its prefill_ms counts from its first chunk
-            self._active.append(task)
-            out.append((task, task.next_chunk(budget)))
-            budget -= out[-1][1].ids.shape[0]
-        self._active = [task for task in self._active if not task.handed_out]
-        return out
 
     @staticmethod
     def _advance(job: Job, fut: Future) -> bool:
@@ -268,7 +228,7 @@ class Scheduler:
             return True
         return False
 
-    def _drop_stopped(self, pending: InFlight | None) -> None:
+    def _drop_stopped(self, pending: QueuedStep | None) -> None:
         """Sequences asked to stop leave now; one queued in `pending` ends once that step is delivered."""
         queued = {id(s) for s in pending.batch} if pending is not None else set()
         keep = []
@@ -290,7 +250,7 @@ class Scheduler:
         s.lease.release()
         s.sink(item)
 
-    def _deliver(self, done: InFlight, newer: InFlight | None) -> None:
+    def _deliver(self, done: QueuedStep, newer: QueuedStep | None) -> None:
         """Wait for a queued step and hand each row's token to its sink; sequences whose last token it was leave
         the batch. A sequence still queued in `newer` (it hit EOS here) gets its last token when `newer` is
         delivered: a stream ends only once its slot is free."""
@@ -327,22 +287,3 @@ class Scheduler:
             task.future.set_result(LocalPrefill(tokens[len(done.batch) + j], digest, (t - task.t0) * 1e3))
         for s, item in done.after + ends:
             self._end(s, item)
-
-    def _let_go(self, pending: InFlight | None) -> None:
-        """After a failure or at shutdown: wait for a queued step (its writes) and drop its holds."""
-        if pending is not None:
-            if pending.event is not None:
-                try:
-                    pending.event.synchronize()
-                except Exception:  # noqa: BLE001 - the device failed; the slots are released regardless
-                    log.exception("waiting for the last queued step")
-            for s in pending.batch:
-                s.lease.release()
-            for task in pending.chunk_tasks:
-                task.lease.release()
-                if not task.future.done():
-                    task.future.set_exception(RuntimeError("the decode step with its chunk failed"))
-            for s, item in pending.after:
-                self._end(s, item)  # a last token stays valid: only the row queued after it failed
-            pending.batch, pending.after, pending.chunk_tasks = [], [], []  # let go once
-        return None

@@ -96,12 +96,6 @@ def decode(model, cache, first_logits: torch.Tensor, max_new_tokens: int,
     return Generation(torch.cat(toks).view(-1).tolist(), torch.stack(logits))
 
 
-def colocated_generate(model, input_ids: torch.Tensor, max_new_tokens: int) -> tuple[Generation, StreamingCache]:
-    """Prefill + decode on one device. Returns the generation and the final cache."""
-    cache, first = prefill(model, input_ids)
-    return decode(model, cache, first, max_new_tokens), cache
-
-
 def random_prompt(vocab_size: int, length: int, seed: int = 0, device="cpu") -> torch.Tensor:
     """(1, length) token ids, reproducible; avoids id 0..2 (often special)."""
     g = torch.Generator().manual_seed(seed)

@@ -2,7 +2,7 @@
 
 Why one place for the outcome: a request can end in many ways (answered, refused, aborted deep
 inside, cancelled by its client, past its deadline, ended by a shutdown) and `kvt_requests_total`
-must count each exactly once. So the servicers never count; `Inflight.request` does, when the
+must count each exactly once. So the servicers never count; `RunningRequests.request` does, when the
 handler leaves, from the status the handler set (`context.code()`) or, when none was set, from
 how it was left (cancelled: CANCELLED or DEADLINE_EXCEEDED; an exception: UNKNOWN).
 
@@ -87,7 +87,7 @@ class Request:
         return self.task_ref()
 
 
-class Inflight:
+class RunningRequests:
     """The requests a server is running, each counted once when it ends; drained at shutdown."""
 
     def __init__(self, metrics):
@@ -189,7 +189,7 @@ class Stop:
         return False
 
 
-async def shut_down(server: grpc.aio.Server, health, inflight: Inflight, stop: Stop, grace_s: float,
+async def shut_down(server: grpc.aio.Server, health, inflight: RunningRequests, stop: Stop, grace_s: float,
                     log: logging.Logger, role: str, end=end_by_cancel, before_stop=None) -> None:
     """Health NOT_SERVING, drain within the grace, end the rest, `before_stop()` (a coroutine function: what the
     server must close while it still answers), stop the server (its port is free after); one log line."""

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 MAX_REQUEST_ID = (1 << 63) - 1  # the data-plane header carries it as int64
+CONTROL_MESSAGE_LIMIT = 4 << 20  # default --max-message-bytes: a 32k-token prompt is < 330 KB
+BYTES_PER_TOKEN_ID = 10  # worst case of one packed int64 on the wire
 
 
 def prompt_problem(token_ids: Sequence[int], max_prompt_tokens: int, context_len: int, vocab: int) -> str | None:
@@ -35,3 +37,30 @@ def request_id_problem(rid: int, reserved: int) -> str | None:
     if rid > MAX_REQUEST_ID:
         return f"request_id {rid} is over 2**63-1"
     return None
+
+
+def check_message_limit(max_message_bytes: int, max_prompt_tokens: int) -> None:
+    """A prompt the server accepts must also fit in one message; refuse a config where it would not."""
+    need = max_prompt_tokens * BYTES_PER_TOKEN_ID + 1024
+    if max_message_bytes < need:
+        raise ValueError(f"--max-message-bytes {max_message_bytes} is too small for --max-prompt-tokens "
+                         f"{max_prompt_tokens}: use at least {need}")
+
+
+class ConcurrencyLimit:
+    """At most `limit` requests at a time; the next one is refused at once (no queue to grow)."""
+
+    def __init__(self, limit: int):
+        self.limit, self.count = limit, 0
+
+    def try_enter(self) -> bool:
+        if self.count >= self.limit:
+            return False
+        self.count += 1
+        return True
+
+    def leave(self) -> None:
+        self.count -= 1
+
+    def refusal(self) -> str:
+        return f"{self.count} requests in flight (limit {self.limit}, --max-inflight); retry later"

@@ -9,7 +9,11 @@ fault tests use to prove that nothing leaks.
 
 from __future__ import annotations
 
+import logging
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+log = logging.getLogger("kvtransfer")
 
 _MS_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000)
 
@@ -80,10 +84,29 @@ class Metrics:
             self.gbps.set(nbytes / seconds / 1e9)
 
     def stepped(self, stats) -> None:
-        """One delivered decode step (kvtransfer.engine.scheduler.StepStats)."""
+        """One delivered decode step (kvtransfer.engine.queued.StepStats)."""
         if stats.rows:
             self.batch_size.observe(stats.rows)
         self.prompt_rows.inc(stats.prompt_rows)
         if stats.prompt_rows:
             self.mixed_steps.labels(str(stats.step_rows)).inc()
         self.device_s.inc(stats.device_s)
+
+
+def check_metrics_flags(port: int, addr: str) -> None:
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--metrics-port {port}: use 1..65535, or 0 for no metrics endpoint")
+    if not addr:
+        raise ValueError("--metrics-addr must not be empty (127.0.0.1 keeps it on this host)")
+
+
+def start_metrics(role: str, port: int, addr: str):
+    """The server's Metrics (always, so code records unconditionally), served on addr:port unless port is 0."""
+    metrics = Metrics(role)
+    if port:
+        try:
+            metrics.serve(port, addr)
+        except OSError as e:
+            raise ValueError(f"cannot serve metrics on {addr}:{port} (--metrics-port/--metrics-addr): {e}") from None
+        log.info("metrics on http://%s:%d/metrics", addr, port)
+    return metrics

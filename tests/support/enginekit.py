@@ -15,7 +15,7 @@ from kvtransfer.engine.engine import DecodeEngine, EngineOptions
 from kvtransfer.engine.sequence import Ended, Sequence
 from kvtransfer.geometry import CacheGeometry
 from kvtransfer.model.spec import ModelSpec
-from kvtransfer.rpc.server import LoadedModel
+from kvtransfer.model.loaded import LoadedModel
 
 _ENGINES: dict[int, DecodeEngine] = {}
 
