@@ -22,7 +22,7 @@ from transformers.models.llama.modeling_llama import (
     eager_attention_forward,
 )
 
-from kvtransfer import kernels as K
+from kvtransfer.kernels import ops as K
 from bench.measure.kernel_inputs import attention_gold, decode_case
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -176,7 +176,7 @@ def test_import_does_not_import_triton():
 
 def test_linear_and_gate_up_silu_fall_back_to_torch_on_cpu():
     """Off CUDA (or above GEMV_MAX_ROWS) the projections are plain F.linear, and gate_up_silu is GEMM + silu_mul."""
-    from kvtransfer import kernels as K
+    from kvtransfer.kernels import ops as K
 
     g = torch.Generator().manual_seed(0)
     x, w, b = torch.randn(1, 24, generator=g), torch.randn(10, 24, generator=g), torch.randn(10, generator=g)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtransfer import kernels as K
+from kvtransfer.kernels import ops as K
 from bench.measure.kernel_inputs import DecodeCase, attention_gold, decode_case, ragged_lengths
 
 pytestmark = [

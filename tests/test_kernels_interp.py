@@ -23,7 +23,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 pytest.importorskip("triton")
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the interpreter's numpy use
 
-from kvtransfer import kernels as K  # noqa: E402
+from kvtransfer.kernels import ops as K  # noqa: E402
 from bench.measure.kernel_inputs import attention_gold, decode_case  # noqa: E402
 from kvtransfer.kernels.triton_attention import choose_num_splits  # noqa: E402
 

@@ -19,7 +19,7 @@ import logging
 
 import torch
 
-from kvtransfer import kernels
+from kvtransfer.kernels import ops as kernels
 from kvtransfer.model.decoder_stack import run_layers
 from kvtransfer.model.fused import UnsupportedModel, check_supported, fused_layers
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvtransfer import kernels
+from kvtransfer.kernels import ops as kernels
 from kvtransfer.model.fused import LayerWeights
 
 # attend(i, q, k, v) -> o: layer i's rows, q (R, Hq, D) and k, v (R, Hkv, D) pre-RoPE -> (R, Hq, D), after

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.cache_utils import DynamicLayer
 
-from kvtransfer import kernels
+from kvtransfer.kernels import ops as kernels
 from kvtransfer.model.decoder_stack import run_layers
 from kvtransfer.model.fused import UnsupportedModel, check_supported, fused_layers
 from kvtransfer.model.streaming import LayerCallback, StreamingCache

@@ -1,0 +1,283 @@
+"""Fused ops of one batched decode step, each with a plain-torch reference.
+
+Why: the decode engine runs a step for B rows at once over the slot-layout KV pool and
+captures it as a CUDA graph per batch bucket, so these ops take static shapes, never sync
+with the host on the Triton path, and are capturable. On CPU (tests, CI) the engine runs the
+`*_ref` functions, which mirror HF's eager math.
+
+Backend choice is explicit: every op takes `use_triton`; None means `triton_available(device)`
+(CUDA tensors and an importable triton). True forces Triton (e.g. CPU tensors under the Triton
+interpreter in tests); False forces the reference. Nothing here reads environment variables.
+triton is imported lazily, so this package imports without it.
+
+KV pool, one layer: k_pool, v_pool (slots, kv_heads, max_seq, head_dim), contiguous. Row b
+lives in slot slots[b] with lengths[b] valid positions (including this step's token).
+Padded rows should have length 1 and a scratch slot: they produce garbage, never crash and
+write only inside their slot. Out-of-range slots are the caller's bug (not checked: a check
+would sync); out-of-range lengths are clamped to [0, max_seq] by the kernel, out-of-range
+write positions are skipped by the Triton rope_store.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from kvtransfer.kernels._checks import (
+    check_float,
+    check_groups,
+    check_index,
+    check_pools,
+    last_dim_unit,
+    require,
+)
+from kvtransfer.kernels.reference import (
+    add_rms_norm_ref,
+    chunk_attention_ref,
+    decode_attention_ref,
+    rms_norm_ref,
+    rope_store_ref,
+    silu_mul_ref,
+)
+
+__all__ = [
+    "triton_available",
+    "decode_attention",
+    "chunk_attention",
+    "rope_store",
+    "rms_norm",
+    "add_rms_norm",
+    "silu_mul",
+    "linear",
+    "gate_up_silu",
+    "decode_attention_ref",
+    "chunk_attention_ref",
+    "rope_store_ref",
+    "rms_norm_ref",
+    "add_rms_norm_ref",
+    "silu_mul_ref",
+]
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except (ImportError, OSError, RuntimeError):
+        return False
+    return True
+
+
+def triton_available(device: torch.device | str) -> bool:
+    """True when Triton kernels can run on `device`: a CUDA device and an importable triton."""
+    return torch.device(device).type == "cuda" and _triton_importable()
+
+
+def _use_triton(use_triton: bool | None, device: torch.device) -> bool:
+    if use_triton is None:
+        return triton_available(device)
+    if use_triton:
+        require(_triton_importable(), "use_triton=True but triton cannot be imported")
+    return bool(use_triton)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slots: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+    *,
+    use_triton: bool | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Attention of one query per row over the first lengths[b] positions of slot slots[b].
+
+    q: (B, Hq, D); k_pool/v_pool: (S, Hkv, T, D), q's dtype; slots, lengths: (B,) int32/int64.
+    Returns a new (B, Hq, D) tensor in q.dtype. GQA: q head j reads kv head j // (Hq // Hkv).
+    num_splits (Triton only) overrides the static split count (for tuning/benchmarks).
+    """
+    check_float("q", q, 3)
+    batch, q_heads, head_dim = q.shape
+    check_pools(k_pool, v_pool, head_dim, q.dtype)
+    check_groups(q_heads, k_pool.shape[1])
+    require(q.device == k_pool.device, f"q is on {q.device}, pools on {k_pool.device}")
+    check_index("slots", slots, batch, q.device)
+    check_index("lengths", lengths, batch, q.device)
+    if not _use_triton(use_triton, q.device):
+        return decode_attention_ref(q, k_pool, v_pool, slots, lengths, scale)
+    from kvtransfer.kernels.triton_attention import decode_attention_triton
+
+    return decode_attention_triton(
+        last_dim_unit(q), k_pool, v_pool, slots, lengths, scale, num_splits=num_splits
+    )
+
+
+def chunk_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    pieces: torch.Tensor,
+    scale: float,
+    *,
+    use_triton: bool | None = None,
+) -> torch.Tensor:
+    """Causal attention of prompt-chunk rows over their slot's cache (a mixed step's prompt rows).
+
+    q: (R, Hq, D); k_pool/v_pool: (S, Hkv, T, D), q's dtype; pieces: (P, 4) int32 on q's device, one row per
+    chunk: first row in q, rows, slot, position of the first row (unused: 0 rows). Row r of a chunk attends
+    over positions 0..start + r of its slot, as `decode_attention` with length start + r + 1 would. Returns a
+    new (R, Hq, D) tensor in q.dtype, zero on rows outside every chunk. Pieces must not overlap or run past R.
+    """
+    check_float("q", q, 3)
+    rows, q_heads, head_dim = q.shape
+    check_pools(k_pool, v_pool, head_dim, q.dtype)
+    check_groups(q_heads, k_pool.shape[1])
+    require(q.device == k_pool.device, f"q is on {q.device}, pools on {k_pool.device}")
+    require(isinstance(pieces, torch.Tensor) and pieces.dtype == torch.int32 and pieces.dim() == 2
+            and pieces.shape[1] == 4, "pieces must be a (P, 4) int32 tensor: first row, rows, slot, start")
+    require(pieces.device == q.device, f"pieces is on {pieces.device}, expected {q.device}")
+    if not _use_triton(use_triton, q.device):
+        return chunk_attention_ref(q, k_pool, v_pool, pieces, scale)
+    from kvtransfer.kernels.triton_chunk_attention import chunk_attention_triton
+
+    return chunk_attention_triton(last_dim_unit(q), k_pool, v_pool, pieces, scale)
+
+
+def rope_store(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    use_triton: bool | None = None,
+) -> torch.Tensor:
+    """RoPE on q and k; rotated k and plain v written to k_pool/v_pool[slots[b], :, positions[b]].
+
+    q: (B, Hq, D); k, v: (B, Hkv, D) pre-RoPE, all in the pools' dtype; cos, sin: (B, D) for
+    each row's position (HF layout, attention scaling folded in; any float dtype, rounded to
+    q's dtype as HF does). Returns a NEW rotated q (B, Hq, D); q and k are not modified.
+    """
+    check_float("q", q, 3)
+    batch, q_heads, head_dim = q.shape
+    require(head_dim % 2 == 0, f"head_dim must be even for RoPE, got {head_dim}")
+    check_pools(k_pool, v_pool, head_dim, q.dtype)
+    kv_heads = k_pool.shape[1]
+    check_groups(q_heads, kv_heads)
+    for name, t in (("k", k), ("v", v)):
+        check_float(name, t, 3)
+        require(tuple(t.shape) == (batch, kv_heads, head_dim), f"{name} must be {(batch, kv_heads, head_dim)}, got {tuple(t.shape)}")
+        require(t.dtype == q.dtype, f"{name} dtype {t.dtype} != q dtype {q.dtype}")
+    for name, t in (("cos", cos), ("sin", sin)):
+        check_float(name, t, 2)
+        require(tuple(t.shape) == (batch, head_dim), f"{name} must be {(batch, head_dim)}, got {tuple(t.shape)}")
+    for name, t in (("k", k), ("v", v), ("cos", cos), ("sin", sin), ("k_pool", k_pool)):
+        require(t.device == q.device, f"{name} is on {t.device}, q on {q.device}")
+    check_index("slots", slots, batch, q.device)
+    check_index("positions", positions, batch, q.device)
+    if not _use_triton(use_triton, q.device):
+        return rope_store_ref(q, k, v, cos, sin, k_pool, v_pool, slots, positions)
+    from kvtransfer.kernels.triton_rope import rope_store_triton
+
+    q, k, v, cos, sin = (last_dim_unit(t) for t in (q, k, v, cos, sin))
+    return rope_store_triton(q, k, v, cos, sin, k_pool, v_pool, slots, positions)
+
+
+def _check_norm(x: torch.Tensor, weight: torch.Tensor) -> None:
+    check_float("x", x, 2)
+    check_float("weight", weight, 1)
+    require(weight.shape[0] == x.shape[1], f"weight has {weight.shape[0]} elements, x rows {x.shape[1]}")
+    require(weight.device == x.device, f"weight is on {weight.device}, x on {x.device}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, use_triton: bool | None = None) -> torch.Tensor:
+    """HF LlamaRMSNorm: x (B, H), weight (H,) -> (B, H) in promote(weight.dtype, x.dtype)."""
+    _check_norm(x, weight)
+    if not _use_triton(use_triton, x.device):
+        return rms_norm_ref(x, weight, eps)
+    from kvtransfer.kernels.triton_norm import rms_norm_triton
+
+    return rms_norm_triton(last_dim_unit(x), last_dim_unit(weight), eps)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *, use_triton: bool | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual_out = residual + x (x's dtype); returns (rms_norm(residual_out), residual_out).
+
+    x, residual: (B, H) of one dtype; both outputs are new tensors (inputs untouched).
+    """
+    _check_norm(x, weight)
+    check_float("residual", residual, 2)
+    require(residual.shape == x.shape and residual.dtype == x.dtype, "residual must match x in shape and dtype")
+    require(residual.device == x.device, f"residual is on {residual.device}, x on {x.device}")
+    if not _use_triton(use_triton, x.device):
+        return add_rms_norm_ref(x, residual, weight, eps)
+    from kvtransfer.kernels.triton_norm import rms_norm_triton
+
+    return rms_norm_triton(last_dim_unit(x), last_dim_unit(weight), eps, residual=last_dim_unit(residual))
+
+
+def silu_mul(gate_up: torch.Tensor, *, use_triton: bool | None = None) -> torch.Tensor:
+    """gate_up (B, 2I), gate first then up -> silu(gate) * up, (B, I) in the input dtype."""
+    check_float("gate_up", gate_up, 2)
+    require(gate_up.shape[1] % 2 == 0, f"gate_up last dim must be even, got {gate_up.shape[1]}")
+    if not _use_triton(use_triton, gate_up.device):
+        return silu_mul_ref(gate_up)
+    from kvtransfer.kernels.triton_norm import silu_mul_triton
+
+    return silu_mul_triton(last_dim_unit(gate_up))
+
+
+
+GEMV_MAX_ROWS = 1  # Triton GEMV for batch 1 only; cuBLAS above (bench/results/probe-h200-2026-12-01)
+
+
+def _check_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_rows: int) -> None:
+    check_float("x", x, 2)
+    check_float("w", w, 2)
+    require(w.shape[1] == x.shape[1], f"w has {w.shape[1]} columns, x rows {x.shape[1]}")
+    require(w.dtype == x.dtype and w.device == x.device, f"w is {w.dtype} on {w.device}, x {x.dtype} on {x.device}")
+    if bias is not None:
+        check_float("bias", bias, 1)
+        require(bias.shape[0] == out_rows and bias.dtype == x.dtype, f"bias must be ({out_rows},) of {x.dtype}")
+
+
+def _gemv_ok(x: torch.Tensor, w: torch.Tensor, use_triton: bool | None, max_rows: int | None) -> bool:
+    rows = GEMV_MAX_ROWS if max_rows is None else min(max_rows, GEMV_MAX_ROWS)
+    if x.shape[0] > rows or not w.is_contiguous():
+        return False
+    return _use_triton(use_triton, x.device)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
+           use_triton: bool | None = None, max_rows: int | None = None) -> torch.Tensor:
+    """F.linear: x (B, K), w (N, K) -> (B, N). Triton GEMV when B <= max_rows (<= GEMV_MAX_ROWS), else torch."""
+    _check_linear(x, w, bias, w.shape[0])
+    if not _gemv_ok(x, w, use_triton, max_rows):
+        return torch.nn.functional.linear(x, w, bias)
+    from kvtransfer.kernels.triton_gemv import gemv_triton
+
+    return gemv_triton(x.contiguous(), w, bias)
+
+
+def gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor, *, use_triton: bool | None = None,
+                 max_rows: int | None = None) -> torch.Tensor:
+    """silu(x @ gate^T) * (x @ up^T): x (B, H), gate_up (2I, H), gate rows first -> (B, I).
+
+    One gated GEMV when B <= max_rows on Triton; else the GEMM, then silu_mul (same roundings).
+    """
+    _check_linear(x, gate_up, None, gate_up.shape[0])
+    require(gate_up.shape[0] % 2 == 0, f"gate_up must have an even row count, got {gate_up.shape[0]}")
+    if not _gemv_ok(x, gate_up, use_triton, max_rows):
+        return silu_mul(torch.nn.functional.linear(x, gate_up), use_triton=use_triton)
+    from kvtransfer.kernels.triton_gemv import gemv_triton
+
+    return gemv_triton(x.contiguous(), gate_up, gated=True)
