@@ -30,8 +30,8 @@ async def acquire_slot(pool: KVPool, deadline: float, wait_s: float) -> Lease:
     """A slot of the pool, waiting at most `wait_s` and never past `deadline` (perf_counter).
 
     Waiting costs nothing per tick: the pool wakes every waiter when a slot is freed (on any thread),
-    instead of each waiter polling, which at 31 waiters and a 5 ms poll took ~6,000 loop wake-ups a
-    second from the thread the device work shares the GIL with.
+    instead of each waiter polling, which with many waiters meant thousands of loop wake-ups a second
+    from the thread the device work shares the GIL with.
     """
     waited_until = time.perf_counter() + wait_s
     give_up = min(deadline, waited_until)

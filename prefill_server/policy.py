@@ -5,11 +5,11 @@ per-layer work slows a short, launch-bound prefill. Which wins depends on the tr
 and the prompt length, so the threshold per transport comes from a committed measurement
 (`--layerwise-min-tokens` overrides it):
 
-- grpc: bench/results/ttft-grpc-1xh200-2026-11-29 (Qwen2.5-7B, one H200): bulk wins at 1k
-  (+26.6 ms vs +31.5 ms), layer-wise from 4k on (+33.7 vs +103 ms; 32k: +20.5 vs +823 ms).
+- grpc: bench/results/ttft-grpc-1xh200-2026-11-29 (Qwen2.5-7B, one H200): bulk wins at 1k,
+  layer-wise from 4k on.
 - nccl: the first experiment on 2 x H200 (an isend pair per layer; docs/architecture.md, "Layer-wise
-  vs bulk on NVLink"): bulk won at 1k (+4.2 ms vs +8.9) and at 32k (+8.2 ms vs +30 ms of prefill
-  slowdown), so bulk until the tuned layer-wise path is measured on two GPUs.
+  vs bulk on NVLink"): bulk won at 1k and at 32k, so bulk until the tuned layer-wise path is measured
+  on two GPUs.
 - gloo (CPU): the transfer is a memcpy-speed loopback; layer-wise from 2k like grpc.
 - cuda_ipc: copies run on copy engines (no SMs); layer-wise from 2k until measured on two GPUs.
 """

@@ -1,8 +1,8 @@
 """Attention for a prefill chunk that follows a past: causal, aligned lower-right, on SDPA's fused kernels.
 
 Why: for a chunk of q tokens after p cached ones, HF's sdpa path materializes a (q, p + q) mask, and a
-masked SDPA leaves the flash kernel (measured on one H200, qwen2.5-7b: 512-token chunks of a 32k prompt
-took ~3x the whole prefill's time per token, and stalled running decodes 90-133 ms a chunk). The mask is
+masked SDPA leaves the flash kernel: the chunks of a long prompt then cost several times the whole
+prefill's time per token, and each stalled the running decodes for as long. The mask is
 only "causal, aligned to the last key", which `causal_lower_right` expresses without a tensor, so SDPA
 keeps its flash / memory-efficient kernels (GQA without repeating K/V). Used for the second and later
 chunks only: a first chunk (no past) runs HF's own sdpa path, exactly as an unchunked prefill.

@@ -12,10 +12,10 @@ decode rows and then prompt chunks in the rest (mixed.py: up to MAX_PIECES promp
 fall short), keeping the bucket's rows and MAX_PIECES more for lm_head (each chunk's last row;
 unused ones point at a padding row). Padding rows write and read only the scratch slot. One row
 count for every bucket, because the GEMMs are compute bound there and run in 128-row tiles: 16
-decode rows + 256 prompt rows would pay for 384 (measured on one H200: 9.7 ms a step).
+decode rows + 256 prompt rows would pay for 384.
 With --mixed-max-rows there are such graphs at 2, 4 .. x --prefill-chunk rows too (mixed.step_sizes); a step
 takes the largest size that the prompt tokens waiting fill (`prompt_budget`). Eagerly, a mixed step is host
-bound (~22 ms of launches for the 7B model at any row count up to ~1k, measured), so every size is a graph.
+bound (its launches cost the same at any row count), so every size is a graph.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Prefill chunks that ride in a decode step (Sarathi-Serve's piggybacking): one forward for both.
 
-Why: with ~1k-token prompts and 128 output tokens, a separate prefill forward and a separate
-decode step each read all the weights; at concurrency 32 that caps one H200 at ~13x the
-one-at-a-time baseline (README, "What bounds this"). A chunk of c prompt tokens and the B decode
+Why: with prompts far longer than their answers, a separate prefill forward and a separate decode
+step each read all the weights, and the prefills cap the serving rate (README, "What bounds this").
+A chunk of c prompt tokens and the B decode
 rows share every GEMM instead: the step costs max(compute of c + B rows, one read of the
 weights), so the decode rows ride nearly free while a prefill is in progress.
 
@@ -21,8 +21,7 @@ each K/V tile read once for 64 rows, where the decode kernel would stream the sl
 `mixed_forward` runs the step over the B decode rows plus the chunks' rows and keeps only the
 decode rows and each chunk's last row for the final norm and lm_head. Being the step, it is
 captured as CUDA graphs, one per (step size, batch bucket), the chunks padded to the size
-(graphs.py): eagerly, the host's launches, not the GPU, would set its pace (~22 ms for the 7B
-model at any size up to ~1k rows, measured).
+(graphs.py): eagerly, the host's launches, not the GPU, would set its pace.
 `MixedPrefill` is one prompt's progress through its chunks.
 
 What it equals: decode rows within the batching tolerance of the plain step; a prompt's cache

@@ -1,7 +1,7 @@
 """One batched decode step over the KV pool: a function of static-shaped tensors.
 
 Why not the HF forward: HF decodes one request per call through a DynamicCache, launching
-~30 small kernels per layer from Python, so batch 32 costs what batch 1 costs (launch-bound).
+dozens of small kernels per layer from Python, so a batch of 32 costs what one request costs (launch-bound).
 This step reads the same weights (the HF modules' own parameters, fused in place: q/k/v and
 gate/up become views of one tensor each, kvtransfer/model/fused.py, so the HF forward still runs on
 them), feeds B rows at their own positions, writes each row's new K/V into its pool slot and

@@ -1,9 +1,9 @@
 """Causal attention of prompt-chunk rows over their slot's cache, flash style (Triton).
 
 Why: a mixed step (kvtransfer/engine/mixed.py) carries up to MAX_PIECES prompt chunks as rows of the
-decode step. Through the decode kernel each such row streams its slot's K/V on its own: a
-1,024-token prompt then reads ~n^2/2 positions per layer, ~5 ms of the 7B model's step time on
-an H200 against ~1.6 ms for flash attention over the same rows (bench/probe_round --only mixed).
+decode step. Through the decode kernel each such row streams its slot's K/V on its own: an
+n-token prompt then reads ~n^2/2 positions per layer, several times what flash attention over the
+same rows reads (`python -m bench.probes.probe_round --only mixed` measures both).
 Here one program takes BLOCK_M consecutive rows of one chunk and one query head, and reads
 each K/V tile once for all of them, on tensor cores.
 

@@ -2,8 +2,8 @@
 
 Why: at batch 1 a decode step is a chain of matrix-vector products that must stream each
 weight once at full HBM speed. cuBLAS picks split-K kernels for the narrow projections
-(q/k/v: N = 4,608; o: N = 3,584 on Qwen2.5-7B) that run at ~2.9 TB/s plus a separate
-reduce kernel, against ~3.8 TB/s for the wide MLP ones (profile-1x1024.json). Here each
+(q/k/v and o on Qwen2.5-7B) that run well below the HBM speed the wide MLP ones reach, plus a
+separate reduce kernel. Here each
 program owns BLOCK_N output columns over the whole K: no split, no reduce, and enough
 programs (N / BLOCK_N) to keep every SM streaming. The gated form reads the gate row and
 the up row of each output column in the same program and writes silu(g) * u, so the MLP's

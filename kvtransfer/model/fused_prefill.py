@@ -1,11 +1,9 @@
-"""Prefill with the decode engine's fused ops: ~11 kernels per layer instead of HF's ~44.
+"""Prefill with the decode engine's fused ops: a quarter of the kernels per layer that HF's forward launches.
 
 Why: a served prefill runs on a thread that shares the GIL with the gRPC event loop, and HF's
-eager forward is launch-heavy (1,226 kernels for Qwen2.5-7B at any prompt length). On one H200
-(bench/results/probe-h200-2026-12-01) a 1k prompt took 32 ms of wall time for 25 ms of GPU time
-alone, and 71 ms next to a thread holding the GIL half the time; this path takes 22 ms (19 ms of
-GPU time: fused q/k/v and gate/up GEMMs, fused RoPE + cache write, fused add + RMSNorm) and 39 ms
-under the same load. Both servers call it through `kvtransfer.model.prefill.prefill`, so a colocated
+eager forward is launch-heavy, so its wall time is set by the host, and more so next to a busy
+thread. This path launches fused q/k/v and gate/up GEMMs, fused RoPE + cache write and fused
+add + RMSNorm (the measurement: bench/results/probe-h200-2026-12-01). Both servers call it through `kvtransfer.model.prefill.prefill`, so a colocated
 and a disaggregated request still see byte-identical caches and logits.
 
 What it equals: on CPU (reference ops, which mirror HF's eager math) it is bit-identical to the HF
@@ -15,12 +13,11 @@ Only whole prompts of Llama/Qwen2/Mistral-style decoders take it (anything else,
 chunks of a chunked prefill, run the HF forward).
 
 Below CUDNN_MIN_TOKENS, attention never runs on SDPA's cuDNN backend (which SDPA prefers on an
-H200): cuDNN builds a graph for every new sequence length, and served prompts rarely repeat one.
-Measured on one H200, qwen2.5-7b: a 0.7-2k prefill took 107-126 ms at a length cuDNN had not seen
-and 26-46 ms at one it had, 26-43 ms without cuDNN (bench/results/serve-h200-2026-12-01-mixed-graphs,
-probe-shapes); the served prefill's mean fell from 80 to 37 ms. Warm, cuDNN is faster: the whole
-1k prefill 22.0 vs 24.4 ms, 32k 997 vs 1,305 ms (ttft runs ...-fused-prefill and ...-flash-prefill).
-So long prompts, whose attention saving outweighs a ~0.1 s build, keep SDPA's own choice. The
+H200): cuDNN builds a graph for every new sequence length, and served prompts rarely repeat one, so
+a short prompt at a new length paid several times its prefill for the build
+(bench/results/serve-h200-2026-12-01-mixed-graphs). Warm, cuDNN is faster, and more so the longer the
+prompt (the ttft runs ...-fused-prefill and ...-flash-prefill): long prompts, whose attention saving
+outweighs one build, keep SDPA's own choice. The
 threshold is where a two-point model (attention ~ n^2, the 32k saving) breaks even with one build,
 not a measured crossover. Both servers run this function, so the choice (a function of n) never
 splits colocated from disaggregated.
