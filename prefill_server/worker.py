@@ -70,7 +70,7 @@ class PrefillWorker:
             if mode == "bulk":
                 for i, (k, v) in enumerate(cache_layers(cache)):
                     send(i, k, v)
-            first_token = int(first)  # host waits for the compute stream: prefill is done
+            token = int(first)  # host waits for the compute stream: prefill is done
             t_prefill = time.perf_counter()
             _transport_errors(sender.finish)(timeout=self.send_timeout_s)
             t_sent = time.perf_counter()
@@ -83,7 +83,7 @@ class PrefillWorker:
         finally:
             self.sending_bytes = 0
         digest = logits_digest(logits) if want_digest else ""
-        return PrefillResult(first_token, digest, (t_prefill - t0) * 1e3, (t_sent - t0) * 1e3, mode)
+        return PrefillResult(token, digest, (t_prefill - t0) * 1e3, (t_sent - t0) * 1e3, mode)
 
     def warmup(self, tokens: int) -> None:
         """One transfer of the real pattern so the first request pays no communicator set-up."""

@@ -13,9 +13,9 @@ import sys
 import pytest
 import torch
 
-from bench.decode import DecodeConfig, points
-from bench.decode_measure import Grid
-from bench.decode_report import finish_cell, targets
+from bench.measure.decode_measure import Grid
+from bench.report.decode import finish_cell, targets
+from bench.runs.decode import DecodeConfig, points
 from kvtransfer.model.spec import ModelSpec, load_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

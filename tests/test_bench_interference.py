@@ -14,9 +14,10 @@ import sys
 import grpc
 import pytest
 
-from bench import interference_stats as st
-from bench.interference import InterferenceConfig, decode_args, drive, label
-from bench.report import tables_for, write_outputs
+from bench.measure import interference_stats as st
+from bench.report.kinds import tables_for
+from bench.report.output import write_outputs
+from bench.runs.interference import InterferenceConfig, decode_args, drive, label
 from decode_server.config import DecodeConfig
 from proto import kvtransfer_pb2 as pb
 from proto import kvtransfer_pb2_grpc as pbg

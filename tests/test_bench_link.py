@@ -10,9 +10,9 @@ import struct
 
 import pytest
 
-from bench import link
 from bench.cli import main
-from bench.link import size
+from bench.runs import link
+from bench.runs.link import size
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def test_size_parser():
 
 def test_backend_probe_entry(monkeypatch):
     """The transport's probe is called with the cache's geometry; its figures land under grpc_backend."""
-    from bench import grpc_probe
+    from bench.measure import grpc_probe
     calls = []
 
     def probe(bytes_total, channels, chunk_bytes, layers, repeats):

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from bench.cli import main
-from bench.offload import OffloadConfig, run_offload, total_steps
-from bench.report import markdown, tables_for
+from bench.report.kinds import tables_for
+from bench.report.table import markdown
+from bench.runs.offload import OffloadConfig, run_offload, total_steps
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STATS = {"median_ms", "min_ms", "max_ms", "runs"}
@@ -112,9 +113,11 @@ def test_cli_demo(monkeypatch):
     """`make demo` is the ttft bench of a gloo pair beside colocated, tiny preset on CPU, every row verified. The
     run itself is tests/test_bench_ttft.py's (same path, other lengths); here: what the demo asks of it."""
     from bench import cli
+    from bench.runs import ttft
 
     seen = []
-    monkeypatch.setattr(cli, "run_ttft_cmd", lambda args, cfg: seen.append(cfg) or 0)
+    monkeypatch.setattr(ttft, "run_ttft", lambda cfg, step: seen.append(cfg))
+    monkeypatch.setattr(cli, "finish", lambda args, result: 0)
     assert main(["demo"]) == 0
     (cfg,) = seen
     assert (cfg.model, cfg.dtype, cfg.prefill_device, cfg.decode_device) == ("tiny", "float32", "cpu", "cpu")

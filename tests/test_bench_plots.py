@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import struct
 
-from bench.report import tables_for, write_outputs
+from bench.report.kinds import tables_for
+from bench.report.output import write_outputs
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

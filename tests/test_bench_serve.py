@@ -9,10 +9,11 @@ import shlex
 
 import pytest
 
-from bench.cli import build_parser, main, serve_config
-from bench.launch import ROOT
-from bench.launch import colocated_server
-from bench.serve import METRICS, PERCENTILES, ServeConfig, length_range, make_prompts, sustained
+from bench.cli import build_parser, main
+from bench.measure.launch import ROOT
+from bench.measure.launch import colocated_server
+from bench.runs.serve import METRICS, PERCENTILES, ServeConfig, length_range, make_prompts, sustained
+from bench.runs.serve import config as serve_config
 
 VLLM_KEYS = ["duration", "completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput",
              "output_throughput", "total_token_throughput"] + [

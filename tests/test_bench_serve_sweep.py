@@ -10,7 +10,7 @@ from support.servers import ROOT
 
 
 def test_serve_sweep_smoke(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "bench.serve_sweep", "--model", "tiny", "--dtype", "float32",
+    p = subprocess.run([sys.executable, "-m", "bench.runs.serve_sweep", "--model", "tiny", "--dtype", "float32",
                         "--device", "cpu", "--transport", "gloo", "--max-batch", "4", "--max-seq-len", "256",
                         "--concurrency", "1,4", "--baseline-concurrency", "4", "--input-len", "16",
                         "--output-len", "12", "--min-prompts", "4", "--prompts-per-slot", "4", "--out", str(tmp_path)],
@@ -31,7 +31,7 @@ def test_serve_sweep_smoke(tmp_path):
 def test_baseline_takes_its_own_decode_args_when_given():
     from argparse import Namespace
 
-    from bench.serve_sweep import extra_args
+    from bench.runs.serve_sweep import extra_args
 
     mixed = "--prefill-chunk 256 --mixed-prefill"
     assert extra_args(Namespace(decode_args=mixed, baseline_decode_args=None), 1) == mixed
@@ -40,7 +40,7 @@ def test_baseline_takes_its_own_decode_args_when_given():
 
 
 def test_sustained_speedup_against_the_baselines_steady_state_or_its_whole_run():
-    from bench.serve_sweep import sustained_speedup
+    from bench.runs.serve_sweep import sustained_speedup
 
     run = {"sustained_output_throughput": 300.0}
     assert sustained_speedup(run, {"sustained_output_throughput": 20.0, "output_throughput": 30.0}) == {
@@ -54,7 +54,7 @@ def test_sustained_speedup_against_the_baselines_steady_state_or_its_whole_run()
 def test_prompt_count_per_concurrency_and_its_cap():
     from argparse import Namespace
 
-    from bench.serve_sweep import prompt_count
+    from bench.runs.serve_sweep import prompt_count
 
     args = Namespace(min_prompts=8, prompts_per_slot=32, max_prompts=1024)
     assert [prompt_count(args, c) for c in (1, 8, 32, 64)] == [32, 256, 1024, 1024]
@@ -64,7 +64,7 @@ def test_prompt_count_per_concurrency_and_its_cap():
 def test_a_cut_short_sweep_keeps_its_runs_marked_incomplete(tmp_path):
     from argparse import Namespace
 
-    from bench.serve_sweep import write_result
+    from bench.runs.serve_sweep import write_result
 
     args = Namespace(arms="colocated", max_batch=64, out=str(tmp_path))
     run = {"arm": "colocated", "server_max_batch": 64, "max_concurrency": 8, "output_throughput": 100.0,
@@ -79,7 +79,7 @@ def test_a_cut_short_sweep_keeps_its_runs_marked_incomplete(tmp_path):
 
 
 def test_a_run_that_made_no_tokens_has_no_ratio():
-    from bench.serve_sweep import ratio, sustained_speedup
+    from bench.runs.serve_sweep import ratio, sustained_speedup
 
     assert ratio(None, 200.0) is None and ratio(300.0, None) is None and ratio(300.0, 0.0) is None
     assert ratio(300.0, 20.0) == 15.0
@@ -88,7 +88,7 @@ def test_a_run_that_made_no_tokens_has_no_ratio():
 
 
 def test_the_pair_arm_puts_prefill_on_its_own_device(monkeypatch):
-    from bench import serve_sweep
+    from bench.runs import serve_sweep
 
     seen = []
     monkeypatch.setattr(serve_sweep, "server_pair", lambda log, model, dtype, pre, dec, **kw: seen.append((pre, dec)))
@@ -101,7 +101,7 @@ def test_the_pair_arm_puts_prefill_on_its_own_device(monkeypatch):
 
 
 def test_a_long_share_run_summarizes_short_itl_and_long_ttft():
-    from bench.serve_sweep import split_figures
+    from bench.runs.serve_sweep import split_figures
 
     assert split_figures({"median_itl_ms": 5.0}) == {}
     split = {"short": {"completed": 90, "median_itl_ms": 5.0, "p99_itl_ms": 40.0, "median_ttft_ms": 50.0,

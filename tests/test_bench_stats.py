@@ -1,4 +1,4 @@
-"""bench/stats.py and bench/twoproc.py: the figures every bench reports, and the two-process harness."""
+"""bench/measure/stats.py and bench/measure/twoproc.py: the figures every bench reports, and the two-process harness."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import statistics
 
 import pytest
 
-from bench.stats import median, percentile, spread_ms, summarize, timed
-from bench.twoproc import PairError, exit_now, run_pair
+from bench.measure.stats import median, percentile, spread_ms, summarize, timed
+from bench.measure.twoproc import PairError, exit_now, run_pair
 
 
 def test_summarize_matches_the_textbook_figures():

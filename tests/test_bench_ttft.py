@@ -35,7 +35,8 @@ def test_ttft_fails_when_the_server_returns_no_digests(monkeypatch, capsys):
     import contextlib
     import types
 
-    from bench import cli, ttft
+    from bench import cli
+    from bench.runs import ttft
 
     @contextlib.contextmanager
     def fake_server(*args, **kwargs):
@@ -58,7 +59,7 @@ def test_ttft_fails_when_the_server_returns_no_digests(monkeypatch, capsys):
 
 
 def test_compare_counts_every_check():
-    from bench.ttft import compare
+    from bench.runs.ttft import compare
     good = {"cache_digest": "c", "logits_digests": ["a", "b"], "tokens": [1, 2]}
     assert all(compare(good, dict(good), 2).values())
     assert not compare(dict(good, tokens=[1]), dict(good, tokens=[1]), 2)["tokens_equal"]  # fewer than asked

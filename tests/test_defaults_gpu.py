@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from bench.launch import ROOT, free_port, spawn, stop, wait_serving
+from bench.measure.launch import ROOT, free_port, spawn, stop, wait_serving
 from decode_server.client import generate
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from bench.launch import ROOT
+from bench.measure.launch import ROOT
 from kvtransfer.model.spec import PRESETS, ModelSpec, load_model, weights_fingerprint
 
 START_DEADLINE_S = 180  # a refused start ends well within this; a server that does start would serve forever

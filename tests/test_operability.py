@@ -23,7 +23,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.launch import ROOT, free_port, spawn, stop, wait_serving
+from bench.measure.launch import ROOT, free_port, spawn, stop, wait_serving
 from decode_server.client import generate
 from proto import kvtransfer_pb2 as pb
 from proto import kvtransfer_pb2_grpc as pbg
@@ -334,10 +334,10 @@ def test_readme_demo_output_is_what_demo_prints():
     from dataclasses import asdict
     from unittest import mock
 
-    from bench import cli
-    from bench.report import tables_for
-    with mock.patch.object(cli, "run_ttft_cmd", side_effect=lambda args, cfg: cfg):
-        cfg = asdict(cli.cmd_demo(None))
+    from bench.report.kinds import tables_for
+    from bench.runs import demo, ttft
+    with mock.patch.object(ttft, "job_for", side_effect=lambda cfg: cfg):
+        cfg = asdict(demo.job(None))
     tables = tables_for({"kind": "ttft", "ok": True, "config": cfg, "rows": [], "links": {}, "verified": True,
                          "bytes_per_token": 1024})
     text = open(os.path.join(ROOT, "README.md")).read()

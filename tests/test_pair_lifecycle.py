@@ -128,7 +128,7 @@ def test_a_second_decode_worker_is_refused_and_the_paired_one_undisturbed(tmp_pa
 
 
 def _free() -> int:
-    from bench.launch import free_port
+    from bench.measure.launch import free_port
     return free_port()
 
 

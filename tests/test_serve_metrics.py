@@ -1,4 +1,4 @@
-"""The decode server's step metrics and the serve bench's reading of them (bench/serve_metrics.py).
+"""The decode server's step metrics and the serve bench's reading of them (bench/measure/serve_metrics.py).
 
 Why: the serve bench's mean batch, prompt rows and device-busy share come from counters the
 scheduler feeds once per delivered step; a step counted twice, a prompt-only step counted as a
@@ -14,7 +14,7 @@ from kvtransfer.rpc.metrics import Metrics
 def series(m: Metrics) -> dict[str, float]:
     from prometheus_client import generate_latest
 
-    from bench.serve_metrics import parse
+    from bench.measure.serve_metrics import parse
 
     return parse(generate_latest(m.registry).decode())
 
@@ -31,7 +31,7 @@ def test_steps_feed_the_batch_prompt_rows_and_device_time():
 
 
 def test_the_bench_reports_the_runs_share_of_device_time(monkeypatch):
-    import bench.serve_metrics as sm
+    import bench.measure.serve_metrics as sm
 
     m, clock = Metrics("decode"), iter([100.0, 102.0])
     monkeypatch.setattr(sm, "scrape", lambda url: series(m))
@@ -45,7 +45,7 @@ def test_the_bench_reports_the_runs_share_of_device_time(monkeypatch):
 
 
 def test_no_device_time_reads_as_unknown_not_idle(monkeypatch):
-    import bench.serve_metrics as sm
+    import bench.measure.serve_metrics as sm
 
     m = Metrics("decode")
     monkeypatch.setattr(sm, "scrape", lambda url: series(m))

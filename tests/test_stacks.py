@@ -13,7 +13,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from support.servers import ROOT, colocated_server
 
-from bench.launch import stop
+from bench.measure.launch import stop
 from kvtransfer.rpc.stacks import catches_dump_signal, request_dump
 
 STACK = "most recent call first"  # faulthandler's header, per thread
@@ -38,7 +38,7 @@ def test_a_server_dumps_its_stacks_on_sigusr1_and_keeps_serving(tmp_path):
     with colocated_server(tmp_path) as run:
         assert request_dump(run.procs[0].pid)
         log = tmp_path / "colocated.log"
-        _wait_for(log, "serving.py", 10)  # the main thread, in its event loop (written last)
+        _wait_for(log, "rpc/main.py", 10)  # the main thread, in its event loop (written last)
         assert STACK in log.read_text()
         assert _serving(run.addr) and run.procs[0].poll() is None
 

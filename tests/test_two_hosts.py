@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from support import netns
-from bench.launch import ROOT, free_port, spawn, stop
+from bench.measure.launch import ROOT, free_port, spawn, stop
 from kvtransfer.model.spec import ModelSpec, load_model
 from support.enginekit import engine_generate
 from kvtransfer.model.prefill import random_prompt

@@ -19,7 +19,7 @@ import urllib.request
 import grpc
 import pytest
 
-from bench.launch import colocated_server, free_port
+from bench.measure.launch import colocated_server, free_port
 from decode_server.client import generate
 from support.servers import server_pair
 

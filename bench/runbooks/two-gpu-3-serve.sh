@@ -8,7 +8,7 @@
 set -u
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN} NCCL_NVLS_ENABLE=0
 mkdir -p "$OUT"
-timeout -k 40 440 python3 -m bench.serve_sweep --model qwen2.5-7b --device cuda:1 --prefill-device cuda:0 \
+timeout -k 40 440 python3 -m bench.runs.serve_sweep --model qwen2.5-7b --device cuda:1 --prefill-device cuda:0 \
     --transport nccl --arms pair,colocated --concurrency 8,32,48 --max-batch 48 --max-seq-len 32768 \
     --long-share 0.05 --long-len-range 16384,32640 --decode-args '--prefill-chunk 256 --mixed-prefill' \
     --baseline-decode-args '' --baseline-concurrency 32 --baseline-prompts 32 \

@@ -53,7 +53,7 @@ def choose_num_splits(batch: int, kv_heads: int, head_blocks: int, max_seq: int,
     Programs per split = B * Hkv * head_blocks. Capped so that a full-length row's chunk is
     >= BLOCK_N positions, and at MAX_SPLITS. H200 (132 SMs), Qwen2.5-7B (4 kv heads): B=1 ->
     198 splits (chunks of 192 at 32k); B=8 -> 25; B=64 -> 4 (chunks of 256 at 1k, 2048 at
-    8k). `python -m bench.kernels` sweeps the split count to re-tune this.
+    8k). `python -m bench.probes.kernels` sweeps the split count to re-tune this.
     """
     per_split = max(1, batch * kv_heads * head_blocks)
     want = triton.cdiv(6 * sm_count, per_split)

@@ -39,7 +39,7 @@ from kvtransfer.model.streaming import LayerCallback, StreamingCache
 
 
 # Below CUDNN_MIN_TOKENS SDPA may pick among these, in this order (None: SDPA's own choice, cuDNN included;
-# bench.probe_round compares); from it on, SDPA's own choice.
+# bench.probes.probe_round compares); from it on, SDPA's own choice.
 SDPA_BACKENDS: list | None = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 CUDNN_MIN_TOKENS = 16384
 

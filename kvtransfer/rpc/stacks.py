@@ -6,7 +6,7 @@ to say which wait it was. So:
   and the server goes on serving; a fatal signal (segfault, abort) dumps them too;
 - bench drivers (`exit_on_sigterm`, what `timeout` sends): the driver's own stacks, then an orderly exit, so
   the servers it started that still run (a hung one: `timeout` signals them too) are asked for theirs
-  (`bench.launch.stop`) and stopped rather than orphaned.
+  (`bench.measure.launch.stop`) and stopped rather than orphaned.
 """
 
 from __future__ import annotations

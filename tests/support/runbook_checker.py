@@ -16,8 +16,8 @@ def check(argv: list[str]) -> None:
         from bench.cli import build_parser
         build_parser().parse_args(argv[2:])
         return
-    if argv[:2] == ["-m", "bench.serve_sweep"]:
-        from bench.serve_sweep import build_parser
+    if argv[:2] == ["-m", "bench.runs.serve_sweep"]:
+        from bench.runs.serve_sweep import build_parser
         from decode_server.config import DecodeConfig
         from kvtransfer.rpc.configargs import from_args
         args = build_parser().parse_args(argv[2:])

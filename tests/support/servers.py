@@ -1,4 +1,4 @@
-"""Test adapters over bench/launch.py: server processes with their logs under pytest's tmp_path."""
+"""Test adapters over bench/measure/launch.py: server processes with their logs under pytest's tmp_path."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ from contextlib import contextmanager
 
 import grpc
 
-from bench.launch import ROOT, Running, free_port, stop, wait_serving
-from bench.launch import colocated_server as _colocated
-from bench.launch import server_pair as _pair
+from bench.measure.launch import ROOT, Running, free_port, stop, wait_serving
+from bench.measure.launch import colocated_server as _colocated
+from bench.measure.launch import server_pair as _pair
 
 __all__ = ["ROOT", "Running", "colocated_server", "free_port", "server_pair", "stop", "wait_serving"]
 

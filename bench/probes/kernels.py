@@ -6,7 +6,7 @@ over the device-to-device copy bandwidth measured in the same run) and beside SD
 mask, plus a split-count sweep to tune `choose_num_splits`, and the small fused ops at
 B=1 and B=64. Shapes: Qwen2.5-7B (28 q / 4 kv heads, D=128, hidden 3584, MLP 18944), bf16,
 lengths ragged in [L/2, L]. Times are medians of triton.testing.do_bench (L2 flushed per
-call). Run on the GPU machine: python3 -m bench.kernels   (well under 60 s on an H200)
+call). Run on the GPU machine: python3 -m bench.probes.kernels
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kvtransfer import kernels as K
+from kvtransfer.kernels import ops as K
 from bench.measure.kernel_inputs import decode_case, ragged_lengths
 
 Q_HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTER = 28, 4, 128, 3584, 18944

@@ -4,8 +4,8 @@ Why: the gRPC data plane is judged against what the same machine can move at all
 (docs/architecture.md, "Targets": gRPC >= 80% of a raw TCP socket measured in the same run). This is the gRPC
 *library's* ceiling (a generic handler, identity serializers, no protobuf copy, client
 streaming in chunks), beside which `bench link` puts kvtransfer's own transport probe
-(bench.grpc_probe.measure_loopback). The receiver runs in its own
-process (`python -m bench.loopback serve`): sender and receiver do not share one
+(bench.measure.grpc_probe.measure_loopback). The receiver runs in its own
+process (`python -m bench.measure.loopback serve`): sender and receiver do not share one
 interpreter lock, as in a real pair. A run ends when the receiver acknowledged the byte
 count; a wrong count fails the run.
 """
@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from bench.stats import median, spread_ms, timed
+from bench.measure.stats import median, spread_ms, timed
 
 PUSH = "/kvbench.Loopback/Push"  # stream-unary: raw chunks in, an 8-byte count back
 COUNT = struct.Struct("<Q")
@@ -84,10 +84,10 @@ def serve(max_message: int) -> None:
 
 
 def _start_receiver(max_message: int) -> tuple[subprocess.Popen, int, int]:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen([sys.executable, "-m", "bench.loopback", "serve", str(max_message)], cwd=root, env=env,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "bench.measure.loopback", "serve", str(max_message)], cwd=root,
+                            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     ready, _, _ = select.select([proc.stdout], [], [], 60)
     line = proc.stdout.readline() if ready else ""
     if len(line.split()) != 2:

@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from bench.launch import free_port
-from bench.stats import median, spread_ms, timed
-from bench.twoproc import run_pair
+from bench.measure.launch import free_port
+from bench.measure.stats import median, spread_ms, timed
+from bench.measure.twoproc import run_pair
 
 
 def _side(rank: int, address: str, devices: tuple[str, str], patterns: dict, runs: int, warmup: int) -> dict:

@@ -20,7 +20,7 @@ import grpc
 from kvtransfer.rpc.stacks import request_dump
 
 DUMP_WAIT_S = 1.0  # faulthandler writes from its signal handler at once; this covers a loaded machine
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 
 
 def free_port() -> int:

@@ -1,6 +1,6 @@
-"""The served part of bench.probe_round: a local prefill's time in-process, then inside a colocated server.
+"""The served part of bench.probes.probe_round: a local prefill's time in-process, then inside a colocated server.
 
-Why: the serve sweep showed the server's own prefill at 75-90 ms under load against 22 ms for the same
+Why: the serve sweep showed the server's own prefill several times slower under load than the same
 code alone; this runs sequential prompts of 512..1536 tokens through the engine's scheduler, then through
 a colocated server whose DEBUG log gives each prefill's wall and thread-CPU time.
 """
@@ -21,9 +21,9 @@ def served(model_name: str, model, out_dir: str) -> dict:
     import grpc
     import numpy as np
 
-    from bench.launch import colocated_server
+    from bench.measure.launch import colocated_server
     from kvtransfer.engine.engine import DecodeEngine, EngineOptions
-    from kvtransfer.rpc.server import LoadedModel
+    from kvtransfer.model.loaded import LoadedModel
     from proto import kvtransfer_pb2 as pb
     from proto import kvtransfer_pb2_grpc as pbg
 

@@ -5,7 +5,7 @@ bytes cost: every weight once plus each row's live K/V, read at the device's mem
 So the same run measures that bandwidth (one large device-to-device copy), prices every cell
 (floor), times the engine's step (CUDA graph per bucket; eager on CPU or --no-cuda-graphs) and,
 per cell, the HF forward it replaces: eager over a DynamicCache and, at a few points,
-StaticCache + torch.compile(mode="reduce-overhead") (bench.decode_hf). Each context gets a
+StaticCache + torch.compile(mode="reduce-overhead") (bench.runs.decode_hf). Each context gets a
 fresh pool filled with random K/V (times do not depend on values); a cell that does not fit
 --mem-fraction is skipped with its size, one that runs out of memory is skipped with the
 error, and the run goes on. One sanity check per context: the timed step's logits for row 0
@@ -14,6 +14,7 @@ equal the eager `runner.forward` of that row alone (relative L2 <= 5e-2 in bf16,
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import sys
@@ -23,10 +24,11 @@ import torch
 
 from kvtransfer.geometry import CacheGeometry
 from kvtransfer.model.spec import DTYPES, ModelSpec, load_model
-from kvtransfer.rpc.server import pick_device
+from kvtransfer.model.loaded import pick_device
 
-from bench.decode_measure import Grid, Progress, bandwidth_gbps, budget, time_calls
-from bench.decode_report import finish_cell, targets
+from bench.common import Job, csv, ints
+from bench.measure.decode_measure import Grid, Progress, bandwidth_gbps, budget, time_calls
+from bench.report.decode import finish_cell, targets
 
 HF_KINDS = ("eager", "static-compile")
 
@@ -141,7 +143,7 @@ def engine_context(model, geom: CacheGeometry, ctx: int, batches: list[int], cfg
 
 
 def run_decode(cfg: DecodeConfig, progress: Progress = lambda _: None) -> dict:
-    from bench.decode_hf import hf_context
+    from bench.runs.decode_hf import hf_context
     device = pick_device(cfg.device)
     bw, bw_bytes = bandwidth_gbps(device)
     print(f"decode: device bandwidth {bw:.1f} GB/s ({bw_bytes >> 20} MiB copy)", file=sys.stderr, flush=True)
@@ -180,27 +182,11 @@ def total_steps(cfg: DecodeConfig) -> int:
     return len(cfg.contexts) * (len(cfg.batches) + hf) + compiled
 
 
-def cmd_decode(args) -> int:
-    from bench.cli import finish, with_progress
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    cuda = torch.device(device).type == "cuda"
-    hf = tuple(x for x in args.hf if x != "none")
-    try:
-        cfg = DecodeConfig(model=args.model or ("qwen2.5-7b" if cuda else "tiny"),
-                           dtype=args.dtype or ("bfloat16" if cuda else "float32"), device=device,
-                           batches=tuple(args.batches), contexts=tuple(args.contexts), runs=args.runs,
-                           warmup=args.warmup, cuda_graphs=not args.no_cuda_graphs, hf=hf,
-                           hf_compile_points=tuple(points(args.hf_compile_points)), mem_fraction=args.mem_fraction,
-                           seed=args.seed)
-    except ValueError as e:
-        args.parser.error(str(e))
-    return finish(args, with_progress(total_steps(cfg), lambda step: run_decode(cfg, step)))
+HELP = "batched decode engine: step time over (batch, context) vs floor and HF"
+DESCRIPTION = __doc__.split("\n\n")[1].replace("\n", " ")
 
 
-def register_decode(sub) -> None:
-    from bench.cli import csv, ints
-    p = sub.add_parser("decode", help="batched decode engine: step time over (batch, context) vs floor and HF",
-                       description=__doc__.split("\n\n")[1].replace("\n", " "))
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="preset or local dir (default qwen2.5-7b on cuda, tiny on cpu)")
     p.add_argument("--dtype", help="default bfloat16 on cuda, float32 on cpu")
     p.add_argument("--device", help="default cuda if available, else cpu")
@@ -215,4 +201,16 @@ def register_decode(sub) -> None:
     p.add_argument("--mem-fraction", type=float, default=0.85, help="skip cells that would not fit this share")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write result.json, report.md and decode.png in this directory")
-    p.set_defaults(run=cmd_decode, parser=p)
+
+
+def job(args: argparse.Namespace) -> Job:
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = torch.device(device).type == "cuda"
+    hf = tuple(x for x in args.hf if x != "none")
+    cfg = DecodeConfig(model=args.model or ("qwen2.5-7b" if cuda else "tiny"),
+                       dtype=args.dtype or ("bfloat16" if cuda else "float32"), device=device,
+                       batches=tuple(args.batches), contexts=tuple(args.contexts), runs=args.runs,
+                       warmup=args.warmup, cuda_graphs=not args.no_cuda_graphs, hf=hf,
+                       hf_compile_points=tuple(points(args.hf_compile_points)), mem_fraction=args.mem_fraction,
+                       seed=args.seed)
+    return Job(total_steps(cfg), lambda step: run_decode(cfg, step))

@@ -1,15 +1,12 @@
-"""Tables and the chart of an `interference` result (registered in bench/report.py and bench/plots.py).
+"""The `interference` result (bench/runs/interference.py): its tables and its chart.
 
-Why here: report.py and plots.py hold one small hook each; the layout of this bench's figures
-stays beside the bench that defines them (bench/interference_stats.py).
+The figures themselves (ITL, stall, goodput) are defined in bench/measure/interference_stats.py;
+this lays them out.
 """
 
 from __future__ import annotations
 
-from matplotlib.figure import Figure
-from matplotlib.ticker import FuncFormatter
-
-from bench.report import Table, num
+from bench.report.table import Table, num
 
 
 def _arrival_name(a: dict) -> str:
@@ -47,10 +44,14 @@ def tables(result: dict) -> list[Table]:
     return [arms, per]
 
 
-def plot(result: dict, out_dir: str, save) -> list[tuple[str, str]]:
+def plot(result: dict, out_dir: str) -> list[tuple[str, str]]:
     """Per arm: the streams' largest ITL per time bin around each arrival, prefill windows shaded.
 
     Steps: a point (gap end, ITL) is drawn over the time before it, where that gap was waited out."""
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter
+
+    from bench.report.chart import save
     arms = [a for a in result["arms"] if a["ok"]]
     if not arms:
         return []

@@ -22,21 +22,22 @@ import ipaddress
 import math
 import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import grpc
 import numpy as np
 
-from bench.serve_metrics import BatchWatch
-from bench.stats import summarize
 from decode_server.client import MODES
 from kvtransfer.model.spec import load_config
 from kvtransfer.rpc.modes import Mode
 from proto import kvtransfer_pb2 as pb
 from proto import kvtransfer_pb2_grpc as pbg
 
-Step = Callable[[str], None]
+from bench.common import Job, Step
+from bench.measure.serve_metrics import BatchWatch
+from bench.measure.stats import summarize
+
 MAX_PROMPTS = 100_000
 METRICS = ("ttft", "tpot", "itl", "e2el")
 PERCENTILES = (90, 99)
@@ -118,7 +119,7 @@ def length_range(text: str) -> tuple[int, int]:
 
 
 def add_long_prompt_flags(p: argparse.ArgumentParser) -> None:
-    """A share of long prompts in the load: shared by `serve` and `bench.serve_sweep`."""
+    """A share of long prompts in the load: shared by `serve` and `bench.runs.serve_sweep`."""
     p.add_argument("--long-share", type=float, default=0.0, help="this fraction of the prompts is long instead, "
                    "e.g. 0.05; TTFT and ITL are then reported for short and long prompts apart (default 0)")
     p.add_argument("--long-len-range", type=length_range, default=(16384, 32768),
@@ -279,3 +280,49 @@ def sustained(sent: list[dict], concurrency: int) -> dict:
 
 def total_steps(cfg: ServeConfig) -> int:
     return cfg.warmup + cfg.num_prompts
+
+
+HELP = "load against a running decode server (vllm bench serve metrics)"
+DESCRIPTION = __doc__.split("\n\n")[1].replace("\n", " ")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--addr", default="127.0.0.1:50051", help="the decode server (loopback only)")
+    p.add_argument("--server-metrics", default="", help="the decode server's /metrics URL (its --metrics-port): "
+                   "report its batch size over the run")
+    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--concurrency", type=int, help="most requests in flight (default: no limit)")
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals/s (default inf)")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--input-len-range", type=float, default=0.0, help="r: lengths uniform in len*[1-r, 1+r]")
+    p.add_argument("--output-len", type=int, default=16)
+    add_long_prompt_flags(p)
+    p.add_argument("--vocab-size", type=int, help="token ids uniform in [0, vocab) (or give --model)")
+    p.add_argument("--model", help="the server's --model (preset or local dir): its vocabulary and context")
+    p.add_argument("--mode", default="auto", help="auto, layerwise, bulk or colocated")
+    p.add_argument("--warmup", type=int, default=1, help="requests before the clock starts")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=120.0, help="per request, s")
+    p.add_argument("--max-duration", type=float, default=600.0, help="whole run, s; later requests are not sent")
+    p.add_argument("--auth-token", help="bearer token, when the server requires one")
+    p.add_argument("--auth-token-file")
+    p.add_argument("--out", help="write result.json and report.md in this directory")
+
+
+def config(args: argparse.Namespace) -> ServeConfig:
+    """`serve`'s flags as its config; ValueError (a usage error, exit 2) says which flag to fix."""
+    return ServeConfig(addr=args.addr, num_prompts=args.num_prompts, concurrency=args.concurrency,
+                       request_rate=args.request_rate, input_len=args.input_len, input_len_range=args.input_len_range,
+                       output_len=args.output_len, vocab_size=args.vocab_size, model=args.model, mode=args.mode,
+                       warmup=args.warmup, seed=args.seed, timeout_s=args.timeout, max_duration_s=args.max_duration,
+                       server_metrics=args.server_metrics, long_share=args.long_share, long_len=args.long_len_range)
+
+
+def job(args: argparse.Namespace) -> Job:
+    cfg = config(args)
+    try:
+        token = args.auth_token or (Path(args.auth_token_file).read_text().strip() if args.auth_token_file else "")
+    except OSError as e:  # a usage error too: the flag names a file that cannot be read
+        raise ValueError(str(e)) from None
+    meta = (("authorization", f"Bearer {token}"),) if token else None  # kept out of the result
+    return Job(total_steps(cfg), lambda step: run_serve(cfg, step, meta))

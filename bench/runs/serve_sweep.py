@@ -9,7 +9,7 @@ max(min_prompts, prompts_per_slot x concurrency) (at most max_prompts), and writ
 summary. The summary gives both the whole-run throughput (vLLM's output_throughput) and the steady state
 between the opening burst and the tail (serve.sustained), each against the baseline's.
 
-    python -m bench.serve_sweep --model qwen2.5-7b --transport cuda_ipc --out DIR
+    python -m bench.runs.serve_sweep --model qwen2.5-7b --transport cuda_ipc --out DIR
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import shlex
 import sys
 import time
 
-from bench.launch import colocated_server, free_port, server_pair
-from bench.serve import ServeConfig, add_long_prompt_flags, run_serve
+from bench.measure.launch import colocated_server, free_port, server_pair
+from bench.runs.serve import ServeConfig, add_long_prompt_flags, run_serve
 from kvtransfer.rpc.stacks import exit_on_sigterm
 
 

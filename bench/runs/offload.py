@@ -14,11 +14,11 @@ from the reloaded and the original cache with identical tokens and logits.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import platform
 import tempfile
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -29,12 +29,11 @@ from kvtransfer.geometry import CacheGeometry
 from kvtransfer.model.spec import ModelSpec, load_model
 from kvtransfer.model.prefill import decode, prefill, random_prompt
 from kvtransfer.model.streaming import assemble_cache, cache_layers, caches_equal
-from bench.measure.pagecache import drop_page_cache, read_file, write_file
+
+from bench.common import Job, Step, csv, default_device, ints
+from bench.measure.copies import filesystem, gbps, measure_links, stats
+from bench.measure.stats import clock
 from bench.measure.tiers import TIER_KINDS, Tier, make_tiers
-
-from bench.stats import clock, spread_ms, timed
-
-Step = Callable[[str], None]  # called once per finished step with a short description
 
 
 @dataclass(frozen=True)
@@ -64,14 +63,6 @@ class OffloadConfig:
             raise ValueError(f"unknown tiers {sorted(bad)}; choose from {', '.join(TIER_KINDS)}")
         if torch.device(self.device).type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device is cuda but CUDA is not available")
-
-
-def stats(seconds: list[float]) -> dict:
-    return spread_ms(seconds) | dict(runs=len(seconds))
-
-
-def gbps(nbytes: int, ms: float) -> float | None:
-    return nbytes / (ms * 1e-3) / 1e9 if ms > 0 else None  # None, not inf: stays valid JSON
 
 
 @contextlib.contextmanager
@@ -158,55 +149,6 @@ def bench_length(name: str, model, geom: CacheGeometry, length: int, cfg: Offloa
     return row
 
 
-def measure_links(device: str, nbytes: int, directory: str, runs: int, warmup: int,
-                  peer_device: str | None = None) -> dict:
-    """Raw copies of `nbytes` in the same run: device clone, pinned/pageable D2H and H2D (on CPU the
-    pageable pair is a host memcpy, as the pageable tier is there), peer copy, file write/read."""
-    device = torch.device(device)
-    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    host = torch.empty(nbytes, dtype=torch.uint8)
-    host.copy_(src)  # the file ops write these bytes
-    ops: dict[str, Callable[[], object]] = {"device_clone": lambda: dst.copy_(src)}
-    if device.type == "cuda":
-        pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        ops |= {"d2h_pinned": lambda: pinned.copy_(src, non_blocking=True),
-                "h2d_pinned": lambda: dst.copy_(pinned, non_blocking=True)}
-    ops |= {"d2h_pageable": lambda: host.copy_(src), "h2d_pageable": lambda: dst.copy_(host)}
-    if peer_device is not None:
-        peer = torch.empty(nbytes, dtype=torch.uint8, device=peer_device)
-        ops["device_to_peer"] = lambda: peer.copy_(src, non_blocking=True)
-    devices = [device] + ([torch.device(peer_device)] if peer_device else [])
-    path = os.path.join(directory, f"kvlink-{os.getpid()}.bin")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-    mv, caches = memoryview(host.numpy()), []
-    ops |= {"file_write": lambda: write_file(fd, mv, fsync=False),
-            "file_write_fsync": lambda: write_file(fd, mv, fsync=True),
-            "file_read": lambda: read_file(fd, mv)}
-    out = dict(bytes=nbytes)
-    try:
-        for name, fn in ops.items():
-            before = (lambda: caches.append(drop_page_cache(fd, nbytes))) if name == "file_read" else None
-            out[name] = stats(timed(fn, devices, runs, warmup, before=before))
-            out[name]["gbps"] = gbps(nbytes, out[name]["median_ms"])
-        out["file_read"]["cold"] = all(c["cold"] for c in caches[warmup:])
-    finally:
-        os.close(fd)
-        os.unlink(path)
-    return out
-
-
-def filesystem(path: str) -> str:
-    """Filesystem type holding `path` (longest mount point that prefixes it), e.g. ext4 or tmpfs."""
-    best, fstype, real = "", "unknown", os.path.realpath(path)
-    with open("/proc/self/mounts") as f:
-        for line in f:
-            _, mnt, typ = line.split()[:3]
-            if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
-                best, fstype = mnt, typ
-    return fstype
-
-
 def total_steps(cfg: OffloadConfig) -> int:
     return len(cfg.models) * len(cfg.lengths) * (1 + len(cfg.tiers)) + 1
 
@@ -242,3 +184,37 @@ def run_offload(cfg: OffloadConfig, step: Step = lambda _: None) -> dict:
                disk_dir=directory, disk_fs=fs)
     config = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(cfg).items()}  # as JSON reads back
     return dict(kind="offload", ok=all(checks), config=config, env=env, rows=rows, links=links)
+
+
+HELP = "recompute vs offload/reload per host tier (the seed's part-3 table)"
+DESCRIPTION = ("Per model and context length: prefill time, offload and reload time per tier, "
+               "reload speed-up, GB/s, break-even link speed; every reload verified.")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", action="append", help="preset or local dir; repeatable or comma list (default tiny)")
+    p.add_argument("--lengths", type=ints, default=[128, 512], help="comma list of prompt lengths (default 128,512)")
+    p.add_argument("--dtype", help="default bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--device", help="default cuda if available, else cpu")
+    p.add_argument("--runs", type=int, default=5, help="timed runs per figure (median reported)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs before the timed ones")
+    p.add_argument("--decode-tokens", type=int, default=8, help="tokens decoded to verify each reload")
+    p.add_argument("--tiers", type=csv, default=list(TIER_KINDS), help=f"comma list of {','.join(TIER_KINDS)} (gpu: a buffer on --device, "
+                   "or --peer-device; on a CPU run that is a second copy in RAM)")
+    p.add_argument("--peer-device", help="device for the gpu tier's buffer, e.g. cuda:1 (default: model device)")
+    p.add_argument("--link-mib", type=int, help="raw link copy size in MiB (default: largest cache, >= 64)")
+    p.add_argument("--disk-dir", help="directory for the disk tier's file (default: a fresh temp dir)")
+    p.add_argument("--out", help="write result.json and report.md in this directory")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def job(args: argparse.Namespace) -> Job:
+    device = args.device or default_device()
+    dtype = args.dtype or ("bfloat16" if torch.device(device).type == "cuda" else "float32")
+    models = [m for item in (args.model or ["tiny"]) for m in csv(item)]
+    cfg = OffloadConfig(models=tuple(models), lengths=tuple(args.lengths), dtype=dtype, device=device,
+                        runs=args.runs, warmup=args.warmup, decode_tokens=args.decode_tokens,
+                        disk_dir=args.disk_dir, seed=args.seed, tiers=tuple(args.tiers),
+                        peer_device=args.peer_device,
+                        link_bytes=args.link_mib << 20 if args.link_mib else None)
+    return Job(total_steps(cfg), lambda step: run_offload(cfg, step))

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 
-from bench.stats import percentile, summarize
+from bench.measure.stats import percentile, summarize
 
 Gap = tuple[float, float]
 Window = tuple[float, float]

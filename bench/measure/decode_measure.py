@@ -1,6 +1,6 @@
 """Measuring for `kvtransfer-bench decode`: timers, memory budget, bandwidth, and the grid's bookkeeping.
 
-Why apart from the bench: the engine cells (bench.decode) and the HF baselines (bench.decode_hf)
+Why apart from the bench: the engine cells (bench.runs.decode) and the HF baselines (bench.runs.decode_hf)
 are timed, sized and filed the same way. Timers read after a device sync (STYLE 8); a cell's
 memory is checked against --mem-fraction before it is allocated, and whatever a cell raises is
 filed under `skipped` (an OOM as such, anything else also as a failure) with its memory freed,
@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from bench.stats import summarize, timed
+from bench.measure.stats import summarize, timed
 
 HEADROOM = 2 << 30  # activations, graph pools, cuBLAS workspace: kept free beside a cell's cache
 Progress = Callable[[str], None]

@@ -4,7 +4,7 @@ Why one command: every overhead this repo reports is read beside the raw links m
 the same machine in the same run. This measures them all at one cache size: torch.distributed
 p2p (NCCL between cuda:0 and cuda:1, gloo on CPU) as one whole-cache message and as one
 message per layer; the peer copy cuda:0 -> cuda:1 (copy engine); pinned and pageable
-H2D/D2H; on loopback a TCP socket, raw-bytes gRPC (bench.loopback: the library's
+H2D/D2H; on loopback a TCP socket, raw-bytes gRPC (bench.measure.loopback: the library's
 ceiling) and kvtransfer's gRPC transport (its own probe); disk write/read. Medians of
 >= 5 after warm-up with a device sync before each timer. A probe that cannot run here (no
 second GPU, no CUDA) is skipped with its reason; a probe that fails fails the run.
@@ -12,6 +12,7 @@ second GPU, no CUDA) is skipped with its reason; a probe that fails fails the ru
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import platform
@@ -26,15 +27,14 @@ import torch
 from kvtransfer.geometry import CacheGeometry
 from kvtransfer.model.spec import DTYPES, ModelSpec, load_config
 
-from bench.offload import filesystem, measure_links
-from bench.p2p import cache_patterns, measure_p2p
-
-Step = Callable[[str], None]
+from bench.common import Job, Step, csv
+from bench.measure.copies import filesystem, measure_links
+from bench.measure.p2p import cache_patterns, measure_p2p
 PROBES = ("p2p", "copies", "loopback", "backend")  # copies: device clone, peer, H2D/D2H, disk
 ORDER = ("p2p_whole", "p2p_layer", "peer_copy", "device_clone", "h2d_pinned", "d2h_pinned", "h2d_pageable",
          "d2h_pageable", "socket", "grpc", "grpc_backend", "disk_write", "disk_write_fsync", "disk_read")
 RENAME = {"device_to_peer": "peer_copy", "file_write": "disk_write", "file_write_fsync": "disk_write_fsync",
-          "file_read": "disk_read"}  # bench.offload.measure_links names -> these
+          "file_read": "disk_read"}  # bench.measure.copies.measure_links names -> these
 UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 
 
@@ -125,7 +125,7 @@ def run_link(cfg: LinkConfig, step: Step = lambda _: None) -> dict:
         links["disk_write"]["note"] = links["disk_write_fsync"]["note"] = f"{directory} ({filesystem(directory)})"
 
     def loopback() -> None:
-        from bench.loopback import measure_loopback
+        from bench.measure.loopback import measure_loopback
         res = measure_loopback(whole, cfg.channels, cfg.chunk_bytes, cfg.runs, cfg.warmup)
         notes = {"socket": "raw TCP", "grpc": f"raw bytes, generic handler, {cfg.chunk_bytes / 2**20:g} MiB messages"}
         for key in ("socket", "grpc"):
@@ -134,7 +134,7 @@ def run_link(cfg: LinkConfig, step: Step = lambda _: None) -> dict:
                 failures.append(f"{key} loopback: the receiver counted a different number of bytes")
 
     def backend() -> None:  # kvtransfer's own gRPC transport, framing and all, beside its own socket run
-        from bench.grpc_probe import measure_loopback
+        from bench.measure.grpc_probe import measure_loopback
         res = measure_loopback(whole, cfg.channels, cfg.chunk_bytes, layers=layers, repeats=cfg.runs)
         links["grpc_backend"] = res["grpc"] | {
             "available": True, "bytes": res["bytes"], "channels": res["channels"], "pattern": f"{layers} layers",
@@ -157,3 +157,30 @@ def run_link(cfg: LinkConfig, step: Step = lambda _: None) -> dict:
 
 def total_steps(cfg: LinkConfig) -> int:
     return len(cfg.probes)
+
+
+HELP = "raw link speeds in one run: p2p, peer copy, H2D/D2H, socket, gRPC, disk"
+DESCRIPTION = __doc__.split("\n\n")[1].replace("\n", " ")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--bytes", type=size,
+                   help="whole-cache size, e.g. 1.75GiB (default: --model's cache at --length)")
+    p.add_argument("--model", default="qwen2.5-7b", help="preset or local dir: cache size and layer count")
+    p.add_argument("--length", type=int, default=4096, help="tokens of the cache (default 4096)")
+    p.add_argument("--dtype", default="bfloat16", help="cache dtype for the size (default bfloat16)")
+    p.add_argument("--layers", type=int, help="messages of the per-layer p2p pattern (default: the model's)")
+    p.add_argument("--runs", type=int, default=5, help="timed runs per figure, >= 5 (median reported)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--channels", type=int, default=1, help="loopback connections (socket, gRPC, gRPC transport)")
+    p.add_argument("--chunk", type=size, default=4 << 20, help="gRPC message size (default 4MiB)")
+    p.add_argument("--probes", type=csv, default=list(PROBES), help=f"subset of {','.join(PROBES)}")
+    p.add_argument("--disk-dir", help="directory for the disk file (default: a fresh temp dir)")
+    p.add_argument("--out", help="write result.json, report.md and links.png in this directory")
+
+
+def job(args: argparse.Namespace) -> Job:
+    cfg = LinkConfig(bytes=args.bytes, model=args.model, length=args.length, dtype=args.dtype, layers=args.layers,
+                     runs=args.runs, warmup=args.warmup, channels=args.channels, chunk_bytes=args.chunk,
+                     disk_dir=args.disk_dir, probes=tuple(args.probes))
+    return Job(total_steps(cfg), lambda step: run_link(cfg, step))

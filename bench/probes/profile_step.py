@@ -3,7 +3,7 @@
 Why: the decode bench gives the step against its floor; this says which kernels fill the gap (GEMMs
 short of bandwidth, small kernels' fixed cost, attention). Prints one JSON line:
 
-    python -m bench.profile_step --model qwen2.5-7b --batch 1 --context 1024
+    python -m bench.probes.profile_step --model qwen2.5-7b --batch 1 --context 1024
 """
 
 from __future__ import annotations

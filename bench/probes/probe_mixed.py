@@ -3,7 +3,7 @@
 Why apart: it builds its own pool and Step at the 7B model's shapes and times graphed and eager
 mixed steps and the three attention paths over prompt rows (the decode kernel one row at a time,
 the chunk kernel, SDPA flash); probe_round.py keeps the other parts. Run through
-`python -m bench.probe_round --only mixed`.
+`python -m bench.probes.probe_round --only mixed`.
 """
 
 from __future__ import annotations
@@ -13,11 +13,12 @@ import time
 import torch
 import torch.nn.functional as F
 
-from bench.stats import summarize
+from bench.measure.stats import summarize
+from bench.probes.timing import loop_us
 from kvtransfer.engine.graphs import Step
 from kvtransfer.engine.pool import KVPool
 from kvtransfer.engine.runner import StepRunner, graph_us
-from kvtransfer import kernels as K
+from kvtransfer.kernels import ops as K
 
 
 def mixed(model, geom) -> dict:
@@ -25,7 +26,6 @@ def mixed(model, geom) -> dict:
     positions 512.., graphed at 256/512/1024 rows, and eager at 256..2048 from position 0 (device time from
     events; host time to return, unsynchronized); then the attention alone per layer over R rows of one prompt
     from position 0: the decode kernel (one row at a time), the chunk kernel and SDPA's flash causal attention."""
-    from bench.probe_round import loop_us  # here: probe_round imports this module
     from kvtransfer.engine.mixed import Chunk, mixed_forward, piece_table
 
     pool = KVPool(geom, torch.device("cuda"), 33, 2304)

@@ -4,7 +4,7 @@ Why two: `eager` is what the servers ran before the engine (one HF forward of B 
 DynamicCache, which concatenates every layer's K/V each step: that copy is part of HF's cost
 and is measured); `static-compile` is the best plain HF can do (gpt-fast's recipe: a StaticCache
 and torch.compile(mode="reduce-overhead"), i.e. Inductor kernels replayed as CUDA graphs). Each
-compile costs about a minute of GPU time, so it runs only at --hf-compile-points.
+compile is costly, so it runs only at --hf-compile-points.
 Both caches hold B x C random K/V (the times do not depend on values); every timed call appends
 one token at position C and the cache is put back to C tokens (untimed) before the next call,
 so every run attends over exactly C + 1 tokens, as the engine's step does over C.
@@ -20,7 +20,7 @@ import torch
 from kvtransfer.geometry import CacheGeometry
 from kvtransfer.model.streaming import assemble_cache, cache_kwarg
 
-from bench.decode_measure import Grid, budget, time_calls
+from bench.measure.decode_measure import Grid, budget, time_calls
 
 
 def hf_bytes(geom: CacheGeometry, batch: int, tokens: int) -> int:

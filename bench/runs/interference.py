@@ -2,11 +2,11 @@
 
 Why: the cost side of disaggregation is the TTFT overhead (`ttft`); its benefit is that a long
 prompt's prefill no longer runs between the decode steps of everyone else (the
-benefit side). Per arm, fresh servers (bench/launch.py) take one warm-up request, then B
+benefit side). Per arm, fresh servers (bench/measure/launch.py) take one warm-up request, then B
 streams of C prompt tokens each decode until all of them run; then long prompts arrive, one at
 a time (each `gap_s` after the previous one's first token), and optionally as a Poisson stream.
 Every token's arrival time is recorded on the client; streams are cancelled `gap_s` after the
-last long prompt's first token. Figures (bench/interference_stats.py): streams' ITL p50/p99/max,
+last long prompt's first token. Figures (bench/measure/interference_stats.py): streams' ITL p50/p99/max,
 per arrival its TTFT, the stall (longest stream ITL overlapping its prefill window) and ITL
 inside vs outside windows, goodput against a TTFT and an ITL SLO, and an ITL timeline.
 Arms: colocated (`--prefill-chunk 0`), chunked (one per `--chunks` size), disagg (a prefill/decode
@@ -15,9 +15,10 @@ pair over `transport`; labelled as sharing one device when both servers are on t
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import shlex
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import grpc
@@ -30,10 +31,10 @@ from kvtransfer.model.prefill import random_prompt
 from proto import kvtransfer_pb2 as pb
 from proto import kvtransfer_pb2_grpc as pbg
 
-from bench.interference_stats import arm_figures
-from bench.launch import colocated_server, server_pair
+from bench.common import Job, Step, csv, ints
+from bench.measure.interference_stats import arm_figures
+from bench.measure.launch import colocated_server, server_pair
 
-Step = Callable[[str], None]
 ARMS = ("colocated", "chunked", "disagg")
 SERVER_MAX_NEW_TOKENS = 4096   # the decode server's default --max-new-tokens
 WAIT_S = 600.0                 # longest wait for the streams to run / a long prompt's first token
@@ -238,3 +239,56 @@ def run_interference(cfg: InterferenceConfig, step: Step = lambda _: None) -> di
 def total_steps(cfg: InterferenceConfig) -> int:
     per_arm = 3 + len(cfg.arrivals) + (1 if cfg.poisson else 0)
     return per_arm * len(cfg.arm_list())
+
+
+HELP = "how long prefills stall running decodes: colocated, chunked, disagg"
+DESCRIPTION = ("Per arm (fresh servers): B streams decode, long prompts arrive; reports the "
+               "streams' ITL, the stall per arrival, the long prompts' TTFT and goodput.")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny", help="preset or local dir (default tiny)")
+    p.add_argument("--dtype", help="default bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--device", help="colocated server and the pair's decode server (default cuda:0, else cpu)")
+    p.add_argument("--prefill-device", help="the pair's prefill server (default: --device, one shared device)")
+    p.add_argument("--streams", type=int, default=32, help="running streams B (default 32)")
+    p.add_argument("--context", type=int, default=1024, help="prompt tokens of each stream (default 1024)")
+    p.add_argument("--stream-tokens", type=int, help="max_new_tokens per stream (default min(2048, what fits))")
+    p.add_argument("--long-tokens", type=int, default=4, help="max_new_tokens per long prompt (default 4)")
+    p.add_argument("--arrivals", type=ints, default=[4096, 16384, 32000],
+                   help="single long prompts, one at a time (default 4096,16384,32000)")
+    p.add_argument("--gap-s", type=float, default=1.0, help="before the first arrival and after each first token")
+    p.add_argument("--poisson-rate", type=float, default=0.0, help="long prompts/s after the single ones (0: off)")
+    p.add_argument("--poisson-count", type=int, default=8)
+    p.add_argument("--poisson-len", type=int, default=4096)
+    p.add_argument("--arms", type=csv, default=list(ARMS), help=f"comma list of {','.join(ARMS)}")
+    p.add_argument("--chunks", type=ints, default=[512, 2048], help="--prefill-chunk per chunked arm")
+    p.add_argument("--transport", help="disagg data plane (default cuda_ipc on cuda, gloo on cpu)")
+    p.add_argument("--ttft-slo-ms", type=float, default=5000.0, help="long prompts' TTFT SLO (default 5000)")
+    p.add_argument("--itl-slo-ms", type=float, default=100.0, help="every request's max ITL SLO (default 100)")
+    p.add_argument("--max-batch", type=int, help="server slots (default streams + long prompts in flight)")
+    p.add_argument("--max-seq-len", type=int, help="tokens per slot (default: the longest request)")
+    p.add_argument("--server-args", default="", help="extra decode-server flags, e.g. '--no-cuda-graphs'")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-dir", help="server logs here (default a temp dir)")
+    p.add_argument("--out", help="write result.json, report.md and interference.png in this directory")
+
+
+def config(args: argparse.Namespace) -> InterferenceConfig:
+    cuda = torch.cuda.is_available()
+    device = args.device or ("cuda:0" if cuda else "cpu")
+    on_gpu = torch.device(device).type == "cuda"
+    return InterferenceConfig(
+        model=args.model, dtype=args.dtype or ("bfloat16" if on_gpu else "float32"), device=device,
+        prefill_device=args.prefill_device, streams=args.streams, context=args.context,
+        stream_tokens=args.stream_tokens, long_tokens=args.long_tokens, arrivals=tuple(args.arrivals),
+        gap_s=args.gap_s, poisson_rate=args.poisson_rate, poisson_count=args.poisson_count,
+        poisson_len=args.poisson_len, arms=tuple(args.arms), chunks=tuple(args.chunks),
+        transport=args.transport or ("cuda_ipc" if on_gpu else "gloo"), ttft_slo_ms=args.ttft_slo_ms,
+        itl_slo_ms=args.itl_slo_ms, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
+        server_args=tuple(shlex.split(args.server_args)), seed=args.seed, log_dir=args.log_dir)
+
+
+def job(args: argparse.Namespace) -> Job:
+    cfg = config(args)
+    return Job(total_steps(cfg), lambda step: run_interference(cfg, step))

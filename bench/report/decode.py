@@ -1,14 +1,14 @@
-"""`kvtransfer-bench decode`: derived figures (floor, ratios, targets), its tables and its chart.
+"""The `decode` result (bench/runs/decode.py): derived figures (floor, ratios, targets), its tables and its chart.
 
-Why beside the bench and not inside bench/report.py and bench/plots.py: those register this
-kind with one line each (`BUILDERS`, `PLOTTERS`) and stay small; what a decode cell means is
-written once, here. The floor of a cell is (weights one step reads + B x C live K/V bytes) /
-the bandwidth measured in the same run: what the step would cost if it only streamed its bytes.
+Why the derived figures here too: the run fills every cell with them (`finish_cell`, `targets`) and the
+tables explain them, so what a decode cell means is written once, here. The floor of a cell is (weights
+one step reads + B x C live K/V bytes) / the bandwidth measured in the same run: what the step would
+cost if it only streamed its bytes.
 """
 
 from __future__ import annotations
 
-from bench.report import Table, num, yes
+from bench.report.table import Table, num, yes
 
 
 def finish_cell(c: dict, wbytes: int, bytes_per_token: int, bw_gbps: float) -> dict:
@@ -42,7 +42,7 @@ def targets(cells: list[dict]) -> dict[str, bool]:
     return {name: met(at[key][field]) for name, key, field, met in TARGETS if key in at and at[key].get(field)}
 
 
-def decode_tables(result: dict) -> list[Table]:
+def tables(result: dict) -> list[Table]:
     cfg = result["config"]
     graphs = "CUDA graphs" if cfg["cuda_graphs"] and result["device"].startswith("cuda") else "eager"
     t = Table(f"Decode step -- {result['model']} {result['dtype']} on {result['device']} ({result['gpu_name']}), "
@@ -85,11 +85,11 @@ def decode_tables(result: dict) -> list[Table]:
     return tables
 
 
-def decode_plot(result: dict, out_dir: str) -> list[tuple[str, str]]:
+def plot(result: dict, out_dir: str) -> list[tuple[str, str]]:
     """Left: step ms vs context per batch, floor dashed, HF eager dotted. Right: ratio to the floor per cell."""
     from matplotlib.figure import Figure
 
-    from bench.plots import _save
+    from bench.report.chart import save
     cells = [c for c in result["cells"] if c["step_ms_p50"] or c["hf_eager_ms"]]
     batches = sorted({c["batch"] for c in cells})
     fig = Figure(figsize=(12, 4.2))
@@ -121,4 +121,4 @@ def decode_plot(result: dict, out_dir: str) -> list[tuple[str, str]]:
     fig.suptitle(f"Decode step: {result['model']} {result['dtype']} on {result['gpu_name']}, "
                  f"{result['bandwidth_gbps']:.0f} GB/s measured", fontsize=10)
     fig.subplots_adjust(wspace=0.55)
-    return [("Decode step time vs context, and ratio to the floor", _save(fig, out_dir, "decode.png"))]
+    return [("Decode step time vs context, and ratio to the floor", save(fig, out_dir, "decode.png"))]

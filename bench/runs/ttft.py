@@ -9,20 +9,22 @@ the colocated and disaggregated figures are measured the same way.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
+
+import torch
 
 from decode_server.client import generate
 from kvtransfer.geometry import CacheGeometry
 from kvtransfer.model.spec import ModelSpec, load_config
 from kvtransfer.model.prefill import random_prompt
 
-from bench.launch import colocated_server, server_pair
-from bench.p2p import cache_patterns, measure_p2p
-from bench.stats import median, spread_ms
+from bench.common import Job, Step, csv, ints
+from bench.measure.launch import colocated_server, server_pair
+from bench.measure.p2p import cache_patterns, measure_p2p
+from bench.measure.stats import median, spread_ms
 
-Step = Callable[[str], None]
 CHECKS = ("cache_equal", "tokens_equal", "logits_equal", "tokens_equal_timed")  # every one counts in `ok`
 
 
@@ -154,7 +156,7 @@ def raw_links(cfg: TtftConfig, geom: CacheGeometry) -> dict:
     """The limit of the data plane the pair used, measured in the same run, at the largest cache size."""
     nbytes = geom.cache_bytes(max(cfg.lengths))
     if cfg.transport == "grpc":
-        from bench.grpc_probe import measure_loopback
+        from bench.measure.grpc_probe import measure_loopback
         dev = "cuda" if cfg.prefill_device.startswith("cuda") else "cpu"
         r = measure_loopback(nbytes, channels=4, repeats=max(cfg.runs, 3), device=dev)
         return {f"grpc transport ({dev} source)": dict(r["grpc"], pattern=f"{nbytes / 2**20:.0f} MiB, 4 channels"),
@@ -168,3 +170,42 @@ def raw_links(cfg: TtftConfig, geom: CacheGeometry) -> dict:
 def total_steps(cfg: TtftConfig) -> int:
     n, m = len(cfg.lengths), len(cfg.modes)
     return (n + n * m) * (2 if cfg.verify else 1) + 1
+
+
+HELP = "TTFT overhead: colocated vs disaggregated (layer-wise and bulk), verified"
+DESCRIPTION = ("Starts a colocated decode server and a prefill/decode pair as real processes; "
+               "per prompt length reports TTFT, overhead, prefill slowdown and 2nd-token time; "
+               "checks cache, tokens and logits equal in a separate deterministic pass.")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny", help="preset or local dir (default tiny)")
+    p.add_argument("--lengths", type=ints, default=[64, 512], help="comma list of prompt lengths")
+    p.add_argument("--modes", type=csv, default=["layerwise", "bulk"], help="layerwise,bulk")
+    p.add_argument("--dtype", help="default bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--prefill-device", help="default cuda:0 (cpu without CUDA)")
+    p.add_argument("--decode-device", help="default cuda:1 (cpu without CUDA)")
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--decode-tokens", type=int, default=4, help=">= 2 (the second token is a decode step)")
+    p.add_argument("--layers-per-message", type=int, default=1)
+    p.add_argument("--transport", default="auto", help="auto (nccl on GPUs, gloo on CPU), grpc, cuda_ipc")
+    p.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
+                   help="deterministic pass checking cache, tokens and logits (default on)")
+    p.add_argument("--log-dir", help="server logs here (default a temp dir)")
+    p.add_argument("--out", help="write result.json and report.md in this directory")
+
+
+def job_for(cfg: TtftConfig) -> Job:
+    return Job(total_steps(cfg), lambda step: run_ttft(cfg, step))
+
+
+def job(args: argparse.Namespace) -> Job:
+    cuda = torch.cuda.is_available()
+    return job_for(TtftConfig(model=args.model, dtype=args.dtype or ("bfloat16" if cuda else "float32"),
+                              lengths=tuple(args.lengths), modes=tuple(args.modes), runs=args.runs,
+                              warmup=args.warmup, decode_tokens=args.decode_tokens,
+                              prefill_device=args.prefill_device or ("cuda:0" if cuda else "cpu"),
+                              decode_device=args.decode_device or ("cuda:1" if cuda else "cpu"),
+                              layers_per_message=args.layers_per_message, transport=args.transport,
+                              verify=args.verify, log_dir=args.log_dir))

@@ -1,7 +1,8 @@
 """Probe for the step-speed and serving-throughput work: where the remaining time goes, measured, not guessed.
 
-Why: the batch-1 step sits at 1.34x its floor with the narrow GEMMs at ~2.9 TB/s, and a served 1k prefill
-stalls decodes ~110 ms against 35 ms in the ttft bench. This measures, on one GPU, in one process:
+Why: the batch-1 step sits above its floor with the narrow GEMMs short of the memory bandwidth, and a served
+prefill stalls decodes longer than the same prefill takes in the ttft bench (bench/results/probe-* has the
+figures). This measures, on one GPU, in one process:
   gemv     the Triton GEMV vs cuBLAS per projection shape and row count, in a CUDA graph (weights rotated
            past L2)
   step     the graphed step at batch 1/2/4/8 x 1k with and without the GEMV
@@ -15,7 +16,7 @@ stalls decodes ~110 ms against 35 ms in the ttft bench. This measures, on one GP
            over prompt rows: the decode kernel, the chunk kernel, flash causal attention (probe_mixed.py)
 Prints one JSON object; `--only` picks parts.
 
-    python -m bench.probe_round --model qwen2.5-7b --out result.json
+    python -m bench.probes.probe_round --model qwen2.5-7b --out result.json
 """
 
 from __future__ import annotations
@@ -29,31 +30,16 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from bench import probe_mixed, probe_served
-from bench.stats import summarize
+from bench.measure.stats import summarize
+from bench.probes import probe_mixed, probe_served
+from bench.probes.timing import loop_us
 from kvtransfer.engine.graphs import Step
 from kvtransfer.engine.pool import KVPool
 from kvtransfer.engine.runner import StepRunner, graph_us
-from kvtransfer import kernels as K
+from kvtransfer.kernels import ops as K
 from kvtransfer.geometry import CacheGeometry
 from kvtransfer.model.spec import ModelSpec, load_model
 from kvtransfer.model.prefill import logits_digest, prefill
-
-
-def loop_us(fn, calls: int, reps: int = 7) -> float:
-    """Median over reps of (GPU time of `calls` back-to-back calls) / calls, in us."""
-    fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(calls):
-            fn()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b) * 1e3 / calls)
-    return summarize(out)["median"]
 
 
 def gemv(model) -> list[dict]:
