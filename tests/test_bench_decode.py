@@ -15,7 +15,7 @@ import torch
 
 from bench.measure.decode_measure import Grid
 from bench.report.decode import finish_cell, targets
-from bench.runs.decode import DecodeConfig, points
+from bench.runs.decode import DecodeBenchConfig, points
 from kvtransfer.model.spec import ModelSpec, load_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -105,8 +105,8 @@ def test_config_and_points():
     with pytest.raises(ValueError, match="BATCHxCONTEXT"):
         points("1024")
     with pytest.raises(ValueError, match="subset"):
-        DecodeConfig("tiny", "float32", "cpu", hf=("compiled",))
+        DecodeBenchConfig("tiny", "float32", "cpu", hf=("compiled",))
     with pytest.raises(ValueError, match="one of --contexts"):
-        DecodeConfig("tiny", "float32", "cpu", contexts=(64,), hf=("static-compile",), hf_compile_points=((1, 1024),))
+        DecodeBenchConfig("tiny", "float32", "cpu", contexts=(64,), hf=("static-compile",), hf_compile_points=((1, 1024),))
     with pytest.raises(ValueError, match="never downloads"):
-        DecodeConfig("Qwen/Qwen2.5-7B", "bfloat16", "cpu")
+        DecodeBenchConfig("Qwen/Qwen2.5-7B", "bfloat16", "cpu")

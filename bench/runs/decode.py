@@ -34,7 +34,7 @@ HF_KINDS = ("eager", "static-compile")
 
 
 @dataclass(frozen=True)
-class DecodeConfig:
+class DecodeBenchConfig:
     model: str
     dtype: str
     device: str
@@ -111,7 +111,7 @@ def sanity_check(step, runner, b: int, ctx: int, gen: torch.Generator, grid: Gri
                              f"{tolerance(dtype):g}")
 
 
-def engine_context(model, geom: CacheGeometry, ctx: int, batches: list[int], cfg: DecodeConfig, grid: Grid,
+def engine_context(model, geom: CacheGeometry, ctx: int, batches: list[int], cfg: DecodeBenchConfig, grid: Grid,
                    sanity: list[dict]) -> None:
     """One pool of max(batches) slots x (ctx + 8) tokens; every batch timed at position ctx - 1 (ctx tokens live),
     then the sanity check at the largest batch that ran."""
@@ -142,7 +142,7 @@ def engine_context(model, geom: CacheGeometry, ctx: int, batches: list[int], cfg
         grid.guard([(max(ran), ctx)], "sanity", lambda: sanity_check(step, runner, max(ran), ctx, gen, grid, sanity))
 
 
-def run_decode(cfg: DecodeConfig, progress: Progress = lambda _: None) -> dict:
+def run_decode(cfg: DecodeBenchConfig, progress: Progress = lambda _: None) -> dict:
     from bench.runs.decode_hf import hf_context
     device = pick_device(cfg.device)
     bw, bw_bytes = bandwidth_gbps(device)
@@ -176,7 +176,7 @@ def run_decode(cfg: DecodeConfig, progress: Progress = lambda _: None) -> dict:
                                                     host_cpus=os.cpu_count())}
 
 
-def total_steps(cfg: DecodeConfig) -> int:
+def total_steps(cfg: DecodeBenchConfig) -> int:
     hf = len(cfg.batches) if "eager" in cfg.hf else 0
     compiled = len(cfg.hf_compile_points) if "static-compile" in cfg.hf else 0
     return len(cfg.contexts) * (len(cfg.batches) + hf) + compiled
@@ -207,7 +207,7 @@ def job(args: argparse.Namespace) -> Job:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = torch.device(device).type == "cuda"
     hf = tuple(x for x in args.hf if x != "none")
-    cfg = DecodeConfig(model=args.model or ("qwen2.5-7b" if cuda else "tiny"),
+    cfg = DecodeBenchConfig(model=args.model or ("qwen2.5-7b" if cuda else "tiny"),
                        dtype=args.dtype or ("bfloat16" if cuda else "float32"), device=device,
                        batches=tuple(args.batches), contexts=tuple(args.contexts), runs=args.runs,
                        warmup=args.warmup, cuda_graphs=not args.no_cuda_graphs, hf=hf,
