@@ -7,21 +7,20 @@ import logging
 
 from grpc_health.v1 import health_pb2
 
-from kvtransfer.rpc.compat import local_compat
-from kvtransfer.rpc.lifecycle import FatalStop, Stop, shut_down
-from kvtransfer.rpc.security import ClientSecurity, resolve_token
-from kvtransfer.model.loaded import load, pick_device
-from kvtransfer.rpc.main import run_main
-from kvtransfer.rpc.metrics import start_metrics
-from kvtransfer.rpc.server import new_health, peer_channel_options
-from kvtransfer.transport import registry
-
 from decode_server.config import DecodeConfig
-from kvtransfer.engine.engine import DecodeEngine
 from decode_server.peer.handshake import HandshakeRefused
 from decode_server.peer.pairing import DecodePairing
 from decode_server.server import DecodeService, create_server
 from decode_server.sizing import plan_engine
+from kvtransfer.engine.engine import DecodeEngine
+from kvtransfer.model.loaded import load, pick_device
+from kvtransfer.rpc.compat import local_compat
+from kvtransfer.rpc.lifecycle import FatalStop, Stop, shut_down
+from kvtransfer.rpc.main import run_main
+from kvtransfer.rpc.metrics import start_metrics
+from kvtransfer.rpc.security import ClientSecurity, resolve_token
+from kvtransfer.rpc.server import new_health, peer_channel_options
+from kvtransfer.transport import registry
 
 log = logging.getLogger("kvtransfer.decode")
 

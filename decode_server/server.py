@@ -20,24 +20,22 @@ from dataclasses import dataclass
 
 import grpc
 
-from kvtransfer.rpc.lifecycle import SHUTTING_DOWN, RunningRequests, end_by_cancel, request_budget
-from kvtransfer.rpc.limits import prompt_problem
-from kvtransfer.rpc.metrics import Metrics
-from kvtransfer.rpc.modes import REQUEST_MODES, Mode
-from kvtransfer.rpc.security import server_credentials
-from kvtransfer.rpc.limits import ConcurrencyLimit
-from kvtransfer.rpc.server import build_server
-from proto import kvtransfer_pb2 as pb
-from proto import kvtransfer_pb2_grpc as pbg
-
 from decode_server.config import DecodeConfig
-from kvtransfer.engine.engine import DecodeEngine
 from decode_server.peer.choice import choose_peer
 from decode_server.peer.pairing import DecodePairing
 from decode_server.peer.remote import PeerFailure, RequestError
+from decode_server.streams import Mailbox, TokenStream, acquire_slot
+from kvtransfer.engine.engine import DecodeEngine
 from kvtransfer.engine.scheduler import EngineFailed
 from kvtransfer.engine.sequence import EndCause, Ended, Sequence
-from decode_server.streams import Mailbox, TokenStream, acquire_slot
+from kvtransfer.rpc.lifecycle import SHUTTING_DOWN, RunningRequests, end_by_cancel, request_budget
+from kvtransfer.rpc.limits import ConcurrencyLimit, prompt_problem
+from kvtransfer.rpc.metrics import Metrics
+from kvtransfer.rpc.modes import REQUEST_MODES, Mode
+from kvtransfer.rpc.security import server_credentials
+from kvtransfer.rpc.server import build_server
+from proto import kvtransfer_pb2 as pb
+from proto import kvtransfer_pb2_grpc as pbg
 
 log = logging.getLogger("kvtransfer.decode")
 

@@ -19,8 +19,8 @@ from collections import deque
 
 import grpc
 
-from kvtransfer.engine.pool import KVPool, Lease, PoolFull
 from decode_server.peer.remote import RequestError
+from kvtransfer.engine.pool import KVPool, Lease, PoolFull
 from kvtransfer.engine.sequence import EndCause, Ended, Sequence, Token
 
 ADMISSION_RECHECK_S = 0.05  # a waiting request also looks again this often (belt and braces; frees wake it)

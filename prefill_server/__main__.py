@@ -7,14 +7,13 @@ import logging
 
 from grpc_health.v1 import health_pb2
 
+from kvtransfer.model.loaded import load, pick_device
 from kvtransfer.rpc.compat import local_compat
 from kvtransfer.rpc.lifecycle import Stop, shut_down
-from kvtransfer.rpc.security import resolve_token
-from kvtransfer.model.loaded import load, pick_device
 from kvtransfer.rpc.main import run_main
 from kvtransfer.rpc.metrics import start_metrics
+from kvtransfer.rpc.security import resolve_token
 from kvtransfer.transport import registry
-
 from prefill_server.config import PrefillConfig
 from prefill_server.faults import StallFault
 from prefill_server.server import PrefillService, create_server

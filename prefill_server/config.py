@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvtransfer.model.loaded import resolve_dtype
+from kvtransfer.model.spec import ModelSpec
 from kvtransfer.rpc.configargs import LOG_LEVELS, check_choices, flag, one_line
 from kvtransfer.rpc.flagchecks import check_address, check_device, check_dist_init, check_positive
-from kvtransfer.model.spec import ModelSpec
+from kvtransfer.rpc.limits import CONTROL_MESSAGE_LIMIT, check_message_limit
+from kvtransfer.rpc.metrics import check_metrics_flags
 from kvtransfer.rpc.security import check_tls_flags, check_token_flags
 from kvtransfer.transport.registry import options_from
-from kvtransfer.model.loaded import resolve_dtype
-from kvtransfer.rpc.limits import check_message_limit, CONTROL_MESSAGE_LIMIT
-from kvtransfer.rpc.metrics import check_metrics_flags
 
 
 @dataclass(frozen=True)

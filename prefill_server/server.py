@@ -15,23 +15,21 @@ import grpc
 
 from kvtransfer.rpc.compat import mismatch
 from kvtransfer.rpc.lifecycle import SHUTTING_DOWN, RunningRequests
-from kvtransfer.rpc.limits import prompt_problem, request_id_problem
+from kvtransfer.rpc.limits import ConcurrencyLimit, prompt_problem, request_id_problem
+from kvtransfer.rpc.main import gpu_executor
 from kvtransfer.rpc.metrics import Metrics
 from kvtransfer.rpc.modes import Mode
 from kvtransfer.rpc.security import server_credentials
-from kvtransfer.rpc.limits import ConcurrencyLimit
-from kvtransfer.rpc.main import gpu_executor
 from kvtransfer.rpc.server import build_server
 from kvtransfer.rpc.status import transfer_status
 from kvtransfer.transport import TransferError
 from kvtransfer.transport.registry import Rendezvous, Transport
-from proto import kvtransfer_pb2 as pb
-from proto import kvtransfer_pb2_grpc as pbg
-
 from prefill_server import policy
 from prefill_server.config import PrefillConfig
 from prefill_server.pairing import PeerHealth, PrefillPairing
 from prefill_server.worker import WARMUP_REQUEST_ID, PrefillWorker
+from proto import kvtransfer_pb2 as pb
+from proto import kvtransfer_pb2_grpc as pbg
 
 log = logging.getLogger("kvtransfer.prefill")
 

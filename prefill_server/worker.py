@@ -15,8 +15,8 @@ import torch
 
 from kvtransfer.determinism import sync
 from kvtransfer.engine.sampler import first_token
-from kvtransfer.model.prefill import logits_digest, prefill, random_prompt
 from kvtransfer.model.loaded import LoadedModel
+from kvtransfer.model.prefill import logits_digest, prefill, random_prompt
 from kvtransfer.model.streaming import cache_layers
 from kvtransfer.transport import TransferError, TransferHeader
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtransfer.model.spec import ModelSpec, load_model
 from kvtransfer.model.prefill import random_prompt
+from kvtransfer.model.spec import ModelSpec, load_model
 
 DTYPES = ("float32", "bfloat16")
 PROMPT_LEN = 24

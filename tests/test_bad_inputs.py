@@ -25,14 +25,30 @@ import grpc
 import pytest
 import torch
 
-from support.badinputs import (CORRUPT, GENERATE, HANDSHAKE, HEALTH, PREFILL, Case, Target, call_generate, call_handshake,
-                       call_prefill, gen_request, good_request, outcome, raw_stream, raw_unary, undocumented,
-                       wait_for_log)
-from kvtransfer.rpc.compat import local_compat
 from kvtransfer.geometry import CacheGeometry
 from kvtransfer.model.spec import ModelSpec
+from kvtransfer.rpc.compat import local_compat
 from proto import kvtransfer_pb2 as pb
 from proto import kvtransfer_pb2_grpc as pbg
+from support.badinputs import (
+    CORRUPT,
+    GENERATE,
+    HANDSHAKE,
+    HEALTH,
+    PREFILL,
+    Case,
+    Target,
+    call_generate,
+    call_handshake,
+    call_prefill,
+    gen_request,
+    good_request,
+    outcome,
+    raw_stream,
+    raw_unary,
+    undocumented,
+    wait_for_log,
+)
 from support.servers import server_pair
 
 S = grpc.StatusCode

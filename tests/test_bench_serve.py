@@ -10,8 +10,7 @@ import shlex
 import pytest
 
 from bench.cli import build_parser, main
-from bench.measure.launch import ROOT
-from bench.measure.launch import colocated_server
+from bench.measure.launch import ROOT, colocated_server
 from bench.runs.serve import METRICS, PERCENTILES, ServeConfig, length_range, make_prompts, sustained
 from bench.runs.serve import config as serve_config
 

@@ -12,9 +12,9 @@ import torch
 
 from kvtransfer.engine.engine import DecodeEngine, EngineOptions
 from kvtransfer.geometry import CacheGeometry
-from kvtransfer.model.spec import ModelSpec, load_model
-from kvtransfer.model.prefill import random_prompt
 from kvtransfer.model.loaded import LoadedModel
+from kvtransfer.model.prefill import random_prompt
+from kvtransfer.model.spec import ModelSpec, load_model
 
 CHUNK_TOL = 1e-4  # fp32 max |diff| of first-token logits and of cache values (measured ~1e-6 on tiny)
 

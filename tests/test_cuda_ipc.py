@@ -18,13 +18,13 @@ import time
 import pytest
 import torch
 
-from support import contract
-from bench.stats import summarize
-from bench.twoproc import run_pair
-from support.harness import run_in_threads
-from kvtransfer.transport.options import IpcOptions
+from bench.measure.stats import summarize
+from bench.measure.twoproc import run_pair
 from kvtransfer.transport import TransferError, TransferHeader, TransferState
 from kvtransfer.transport.cuda_ipc.backend import LocalOps, ReceiverLink, SenderLink
+from kvtransfer.transport.options import IpcOptions
+from support import contract
+from support.harness import run_in_threads
 
 SLOT_BYTES = 64 << 10  # contract requests need at most 4 x 2 x 2 x 64 x 8 x 4 B = 32 KiB
 
@@ -93,8 +93,8 @@ def test_slot_held_while_views_live_then_pool_recovers(sock_dir):
     expect_error(lambda: p.s.open(h2), "timeout")  # pool exhausted: one slot, held
     assert time.monotonic() - t0 < 2
     del layers  # the last view dies: RELEASE goes out
-    wait_until(lambda: p.s.pool.free_slots() == [0])
-    t = p.send(h2)
+    wait_until(lambda: p.r.held.held() == {})
+    t = p.send(h2)  # open() waits (slot_timeout) for that RELEASE to reach the sender's pool
     contract.recv_check(p.r, h2)
     t.join()
     p.send(contract.header(3, 4)).join()

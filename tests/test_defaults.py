@@ -11,10 +11,19 @@ import pytest
 import torch
 
 from decode_server.config import DecodeConfig
-from decode_server.sizing import (CPU_SEQ, CPU_SLOTS, GIB, MAX_AUTO_BATCH, WORKSPACE, Memory, plan_engine, plan_pool,
-                                  workspace_bytes)
-from kvtransfer.model.spec import preset_config
+from decode_server.sizing import (
+    CPU_SEQ,
+    CPU_SLOTS,
+    GIB,
+    MAX_AUTO_BATCH,
+    WORKSPACE,
+    Memory,
+    plan_engine,
+    plan_pool,
+    workspace_bytes,
+)
 from kvtransfer.model.loaded import load, pick_device, resolve_dtype
+from kvtransfer.model.spec import preset_config
 
 QWEN_BPT, QWEN_CONTEXT = 57344, 32768
 H200 = Memory(total=int(139.8 * GIB), free=int(125.4 * GIB), ours=int(14.4 * GIB))  # after the weights

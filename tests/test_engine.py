@@ -22,9 +22,9 @@ from kvtransfer.engine.pool import KVPool, PoolFull
 from kvtransfer.engine.runner import StepRunner, UnsupportedModel, check_supported
 from kvtransfer.engine.sequence import Ended, Sequence
 from kvtransfer.geometry import CacheGeometry
-from kvtransfer.model.spec import ModelSpec, _seeded_init_, load_model
-from kvtransfer.model.prefill import prefill, random_prompt
 from kvtransfer.model.loaded import LoadedModel
+from kvtransfer.model.prefill import prefill, random_prompt
+from kvtransfer.model.spec import ModelSpec, _seeded_init_, load_model
 
 ENGINE_VS_HF = 1e-3  # fp32, max |logit diff| vs the HF forward, teacher-forced (measured: 2e-6 tiny, 1.3e-4 smollm2-135m)
 BATCH_TOL = 1e-4  # fp32, max |logit diff| of a row in a batch vs the same request alone
@@ -197,8 +197,8 @@ def test_eos_ends_the_sequence_when_asked(engine):
 def test_token_stream_stops_a_sequence_whose_client_does_not_read():
     import asyncio
 
-    from kvtransfer.engine.sequence import EndCause, Token
     from decode_server.streams import Mailbox, TokenStream
+    from kvtransfer.engine.sequence import EndCause, Token
 
     async def scenario():
         stream = TokenStream(Mailbox(asyncio.get_running_loop()), limit=3)

@@ -16,8 +16,8 @@ from kvtransfer.engine.graphs import Step
 from kvtransfer.engine.pool import KVPool
 from kvtransfer.engine.runner import StepRunner
 from kvtransfer.geometry import CacheGeometry
-from kvtransfer.model.spec import ModelSpec, load_model
 from kvtransfer.model.prefill import prefill, random_prompt
+from kvtransfer.model.spec import ModelSpec, load_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

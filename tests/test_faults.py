@@ -17,11 +17,11 @@ import time
 import grpc
 import pytest
 
-from support import netns
 from decode_server.client import generate
-from support.faultkit import NOT_SERVING, SERVING, Call, Pair, assert_no_leaks, remote_host, shape, value
-from support.enginekit import engine_generate
 from kvtransfer.model.prefill import random_prompt
+from support import netns
+from support.enginekit import engine_generate
+from support.faultkit import NOT_SERVING, SERVING, Call, Pair, assert_no_leaks, remote_host, shape, value
 
 NEW = 6
 HOLD = ["--fail-after-layers", "2", "--fail-requests", "1"]

@@ -13,8 +13,8 @@ import torch
 from transformers import AutoModelForCausalLM, MistralConfig
 
 from kvtransfer.model import fused_prefill as fp
-from kvtransfer.model.spec import ModelSpec, _seeded_init_, load_model
 from kvtransfer.model.prefill import decode, prefill, random_prompt
+from kvtransfer.model.spec import ModelSpec, _seeded_init_, load_model
 from kvtransfer.model.streaming import cache_layers, caches_equal, same_bytes
 from tests.test_engine import tiny_qwen2
 

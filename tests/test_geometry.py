@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kvtransfer.geometry import CODE_DTYPES, DTYPE_CODES, CacheGeometry
-from kvtransfer.model.spec import load_config
 from kvtransfer.model.prefill import prefill
+from kvtransfer.model.spec import load_config
 from kvtransfer.model.streaming import cache_layers
 
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from kvtransfer.determinism import enable_deterministic
-from kvtransfer.model.spec import ModelSpec, load_model, weights_fingerprint
 from kvtransfer.model.prefill import decode, prefill, random_prompt
-from support.generate import colocated_generate
+from kvtransfer.model.spec import ModelSpec, load_model, weights_fingerprint
 from kvtransfer.model.streaming import assemble_cache, cache_layers, caches_equal
+from support.generate import colocated_generate
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

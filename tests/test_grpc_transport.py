@@ -13,13 +13,13 @@ import grpc
 import pytest
 import torch
 
-from support import contract
-from bench.launch import free_port
+from bench.measure.launch import free_port
 from kvtransfer.rpc.status import CAUSE_STATUS
 from kvtransfer.transport import Cause, TransferError, TransferState
 from kvtransfer.transport.grpc import frames as wire
 from kvtransfer.transport.grpc.backend import Checksum, ReceiverLink, SenderLink
 from proto import kvdata_pb2 as pb
+from support import contract
 
 
 @pytest.fixture
@@ -225,7 +225,7 @@ def test_cuda_send_layer_never_waits_for_compute(receiver):
 
 
 def test_loopback_probe():
-    from bench.grpc_probe import measure_loopback
+    from bench.measure.grpc_probe import measure_loopback
     out = measure_loopback(4 << 20, channels=2, chunk_bytes=256 << 10, layers=4, repeats=1)
     assert out["bytes"] == 4 << 20
     for key in ("grpc", "socket"):

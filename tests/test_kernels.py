@@ -22,8 +22,8 @@ from transformers.models.llama.modeling_llama import (
     eager_attention_forward,
 )
 
-from kvtransfer.kernels import ops as K
 from bench.measure.kernel_inputs import attention_gold, decode_case
+from kvtransfer.kernels import ops as K
 
 DTYPES = [torch.float32, torch.bfloat16]
 # (q heads, kv heads, head dim): tiny, smollm2-135m, Qwen2.5-7B-like (scaled down D), MHA

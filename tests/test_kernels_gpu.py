@@ -20,8 +20,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtransfer.kernels import ops as K
 from bench.measure.kernel_inputs import DecodeCase, attention_gold, decode_case, ragged_lengths
+from kvtransfer.kernels import ops as K
 
 pytestmark = [
     pytest.mark.gpu,

@@ -23,8 +23,8 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 pytest.importorskip("triton")
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the interpreter's numpy use
 
-from kvtransfer.kernels import ops as K  # noqa: E402
 from bench.measure.kernel_inputs import attention_gold, decode_case  # noqa: E402
+from kvtransfer.kernels import ops as K  # noqa: E402
 from kvtransfer.kernels.triton_attention import choose_num_splits  # noqa: E402
 
 # max |err| / max |gold| allowed per dtype (bf16 doubled for the interpreter's truncation)

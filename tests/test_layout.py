@@ -8,7 +8,6 @@ together), and transitively: the engine may not reach gRPC through a helper that
 from __future__ import annotations
 
 import ast
-from collections import defaultdict
 from pathlib import Path
 
 import pytest

@@ -13,10 +13,10 @@ from prometheus_client import generate_latest
 
 from decode_server.client import generate
 from decode_server.config import DecodeConfig
-from support.faultkit import NOT_SERVING, SERVING, Pair, assert_no_leaks, value
-from kvtransfer.rpc.metrics import Metrics
 from kvtransfer.model.prefill import random_prompt
+from kvtransfer.rpc.metrics import Metrics
 from prefill_server.config import PrefillConfig
+from support.faultkit import NOT_SERVING, SERVING, Pair, assert_no_leaks, value
 
 BYTES_PER_TOKEN = 1024  # tiny, float32: 2 x 4 layers x 2 kv heads x 16 x 4 bytes
 

@@ -18,9 +18,9 @@ from kvtransfer.engine.pool import KVPool
 from kvtransfer.engine.runner import StepRunner
 from kvtransfer.engine.sequence import Ended, Sequence
 from kvtransfer.geometry import CacheGeometry
-from kvtransfer.model.spec import ModelSpec, load_model
-from kvtransfer.model.prefill import prefill, random_prompt
 from kvtransfer.model.loaded import LoadedModel
+from kvtransfer.model.prefill import prefill, random_prompt
+from kvtransfer.model.spec import ModelSpec, load_model
 from kvtransfer.model.streaming import cache_layers
 
 TOL = 1e-4  # fp32: other GEMM shapes than the plain step / whole prefill

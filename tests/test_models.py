@@ -17,7 +17,6 @@ from kvtransfer.model.spec import (
 )
 from support.generate import colocated_generate
 
-
 # ---------------------------------------------------------------- preset configs
 
 # config.json of HuggingFaceTB/SmolLM2-135M and Qwen/Qwen2.5-7B (configs only: never instantiated here).

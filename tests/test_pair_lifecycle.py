@@ -20,12 +20,12 @@ import pytest
 import torch
 
 from decode_server.client import generate
-from support.faultkit import SERVING, Half, Pair
-from kvtransfer.rpc.compat import local_compat
 from kvtransfer.geometry import CacheGeometry
 from kvtransfer.model.spec import ModelSpec
+from kvtransfer.rpc.compat import local_compat
 from proto import kvtransfer_pb2 as pb
 from proto import kvtransfer_pb2_grpc as pbg
+from support.faultkit import SERVING, Half, Pair
 
 PROMPT = [5, 6, 7, 8]
 EXIT_S = 2.0  # a stopped process is gone within this after its grace

@@ -11,13 +11,13 @@ import time
 import pytest
 import torch
 
-from support import contract
 from decode_server.config import DecodeConfig
 from decode_server.peer.receiver import ReceiveLoop
 from kvtransfer.geometry import CacheGeometry
 from kvtransfer.transport import registry
 from kvtransfer.transport.options import DistOptions, GrpcOptions, IpcOptions
 from prefill_server.config import PrefillConfig
+from support import contract
 
 
 def test_resolve_and_needs_cuda():

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+
 from support.servers import ROOT
 
 RUNBOOKS = {"two-gpu-1-smoke.sh": 4, "two-gpu-2-interference.sh": 2, "two-gpu-3-serve.sh": 1}  # python3 calls

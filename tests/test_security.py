@@ -19,14 +19,27 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from support.badinputs import (CORRUPT, GENERATE, HEALTH, Case, Target, call_generate, call_prefill, gen_request,
-                       good_request, outcome, raw_stream, raw_unary, undocumented)
 from decode_server.client import main as client_main
 from decode_server.config import DecodeConfig
 from kvtransfer.rpc.configargs import one_line
 from kvtransfer.rpc.security import ClientSecurity, resolve_token
 from prefill_server.config import PrefillConfig
 from proto import kvtransfer_pb2 as pb
+from support.badinputs import (
+    CORRUPT,
+    GENERATE,
+    HEALTH,
+    Case,
+    Target,
+    call_generate,
+    call_prefill,
+    gen_request,
+    good_request,
+    outcome,
+    raw_stream,
+    raw_unary,
+    undocumented,
+)
 from support.servers import ROOT, colocated_server, server_pair
 
 S = grpc.StatusCode

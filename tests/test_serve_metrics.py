@@ -66,9 +66,9 @@ def test_the_scheduler_reports_every_delivered_step_once():
     from kvtransfer.engine.engine import DecodeEngine, EngineOptions
     from kvtransfer.engine.sequence import Ended, Sequence
     from kvtransfer.geometry import CacheGeometry
-    from kvtransfer.model.spec import ModelSpec, load_model
-    from kvtransfer.model.prefill import random_prompt
     from kvtransfer.model.loaded import LoadedModel
+    from kvtransfer.model.prefill import random_prompt
+    from kvtransfer.model.spec import ModelSpec, load_model
 
     model = load_model(ModelSpec("tiny", "float32", 0))
     lm = LoadedModel(ModelSpec("tiny", "float32", 0), model, CacheGeometry.from_config(model.config, torch.float32),

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from decode_server.client import generate
-from kvtransfer.model.spec import ModelSpec, load_model
-from support.enginekit import engine_generate
 from kvtransfer.model.prefill import prefill, random_prompt
+from kvtransfer.model.spec import ModelSpec, load_model
 from kvtransfer.model.streaming import cache_digest, cache_layers
+from support.enginekit import engine_generate
 from support.servers import colocated_server, server_pair
 
 LENGTHS = [1, 7, 33, 130]

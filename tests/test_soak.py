@@ -18,11 +18,11 @@ import time
 
 import grpc
 
-from support.faultkit import Pair, assert_no_leaks, value
-from support.enginekit import engine_generate
 from kvtransfer.model.prefill import random_prompt
 from proto import kvtransfer_pb2 as pb
 from proto import kvtransfer_pb2_grpc as pbg
+from support.enginekit import engine_generate
+from support.faultkit import Pair, assert_no_leaks, value
 
 CLIENTS = 64
 LENGTHS = [1, 6, 17, 33, 64, 130, 257, 500]

@@ -11,10 +11,10 @@ import time
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from support.servers import ROOT, colocated_server
 
 from bench.measure.launch import stop
 from kvtransfer.rpc.stacks import catches_dump_signal, request_dump
+from support.servers import ROOT, colocated_server
 
 STACK = "most recent call first"  # faulthandler's header, per thread
 

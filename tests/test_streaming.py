@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from kvtransfer.model.prefill import decode, prefill
-from support.generate import colocated_generate
 from kvtransfer.model.streaming import (
     StreamingCache,
     assemble_cache,
@@ -20,6 +19,7 @@ from kvtransfer.model.streaming import (
     same_bytes,
 )
 from kvtransfer.transport.layout import kv_pair_view
+from support.generate import colocated_generate
 
 STEPS = 8
 

@@ -11,11 +11,11 @@ import os
 import pytest
 import torch
 
-from kvtransfer.model.spec import ModelSpec, load_model
-from kvtransfer.model.prefill import prefill, random_prompt
-from kvtransfer.model.streaming import caches_equal, cache_layers
 from bench.measure.pagecache import drop_page_cache, resident_pages
 from bench.measure.tiers import TIER_KINDS, DiskTier, contiguous_span, make_tiers
+from kvtransfer.model.prefill import prefill, random_prompt
+from kvtransfer.model.spec import ModelSpec, load_model
+from kvtransfer.model.streaming import cache_layers, caches_equal
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvtransfer.transport.options import DistOptions, GrpcOptions, IpcOptions
 from support import contract
 from support.harness import run_in_threads, run_two_processes
-from kvtransfer.transport.options import DistOptions, GrpcOptions, IpcOptions
 
 SCENARIOS = sorted(contract.SCENARIOS)
 

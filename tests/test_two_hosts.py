@@ -10,11 +10,11 @@ import sys
 
 import pytest
 
-from support import netns
 from bench.measure.launch import ROOT, free_port, spawn, stop
-from kvtransfer.model.spec import ModelSpec, load_model
-from support.enginekit import engine_generate
 from kvtransfer.model.prefill import random_prompt
+from kvtransfer.model.spec import ModelSpec, load_model
+from support import netns
+from support.enginekit import engine_generate
 
 REASON = netns.unavailable_reason()
 pytestmark = [pytest.mark.netns, pytest.mark.skipif(REASON is not None, reason=f"no network namespaces: {REASON}")]

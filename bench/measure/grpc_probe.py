@@ -17,11 +17,10 @@ import threading
 
 import torch
 
+from bench.measure.stats import median, spread_ms, timed
 from kvtransfer.transport import TransferError, TransferHeader, registry
 from kvtransfer.transport.layout import byte_view
 from kvtransfer.transport.options import CHECKSUMS, Checksum, GrpcOptions
-
-from bench.measure.stats import median, spread_ms, timed
 
 HEAD_DIM = 128  # float32, one kv head: a layer of `seq` tokens is 2 * seq * 512 bytes
 

@@ -19,8 +19,8 @@ from collections.abc import Sequence
 
 import torch
 
-from kvtransfer.determinism import sync
 from bench.measure.pagecache import drop_page_cache, read_file, write_file
+from kvtransfer.determinism import sync
 from kvtransfer.transport.layout import contiguous_span
 
 Layers = Sequence[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V): (batch, kv_heads, seq, head_dim)

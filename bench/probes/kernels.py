@@ -18,8 +18,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kvtransfer.kernels import ops as K
 from bench.measure.kernel_inputs import decode_case, ragged_lengths
+from kvtransfer.kernels import ops as K
 
 Q_HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTER = 28, 4, 128, 3584, 18944
 CASES = [(1, 1024), (1, 32768), (8, 32768), (64, 1024), (32, 1024), (64, 8192)]

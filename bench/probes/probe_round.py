@@ -36,10 +36,10 @@ from bench.probes.timing import loop_us
 from kvtransfer.engine.graphs import Step
 from kvtransfer.engine.pool import KVPool
 from kvtransfer.engine.runner import StepRunner, graph_us
-from kvtransfer.kernels import ops as K
 from kvtransfer.geometry import CacheGeometry
-from kvtransfer.model.spec import ModelSpec, load_model
+from kvtransfer.kernels import ops as K
 from kvtransfer.model.prefill import logits_digest, prefill
+from kvtransfer.model.spec import ModelSpec, load_model
 
 
 def gemv(model) -> list[dict]:

@@ -22,13 +22,12 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from kvtransfer.geometry import CacheGeometry
-from kvtransfer.model.spec import DTYPES, ModelSpec, load_model
-from kvtransfer.model.loaded import pick_device
-
 from bench.common import Job, csv, ints
 from bench.measure.decode_measure import Grid, Progress, bandwidth_gbps, budget, time_calls
 from bench.report.decode import finish_cell, targets
+from kvtransfer.geometry import CacheGeometry
+from kvtransfer.model.loaded import pick_device
+from kvtransfer.model.spec import DTYPES, ModelSpec, load_model
 
 HF_KINDS = ("eager", "static-compile")
 

@@ -17,10 +17,9 @@ import sys
 
 import torch
 
+from bench.measure.decode_measure import Grid, budget, time_calls
 from kvtransfer.geometry import CacheGeometry
 from kvtransfer.model.streaming import assemble_cache, cache_kwarg
-
-from bench.measure.decode_measure import Grid, budget, time_calls
 
 
 def hf_bytes(geom: CacheGeometry, batch: int, tokens: int) -> int:

@@ -25,15 +25,14 @@ import grpc
 import numpy as np
 import torch
 
-from decode_server.client import MODES
-from kvtransfer.model.spec import ModelSpec, load_config
-from kvtransfer.model.prefill import random_prompt
-from proto import kvtransfer_pb2 as pb
-from proto import kvtransfer_pb2_grpc as pbg
-
 from bench.common import Job, Step, csv, ints
 from bench.measure.interference_stats import arm_figures
 from bench.measure.launch import colocated_server, server_pair
+from decode_server.client import MODES
+from kvtransfer.model.prefill import random_prompt
+from kvtransfer.model.spec import ModelSpec, load_config
+from proto import kvtransfer_pb2 as pb
+from proto import kvtransfer_pb2_grpc as pbg
 
 ARMS = ("colocated", "chunked", "disagg")
 SERVER_MAX_NEW_TOKENS = 4096   # the decode server's default --max-new-tokens

@@ -24,12 +24,12 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from kvtransfer.geometry import CacheGeometry
-from kvtransfer.model.spec import DTYPES, ModelSpec, load_config
-
 from bench.common import Job, Step, csv
 from bench.measure.copies import filesystem, measure_links
 from bench.measure.p2p import cache_patterns, measure_p2p
+from kvtransfer.geometry import CacheGeometry
+from kvtransfer.model.spec import DTYPES, ModelSpec, load_config
+
 PROBES = ("p2p", "copies", "loopback", "backend")  # copies: device clone, peer, H2D/D2H, disk
 ORDER = ("p2p_whole", "p2p_layer", "peer_copy", "device_clone", "h2d_pinned", "d2h_pinned", "h2d_pageable",
          "d2h_pageable", "socket", "grpc", "grpc_backend", "disk_write", "disk_write_fsync", "disk_read")

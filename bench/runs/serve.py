@@ -28,15 +28,14 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from bench.common import Job, Step
+from bench.measure.serve_metrics import BatchWatch
+from bench.measure.stats import summarize
 from decode_server.client import MODES
 from kvtransfer.model.spec import load_config
 from kvtransfer.rpc.modes import Mode
 from proto import kvtransfer_pb2 as pb
 from proto import kvtransfer_pb2_grpc as pbg
-
-from bench.common import Job, Step
-from bench.measure.serve_metrics import BatchWatch
-from bench.measure.stats import summarize
 
 MAX_PROMPTS = 100_000
 METRICS = ("ttft", "tpot", "itl", "e2el")

@@ -15,15 +15,14 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from decode_server.client import generate
-from kvtransfer.geometry import CacheGeometry
-from kvtransfer.model.spec import ModelSpec, load_config
-from kvtransfer.model.prefill import random_prompt
-
 from bench.common import Job, Step, csv, ints
 from bench.measure.launch import colocated_server, server_pair
 from bench.measure.p2p import cache_patterns, measure_p2p
 from bench.measure.stats import median, spread_ms
+from decode_server.client import generate
+from kvtransfer.geometry import CacheGeometry
+from kvtransfer.model.prefill import random_prompt
+from kvtransfer.model.spec import ModelSpec, load_config
 
 CHECKS = ("cache_equal", "tokens_equal", "logits_equal", "tokens_equal_timed")  # every one counts in `ok`
 

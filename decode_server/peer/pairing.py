@@ -23,16 +23,14 @@ import logging
 import secrets
 import time
 
-import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-from kvtransfer.rpc.server import DECODE_INSTANCE_KEY
-from proto import kvtransfer_pb2 as pb
-from proto import kvtransfer_pb2_grpc as pbg
 
 from decode_server.peer.dataplane import DataPlane
 from decode_server.peer.handshake import HandshakeRefused, handshake
 from decode_server.peer.liveness import STOPPING, until_down, watch_peer
+from kvtransfer.rpc.server import DECODE_INSTANCE_KEY
+from proto import kvtransfer_pb2 as pb
+from proto import kvtransfer_pb2_grpc as pbg
 
 log = logging.getLogger("kvtransfer.decode")
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING

@@ -20,10 +20,6 @@ from dataclasses import dataclass
 import torch
 
 from kvtransfer.determinism import sync
-from kvtransfer.model.prefill import logits_digest, prefill
-from kvtransfer.model.loaded import LoadedModel
-from kvtransfer.model.streaming import cache_digest
-
 from kvtransfer.engine.chunk_attention import chunk_attention_on
 from kvtransfer.engine.graphs import Step
 from kvtransfer.engine.mixed import MixedPrefill
@@ -32,6 +28,9 @@ from kvtransfer.engine.runner import StepRunner
 from kvtransfer.engine.sampler import first_token
 from kvtransfer.engine.scheduler import Job, Scheduler
 from kvtransfer.engine.sequence import LocalPrefill
+from kvtransfer.model.loaded import LoadedModel
+from kvtransfer.model.prefill import logits_digest, prefill
+from kvtransfer.model.streaming import cache_digest
 
 log = logging.getLogger("kvtransfer.decode.engine")
 

@@ -19,11 +19,10 @@ import logging
 
 import torch
 
+from kvtransfer.engine.pool import KVPool
 from kvtransfer.kernels import ops as kernels
 from kvtransfer.model.decoder_stack import run_layers
 from kvtransfer.model.fused import UnsupportedModel, check_supported, fused_layers
-
-from kvtransfer.engine.pool import KVPool
 
 __all__ = ["StepRunner", "UnsupportedModel", "check_supported", "pick_gemv"]
 log = logging.getLogger("kvtransfer.decode.runner")

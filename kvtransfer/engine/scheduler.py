@@ -28,17 +28,15 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass
 
 import torch
 
-from kvtransfer.model.prefill import logits_digest
-
 from kvtransfer.engine.graphs import Step
-from kvtransfer.engine.queued import QueuedStep, StepStats, let_go, queue_step
 from kvtransfer.engine.mixed import Chunk, MixedPrefill
 from kvtransfer.engine.prompt_queue import PromptQueue
+from kvtransfer.engine.queued import QueuedStep, StepStats, let_go, queue_step
 from kvtransfer.engine.sequence import EndCause, Ended, LocalPrefill, Sequence, Token
+from kvtransfer.model.prefill import logits_digest
 
 log = logging.getLogger("kvtransfer.decode.scheduler")
 

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+
 def _configs():
     return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
             for bn, bk, w, st in ((4, 512, 4, 3), (8, 512, 4, 3), (8, 256, 4, 4), (16, 256, 4, 3), (16, 512, 8, 3),

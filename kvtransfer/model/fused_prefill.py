@@ -37,7 +37,6 @@ from kvtransfer.model.decoder_stack import run_layers
 from kvtransfer.model.fused import UnsupportedModel, check_supported, fused_layers
 from kvtransfer.model.streaming import LayerCallback, StreamingCache
 
-
 # Below CUDNN_MIN_TOKENS SDPA may pick among these, in this order (None: SDPA's own choice, cuDNN included;
 # bench.probes.probe_round compares); from it on, SDPA's own choice.
 SDPA_BACKENDS: list | None = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]

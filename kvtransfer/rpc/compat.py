@@ -15,10 +15,9 @@ from __future__ import annotations
 import os
 import re
 
-from proto import kvtransfer_pb2 as pb
-
 from kvtransfer.geometry import CacheGeometry
 from kvtransfer.model.spec import ModelSpec, weights_fingerprint
+from proto import kvtransfer_pb2 as pb
 
 PROTOCOL_VERSION = 1
 LAYOUT = "l2bhsd"  # (layers, K|V, batch, kv_heads, seq, head_dim), K and V of a layer adjacent

@@ -6,8 +6,19 @@ transport module imports transformers (layout.py holds the memory views they sha
 
 from __future__ import annotations
 
-from kvtransfer.transport.base import (Cause, Destination, DestinationProvider, KVReceiver, KVSender, ReceiverLink, SenderLink,
-                   TransferError, TransferHeader, TransferState, fresh_destination)
+from kvtransfer.transport.base import (
+                   Cause,
+                   Destination,
+                   DestinationProvider,
+                   KVReceiver,
+                   KVSender,
+                   ReceiverLink,
+                   SenderLink,
+                   TransferError,
+                   TransferHeader,
+                   TransferState,
+                   fresh_destination,
+)
 
 __all__ = ["Cause", "Destination", "DestinationProvider", "KVReceiver", "KVSender", "ReceiverLink", "SenderLink",
            "TransferError", "TransferHeader", "TransferState", "fresh_destination"]

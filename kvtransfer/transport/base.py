@@ -1,8 +1,9 @@
 """The one transfer interface: per request a sender and a receiver (five verbs), per connection a link.
 
 Why this small: every backend (fake, nccl/gloo, grpc, cuda_ipc) implements exactly these and
-passes the same contract suite; the wire frame is frames.py, memory views are layout.py,
-building links is registry.py. State is an ordered enum, so the worst of many is `min()`.
+passes the same contract suite; the sender's state machine is sender.py, the header and
+destinations header.py, failure causes errors.py, the wire frame frames.py, memory views
+layout.py, building links registry.py. State is an ordered enum, so the worst of many is `min()`.
 The receiving side decides where layers land: `accept` takes a destination provider.
 """
 
@@ -10,11 +11,13 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+
+# the interface's vocabulary: defined beside it, imported from here as before
+from kvtransfer.transport.errors import Cause, TransferError  # noqa: F401
+from kvtransfer.transport.header import Destination, DestinationProvider, TransferHeader, fresh_destination  # noqa: F401
 
 
 class TransferState(enum.IntEnum):
@@ -22,56 +25,6 @@ class TransferState(enum.IntEnum):
     WAITING = 2  # opened/accepted, nothing moved yet
     TRANSFERRING = 3
     SUCCESS = 4
-
-
-class Cause(enum.StrEnum):
-    """Why a transfer failed; kvtransfer.rpc.status maps each to the gRPC status a request ends with."""
-    ABORTED = "aborted"      # one side gave up (abort, or the receiver let go)
-    TIMEOUT = "timeout"      # a deadline passed
-    PEER = "peer"            # the other side or the connection is gone
-    PROTOCOL = "protocol"    # a frame or a call that breaks the contract
-    DATA_LOSS = "data_loss"  # bytes arrived corrupted (checksum)
-
-
-class TransferError(RuntimeError):
-    def __init__(self, cause: Cause | str, message: str):
-        self.cause = Cause(cause)
-        super().__init__(f"{self.cause.value}: {message}")
-
-
-@dataclass(frozen=True)
-class TransferHeader:
-    """Sent before any layer, so the receiver sizes (or finds) the right memory for the right request."""
-    request_id: int
-    seq_len: int
-    num_layers: int
-    kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-    batch: int = 1
-
-    def layer_shape(self) -> tuple[int, int, int, int]:
-        return (self.batch, self.kv_heads, self.seq_len, self.head_dim)  # (batch, kv_heads, seq, head_dim)
-
-    def layer_bytes(self) -> int:
-        """Bytes of one layer's K plus V."""
-        b, h, s, d = self.layer_shape()
-        return 2 * b * h * s * d * torch.empty((), dtype=self.dtype).element_size()
-
-    def total_bytes(self) -> int:
-        return self.layer_bytes() * self.num_layers
-
-
-# Per layer (k, v), each with header.layer_shape() and header.dtype, on the receiving device. They MAY be
-# non-contiguous views (e.g. a slice of a KV pool laid out (slots, kv_heads, max_seq, head_dim)).
-Destination = Sequence[tuple[torch.Tensor, torch.Tensor]]
-DestinationProvider = Callable[[TransferHeader], Destination]  # may raise TransferError: the frame is drained
-
-
-def fresh_destination(header: TransferHeader, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The default: one contiguous (layers, 2, batch, kv_heads, seq, head_dim) block, K/V adjacent."""
-    block = torch.empty((header.num_layers, 2, *header.layer_shape()), dtype=header.dtype, device=device)
-    return [(block[i, 0], block[i, 1]) for i in range(header.num_layers)]
 
 
 class KVSender(ABC):

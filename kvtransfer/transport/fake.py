@@ -1,4 +1,4 @@
-"""In-process fake backend: the state machine without a wire.
+"""In-process fake backend: the contract without a wire (the sender's state machine is sender.py).
 
 Why: the contract suite, the servers' request bookkeeping and the fault paths are tested
 on CPU in milliseconds against this, and the same suite keeps the real backends honest.
@@ -17,9 +17,11 @@ import time
 import torch
 
 from kvtransfer.transport import base
-from kvtransfer.transport.base import KVReceiver, KVSender, TransferError, TransferHeader, TransferState
-from kvtransfer.transport.frames import Placement, check_header, check_layer, destination_for
+from kvtransfer.transport.base import KVReceiver, TransferError, TransferHeader, TransferState
+from kvtransfer.transport.frames import check_header
+from kvtransfer.transport.landing import Placement, destination_for
 from kvtransfer.transport.options import FakeOptions
+from kvtransfer.transport.sender import BaseSender
 
 _OK, _ABORT = "ok", "abort"
 
@@ -88,56 +90,34 @@ class ReceiverLink(base.ReceiverLink):
         self.wire.closed.set()
 
 
-class FakeSender(KVSender):
+class FakeSender(BaseSender):
     def __init__(self, wire: FakeWire, header: TransferHeader, drop_after_layers: int | None):
-        self.header = header
+        super().__init__(header)
         self._messages: queue.Queue = queue.Queue()
         self._gave_up = threading.Event()  # the back channel: set by the receiver when it lets go
-        self._next = 0
         self._drop_after = drop_after_layers
-        self._state = TransferState.WAITING
         self._wire = wire
         if wire.closed.is_set():
             raise TransferError("peer", "the receiver link is closed")
         wire.requests.put((header, self._messages, self._gave_up))
 
-    def _check_receiver(self) -> None:
-        if self._wire.closed.is_set() and self._state != TransferState.SUCCESS:
-            self._state = TransferState.FAILED
-            raise TransferError("peer", "the receiver link closed")
-        if self._gave_up.is_set() and self._state != TransferState.SUCCESS:
-            self._state = TransferState.FAILED
-            raise TransferError("aborted", f"the receiver gave up on request {self.header.request_id}")
+    def _heard(self):
+        if self._wire.closed.is_set():
+            return TransferError("peer", "the receiver link closed")
+        if self._gave_up.is_set():
+            return TransferError("aborted", f"the receiver gave up on request {self.header.request_id}")
+        return None
 
-    def send_layer(self, layer_idx, key, value):
-        if self._state <= TransferState.FAILED or self._state == TransferState.SUCCESS:
-            raise TransferError("protocol", f"send_layer after the transfer ended ({self._state.name})")
-        self._check_receiver()
-        check_layer(self.header, self._next, layer_idx, key, value)
-        self._next += 1
-        self._state = TransferState.TRANSFERRING
+    def _send(self, layer_idx, key, value):
         if self._drop_after is None or layer_idx < self._drop_after:
             self._messages.put((layer_idx, key.clone(), value.clone()))
 
-    def finish(self, timeout=None):
-        if self._state == TransferState.FAILED:
-            raise TransferError("aborted", "finish after abort")
-        self._check_receiver()
-        if self._next != self.header.num_layers:
-            raise TransferError("protocol", f"finish after {self._next} of {self.header.num_layers} layers")
+    def _finish(self, timeout):
         if self._drop_after is None:
             self._messages.put((_OK, None, None))
-        self._state = TransferState.SUCCESS
 
-    def abort(self, reason):
-        if self._state != TransferState.SUCCESS:
-            self._state = TransferState.FAILED
-            self._messages.put((_ABORT, reason, None))
-
-    def status(self):
-        if self._gave_up.is_set() and self._state == TransferState.TRANSFERRING:
-            return TransferState.FAILED
-        return self._state
+    def _abort(self, reason):
+        self._messages.put((_ABORT, reason, None))
 
 
 class FakeReceiver(KVReceiver):

@@ -56,11 +56,6 @@ def byte_view(t: torch.Tensor) -> memoryview:
     return memoryview(byte_array(t))
 
 
-def flat_bytes(t: torch.Tensor) -> torch.Tensor | None:
-    """A flat uint8 view of a contiguous tensor (any device), else None."""
-    return t.reshape(-1).view(torch.uint8) if t.is_contiguous() else None
-
-
 def contiguous_span(layers) -> torch.Tensor | None:
     """A flat uint8 view over all of K0, V0, K1, ... when they lie back to back in one storage."""
     tensors = [t for kv in layers for t in kv]

@@ -96,7 +96,20 @@ def expect_error(fn, cause: str) -> TransferError:
 # --- scenarios: name -> (send half, receive half); halves take (link, device) ---
 
 def s_roundtrip(link, dev):
-    send_all(link, header(1, 5), dev)
+    """One request, then the calls a finished sender refuses or ignores (kvtransfer/transport/sender.py)."""
+    h = header(1, 5)
+    layers = [(k.to(dev), v.to(dev)) for k, v in layers_for(h)]
+    s = link.open(h)
+    assert s.status() == TransferState.WAITING
+    for i, (k, v) in enumerate(layers):
+        s.send_layer(i, k, v)
+        assert s.status() == TransferState.TRANSFERRING
+    expect_error(lambda: s.send_layer(LAYERS, *layers[0]), "protocol")  # past the header's layers: refused
+    s.finish(timeout=30)
+    s.finish(timeout=30)  # again: done already
+    s.abort("too late")  # after success: nothing
+    assert s.status() == TransferState.SUCCESS
+    expect_error(lambda: s.send_layer(0, *layers[0]), "protocol")
 
 
 def r_roundtrip(link, dev):
@@ -119,6 +132,11 @@ def s_abort_then_ok(link, dev):
     for i, (k, v) in enumerate(layers_for(h)[:2]):
         s.send_layer(i, k.to(dev), v.to(dev))
     s.abort("prefill failed")
+    assert s.status() == TransferState.FAILED
+    k, v = layers_for(h)[2]
+    expect_error(lambda: s.send_layer(2, k.to(dev), v.to(dev)), "protocol")  # after abort: refused, nothing sent
+    expect_error(lambda: s.finish(timeout=5), "aborted")
+    s.abort("again")  # once only: a second abort sends nothing
     assert s.status() == TransferState.FAILED
     send_all(link, header(3, 7), dev)
 
@@ -273,6 +291,9 @@ def s_receiver_abort(link, dev):
     if type(link).abort_reaches_sender:
         assert failed is not None and failed.cause == "aborted", f"the receiver's abort did not reach the sender: {failed}"
         assert time.monotonic() - t0 < 2.5, f"the sender heard of the abort after {time.monotonic() - t0:.1f} s"
+        assert s.status() == TransferState.FAILED
+        expect_error(lambda: s.finish(timeout=5), "aborted")  # the first failure, whatever is called next
+        s.abort("after the failure")  # nothing more goes out
         assert s.status() == TransferState.FAILED
     send_all(link, header(16, 4), dev)
 

@@ -14,8 +14,8 @@ import torch
 from kvtransfer.engine.engine import DecodeEngine, EngineOptions
 from kvtransfer.engine.sequence import Ended, Sequence
 from kvtransfer.geometry import CacheGeometry
-from kvtransfer.model.spec import ModelSpec
 from kvtransfer.model.loaded import LoadedModel
+from kvtransfer.model.spec import ModelSpec
 
 _ENGINES: dict[int, DecodeEngine] = {}
 

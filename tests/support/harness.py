@@ -1,7 +1,7 @@
 """Run a transport scenario's two halves: in two threads (in-process backends) or two real processes.
 
 Why here: every transport test starts its two sides the same way (the process plumbing is
-bench/twoproc.py's and the free port bench/launch.py's, shared with the benches); both sides
+bench/measure/twoproc.py's and the free port bench/measure/launch.py's, shared with the benches); both sides
 build their links through the registry (kvtransfer.transport.registry), with the options
 given, exactly as the servers do.
 """
@@ -14,10 +14,10 @@ import traceback
 
 import torch
 
-from support import contract
-from bench.launch import free_port
-from bench.twoproc import exit_now, run_pair
+from bench.measure.launch import free_port
+from bench.measure.twoproc import exit_now, run_pair
 from kvtransfer.transport import registry
+from support import contract
 
 __all__ = ["free_port", "run_in_threads", "run_two_processes"]
 

@@ -9,10 +9,10 @@ prefill side maps them once and creates one interprocess event per (slot, layer)
 handles go the other way once. Per layer the sender records, waits, launches one copy
 into the slot on a side stream, records the layer's event and writes a 17-byte "landed"
 message; the receiver makes its stream wait on that event (no host sync). The control
-channel (ipc_channel.py) carries typed struct frames only; the slot bookkeeping
-(ipc_pool.py) keeps a slot out of use while a copy into it may still be issued or the
-decode side holds its cache; the CUDA calls are in ipc_device.py; the decode side is in
-ipc_receiver.py. A received cache is a view into its slot: the slot goes back when
+channel (channel.py) carries typed struct frames only; the slot bookkeeping
+(pool.py) keeps a slot out of use while a copy into it may still be issued or the
+decode side holds its cache; the CUDA calls are in device.py; the decode side is in
+receiver.py; the sender's states are sender.py's. A received cache is a view into its slot: the slot goes back when
 `release()` is called or the cache's tensors are all dropped, at once on abort or timeout.
 Both processes must see both GPUs (CUDA_VISIBLE_DEVICES naming both, in any order).
 """
@@ -28,16 +28,32 @@ import torch
 
 from kvtransfer.geometry import DTYPE_CODES
 from kvtransfer.transport import base
-from kvtransfer.transport.base import KVSender, TransferError, TransferHeader, TransferState
-from kvtransfer.transport.frames import check_layer
-from kvtransfer.transport.layout import kv_pair_view
-from kvtransfer.transport.options import IpcOptions
+from kvtransfer.transport.base import TransferError, TransferHeader
 from kvtransfer.transport.cuda_ipc.channel import Channel, check_hello, connect, expect
-from kvtransfer.transport.cuda_ipc.messages import (MAGIC, ROLE_RECEIVER, ROLE_SENDER, TRAILER_ABORTED, TRAILER_OK, VERSION, Events, Header,
-                           Hello, Pool, Ready, Release, Slot, Trailer, encode, encode_landed)
 from kvtransfer.transport.cuda_ipc.device import CudaOps, LocalOps, slot_view
+from kvtransfer.transport.cuda_ipc.messages import (
+    MAGIC,
+    ROLE_RECEIVER,
+    ROLE_SENDER,
+    TRAILER_ABORTED,
+    TRAILER_OK,
+    VERSION,
+    Events,
+    Header,
+    Hello,
+    Pool,
+    Ready,
+    Release,
+    Slot,
+    Trailer,
+    encode,
+    encode_landed,
+)
 from kvtransfer.transport.cuda_ipc.pool import SlotPool, check_fits
 from kvtransfer.transport.cuda_ipc.receiver import IpcReceiver, ReceiverLink
+from kvtransfer.transport.layout import kv_pair_view
+from kvtransfer.transport.options import IpcOptions
+from kvtransfer.transport.sender import BaseSender
 
 __all__ = ["IpcReceiver", "IpcSender", "LocalOps", "ReceiverLink", "SenderLink", "receiver_link", "sender_link"]
 
@@ -135,94 +151,72 @@ class SenderLink(base.SenderLink):
         return self._current
 
     def close(self) -> None:
-        if self._current is not None and not self._current.closed:
-            self._current.abort("link closed")
+        if self._current is not None:
+            self._current.abort("link closed")  # nothing once it has ended
         self._closing = True
         self.chan.close()
         self._reader.join(timeout=1.0)
 
 
-class IpcSender(KVSender):
+class IpcSender(BaseSender):
     def __init__(self, link: SenderLink, header: TransferHeader, slot: int):
-        self.link, self.header, self.slot = link, header, slot
-        self.closed = False
-        self._state = TransferState.WAITING
-        self._next = 0
-        self._keep: list[tuple[torch.Tensor, ...]] = []  # sources stay alive until their copies are done
-        self._ended = False
+        super().__init__(header)
+        self.link, self.slot = link, slot
+        self._keep: list[tuple[torch.Tensor, ...]] = []  # per layer copied: its sources, alive until the copy is done
         self._events = link.layer_events[slot]
         self._dst = slot_view(link.slots[slot], header).unbind(0)  # per layer: (2, batch, kv_heads, seq, head_dim)
         link.ops.side_wait(link.release_events[slot])  # the decode side's reads of the slot's last cache go first
-        self._send(Header(header.request_id, slot, header.seq_len, header.num_layers, header.kv_heads,
-                          header.head_dim, header.batch, DTYPE_CODES[header.dtype]))
-
-    def _send(self, m) -> None:
-        self._send_frame(encode(m))
+        self._run(self._send_frame, encode(Header(header.request_id, slot, header.seq_len, header.num_layers,
+                                                  header.kv_heads, header.head_dim, header.batch,
+                                                  DTYPE_CODES[header.dtype])))  # a failure gives the slot back
 
     def _send_frame(self, data: bytes) -> None:
         try:
             self.link.chan.send_frame(data)
         except TransferError as e:
-            self.link.error = self.link.error or e
-            self._close(TransferState.FAILED)
+            self.link.error = self.link.error or e  # the control channel is broken: so is the link
             raise
 
-    def send_layer(self, layer_idx, key, value):
-        if self.closed:
-            raise TransferError("protocol", f"send_layer after the transfer ended ({self._state.name})")
-        check_layer(self.header, self._next, layer_idx, key, value)
+    # --- how bytes move (sender.py keeps the state) ---
+
+    def _check(self, layer_idx, key, value):
         if key.device != self.link.device or value.device != self.link.device:
             raise TransferError("protocol", f"layer {layer_idx} is on {key.device}/{value.device}; "
                                 f"this link sends from {self.link.device}")
+
+    def _heard(self):
+        """An early RELEASE of this request's slot: the receiver gave up."""
         if self.link.pool.gave_up[self.slot] == self.header.request_id:
-            self.abort("receiver gave up")
-            raise TransferError("aborted", f"receiver gave up on request {self.header.request_id}")
+            return TransferError("aborted", f"receiver gave up on request {self.header.request_id}")
+        return None
+
+    def _send(self, layer_idx, key, value):
         kv = kv_pair_view(key, value)  # (2, b, h, s, d) when V follows K in memory (StreamingCache): one copy
         srcs = (key, value) if kv is None else (kv,)
         self.link.ops.copy(self._dst[layer_idx], srcs, self._events[layer_idx])
         self._keep.append(srcs)
-        self._next += 1
-        self._state = TransferState.TRANSFERRING
         self._send_frame(encode_landed(self.header.request_id, layer_idx))  # after the record: the event is ours
 
-    def finish(self, timeout=None):
-        if self._state == TransferState.FAILED:
-            raise TransferError("aborted", "finish after abort")
-        if self._state == TransferState.SUCCESS:
-            return
+    def _finish(self, timeout):
         rid, n = self.header.request_id, self.header.num_layers
-        if self._next != n:
-            raise TransferError("protocol", f"finish after {self._next} of {n} layers")
-        self._send(Trailer(rid, TRAILER_OK, b""))
+        self._send_frame(encode(Trailer(rid, TRAILER_OK, b"")))
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self.link.ops.done(self._events[n - 1]):  # one side stream: the last copy done => all done
             if deadline is not None and time.monotonic() > deadline:
-                self._close(TransferState.FAILED)
                 raise TransferError("timeout", f"request {rid}: copies into the receive slot took over {timeout} s")
             time.sleep(_POLL_S)
-        gave_up = self.link.pool.gave_up[self.slot] == rid
-        self._close(TransferState.FAILED if gave_up else TransferState.SUCCESS)
-        if gave_up:
+        if self._heard() is not None:
             raise TransferError("aborted", f"receiver gave up on request {rid} before it completed")
 
-    def abort(self, reason):
-        if self.closed:
-            return
+    def _abort(self, reason):
         try:
-            self._send(Trailer(self.header.request_id, TRAILER_ABORTED, reason.encode()[:512]))
+            self._send_frame(encode(Trailer(self.header.request_id, TRAILER_ABORTED, reason.encode()[:512])))
         except TransferError:
             pass  # the link is broken (recorded on it); the receiver learns from the closed channel
-        self._close(TransferState.FAILED)
 
-    def _close(self, state: TransferState) -> None:
-        self.closed, self._state = True, state
-        if self._ended:
-            return
-        self._ended = True
-        if self._next:
-            self.link.ops.retire([t for srcs in self._keep for t in srcs], self._events[self._next - 1])
+    def _end(self, error):
+        """No more copies into the slot will be issued: the sources may go, the slot goes back to the pool."""
+        if self._keep:  # copies in order on one side stream: the last one issued done => all done
+            self.link.ops.retire([t for srcs in self._keep for t in srcs], self._events[len(self._keep) - 1])
         self._keep = []
         self.link.pool.sender_done(self.slot)
-
-    def status(self):
-        return self._state

@@ -17,8 +17,17 @@ import threading
 import time
 
 from kvtransfer.transport.base import TransferError
-from kvtransfer.transport.cuda_ipc.messages import (FRAME, MAGIC, MAX_PAYLOAD, ROLE_SENDER, VERSION, Hello, Message, decode,
-                           encode)
+from kvtransfer.transport.cuda_ipc.messages import (
+    FRAME,
+    MAGIC,
+    MAX_PAYLOAD,
+    ROLE_SENDER,
+    VERSION,
+    Hello,
+    Message,
+    decode,
+    encode,
+)
 
 
 class Channel:

@@ -1,7 +1,7 @@
 """The device half of cuda_ipc: IPC memory and event handles, and the per-layer copy.
 
 Why isolated: everything CUDA-specific that the transport does is in `CudaOps` (a dozen
-small methods), so the protocol, the pool and the state machine in cuda_ipc.py run on CPU
+small methods), so the protocol, the pool and the state machine (sender.py) run on CPU
 against `LocalOps`, an in-process stand-in whose "handles" name objects of this process
 (two threads, one real socket). `CudaOps` follows torch/multiprocessing/reductions.py:
 `storage._share_cuda_()` -> (device, handle, size, offset, ref-counter file, ref-counter

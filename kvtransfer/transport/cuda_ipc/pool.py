@@ -46,10 +46,6 @@ class SlotPool:
     def __len__(self) -> int:
         return len(self._sending)
 
-    def free_slots(self) -> list[int]:
-        with self._cond:
-            return self._free()
-
     def _free(self) -> list[int]:
         return [s for s in range(len(self._sending)) if self._sending[s] is None and self._held[s] is None]
 

@@ -20,12 +20,27 @@ import weakref
 
 from kvtransfer.transport import base
 from kvtransfer.transport.base import KVReceiver, TransferError, TransferHeader, TransferState
-from kvtransfer.transport.frames import Placement, destination_for, make_header
 from kvtransfer.transport.cuda_ipc.channel import Channel, accept, check_hello, expect, listen
-from kvtransfer.transport.cuda_ipc.messages import (MAGIC, ROLE_RECEIVER, ROLE_SENDER, TRAILER_OK, VERSION, Events, Header, Hello, Landed, Pool,
-                           Ready, Release, Slot, Trailer)
 from kvtransfer.transport.cuda_ipc.device import EVENT_HANDLE_BYTES, CudaOps, slot_view
+from kvtransfer.transport.cuda_ipc.messages import (
+    MAGIC,
+    ROLE_RECEIVER,
+    ROLE_SENDER,
+    TRAILER_OK,
+    VERSION,
+    Events,
+    Header,
+    Hello,
+    Landed,
+    Pool,
+    Ready,
+    Release,
+    Slot,
+    Trailer,
+)
 from kvtransfer.transport.cuda_ipc.pool import HeldSlots, check_fits
+from kvtransfer.transport.frames import make_header
+from kvtransfer.transport.landing import Placement, destination_for
 
 _POLL_S = 20e-6
 

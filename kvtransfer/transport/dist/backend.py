@@ -24,10 +24,12 @@ import torch
 import torch.distributed as dist
 
 from kvtransfer.transport import base
-from kvtransfer.transport.base import KVReceiver, KVSender, TransferError, TransferHeader, TransferState
-from kvtransfer.transport.frames import Placement, check_layer, destination_for, header_fields, make_header
+from kvtransfer.transport.base import KVReceiver, TransferError, TransferHeader, TransferState
+from kvtransfer.transport.frames import header_fields, make_header
+from kvtransfer.transport.landing import Placement, destination_for
 from kvtransfer.transport.layout import kv_pair_view, run_or_stack
 from kvtransfer.transport.options import DistOptions
+from kvtransfer.transport.sender import BaseSender
 
 TRAILER_OK, TRAILER_ABORTED = 1, 2
 HEADER_INTS = 8  # header_fields (7) + layers per message
@@ -111,20 +113,18 @@ class SenderLink(base.SenderLink):
         return self._current
 
     def close(self) -> None:
-        if self._current is not None and not self._current.closed:
-            self._current.abort("link closed")
+        if self._current is not None:
+            self._current.abort("link closed")  # nothing once it has ended
 
 
-class DistSender(KVSender):
+class DistSender(BaseSender):
     def __init__(self, link: SenderLink, header: TransferHeader):
-        self.link, self.header = link, header
-        self.closed = False
+        super().__init__(header)
+        self.link = link
         self._works: list = []
         self._keep: list[torch.Tensor] = []  # tensors must outlive their Work
-        self._next = 0
         self._msgs = _messages(header, link.per_msg)
         self._pending: list[torch.Tensor] = []  # (2, b, h, s, d) per layer of the open message
-        self._state = TransferState.WAITING
         wire = torch.tensor([*header_fields(header), link.per_msg], dtype=torch.int64)
         self._isend(wire.to(link.device))
 
@@ -133,54 +133,31 @@ class DistSender(KVSender):
         try:
             self._works.append(dist.isend(t, dst=self.link.peer, group=self.link.group))
         except RuntimeError as e:  # gloo: "Connection closed by peer"
-            self._state = TransferState.FAILED
             raise TransferError("peer", f"send failed: {e}") from e
 
-    def send_layer(self, layer_idx, key, value):
-        if self.closed:
-            raise TransferError("protocol", f"send_layer after the transfer ended ({self._state.name})")
-        check_layer(self.header, self._next, layer_idx, key, value)
+    def _send(self, layer_idx, key, value):
         kv = kv_pair_view(key, value)
         if kv is None:
             kv = torch.stack((key, value))  # (2, b, h, s, d): only when K and V are not adjacent
-        self._next += 1
-        self._state = TransferState.TRANSFERRING
         self._pending.append(kv)
         if len(self._pending) == len(self._msgs[0]):
             self._msgs.pop(0)
             self._isend(run_or_stack(self._pending))
             self._pending = []
 
-    def finish(self, timeout=None):
-        if self._state == TransferState.FAILED:
-            raise TransferError("aborted", "finish after abort")
-        if self._next != self.header.num_layers:
-            raise TransferError("protocol", f"finish after {self._next} of {self.header.num_layers} layers")
+    def _finish(self, timeout):
         self._isend(torch.tensor([TRAILER_OK], dtype=torch.int64, device=self.link.device))
-        self.closed = True
         deadline = None if timeout is None else time.monotonic() + timeout
-        try:
-            _wait_all(self._works, self.link.device, deadline, f"request {self.header.request_id} send")
-        except TransferError:
-            self._state = TransferState.FAILED
-            raise
+        _wait_all(self._works, self.link.device, deadline, f"request {self.header.request_id} send")
         self._works, self._keep = [], []
-        self._state = TransferState.SUCCESS
 
-    def abort(self, reason):
-        if self.closed:
-            return
+    def _abort(self, reason):
         shape = self.header.layer_shape()
         for msg in self._msgs:  # the first may be partly filled by self._pending
             # pad the frame so the receiver's posted receives complete and the stream stays in step
             self._isend(torch.zeros((len(msg), 2, *shape), dtype=self.header.dtype, device=self.link.device))
         self._pending, self._msgs = [], []
         self._isend(torch.tensor([TRAILER_ABORTED], dtype=torch.int64, device=self.link.device))
-        self.closed = True
-        self._state = TransferState.FAILED
-
-    def status(self):
-        return self._state
 
 
 class ReceiverLink(base.ReceiverLink):

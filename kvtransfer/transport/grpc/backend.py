@@ -1,17 +1,17 @@
 """gRPC backend, sender side: one request = one client stream per channel, layers chunked over them.
 
-Why this shape: gRPC in Python moves ~1 GB/s per channel (one H200 host, 16 cores: 1.1 GB/s
-with one channel, 3.1 GB/s with four, a raw TCP socket 3.6), so a request's bytes are spread
-over `channels` channels, each its own TCP connection (`use_local_subchannel_pool`).
+Why this shape: one gRPC channel in Python carries far less than the link (or a raw TCP
+socket) can, and channels add up, so a request's bytes are spread over `channels` channels,
+each its own TCP connection (`use_local_subchannel_pool`).
 The payload is raw bytes behind a fixed struct (no protobuf copy). `send_layer` only checks
-and enqueues (on CUDA it also queues the D2H copy on a side stream); one shipping thread
+(sender.py) and enqueues (on CUDA it also queues the D2H copy on a side stream); one shipping thread
 per request waits for each layer's copy, digests it and cuts it into chunk descriptors,
 and each stream's request iterator (run by gRPC's own thread) takes the next descriptor
 from a shared queue: fast channels take more chunks. Every stream ends with a typed
 trailer, OK or ABORTED, so an abort stays in-band; the receiver's reply (or its status
 code) is the end-to-end acknowledgement that `finish` waits for.
 
-The decode (receiver) side listens (`ReceiverLink`, grpc_listener.py); the prefill side
+The decode (receiver) side listens (`ReceiverLink`, listener.py); the prefill side
 connects to its address.
 """
 
@@ -26,13 +26,13 @@ import time
 import grpc
 
 from kvtransfer.transport import base
+from kvtransfer.transport.base import TransferError, TransferHeader
 from kvtransfer.transport.grpc import frames as wire
-from kvtransfer.transport.base import KVSender, TransferError, TransferHeader, TransferState
-from kvtransfer.transport.frames import check_layer
 from kvtransfer.transport.grpc.listener import ReceiverLink
 from kvtransfer.transport.grpc.staging import D2HStager, wait_event
 from kvtransfer.transport.layout import byte_view, kv_pair_view
 from kvtransfer.transport.options import CHECKSUMS, Checksum, GrpcOptions
+from kvtransfer.transport.sender import BaseSender
 
 _FINISH = object()
 
@@ -104,13 +104,10 @@ class SenderLink(base.SenderLink):
             ch.close()
 
 
-class GrpcSender(KVSender):
+class GrpcSender(BaseSender):
     def __init__(self, link: SenderLink, header: TransferHeader, seq: int):
-        self.link, self.header = link, header
-        self._next = 0
-        self._state = TransferState.WAITING
-        self._error: TransferError | None = None  # set once, by the first failure seen
-        self._abort_reason: str | None = None
+        super().__init__(header)
+        self.link = link
         self._ended = threading.Event()  # failed or aborted: iterators and the shipper stop
         self._layers: queue.SimpleQueue = queue.SimpleQueue()  # send_layer -> shipper
         self._work: queue.SimpleQueue = queue.SimpleQueue()  # shipper -> stream iterators
@@ -125,31 +122,18 @@ class GrpcSender(KVSender):
             c.add_done_callback(self._on_done)
         threading.Thread(target=self._ship, name=f"kv-ship-{header.request_id}", daemon=True).start()
 
-    # --- caller's side ---
+    # --- how bytes move (sender.py keeps the state) ---
 
-    def send_layer(self, layer_idx, key, value):
-        if self.status() in (TransferState.FAILED, TransferState.SUCCESS):
-            raise self._error or TransferError("protocol", f"send_layer after the transfer ended ({self.status().name})")
-        check_layer(self.header, self._next, layer_idx, key, value)
+    def _send(self, layer_idx, key, value):
         if key.device.type == "cuda":
             stage, ev = self.link.stager.stage(key, value)
             views = [memoryview(stage.numpy())]
         else:
             kv = kv_pair_view(key, value)  # (2, b, h, s, d) when V directly follows K
             views, ev = ([byte_view(kv)] if kv is not None else [byte_view(key), byte_view(value)]), None
-        self._next += 1
-        self._state = TransferState.TRANSFERRING
         self._layers.put((layer_idx, views, ev))
 
-    def finish(self, timeout=None):
-        if self._state == TransferState.SUCCESS:
-            return
-        if self._abort_reason is not None:
-            raise TransferError("aborted", f"finish after abort ({self._abort_reason})")
-        if self._error is not None:
-            raise self._error
-        if self._next != self.header.num_layers:
-            raise TransferError("protocol", f"finish after {self._next} of {self.header.num_layers} layers")
+    def _finish(self, timeout):
         self._layers.put(_FINISH)
         deadline = None if timeout is None else time.monotonic() + timeout
         for c in self._calls:
@@ -157,20 +141,14 @@ class GrpcSender(KVSender):
             try:
                 c.result(timeout=left)
             except grpc.FutureTimeoutError:
-                self._fail(TransferError("timeout", f"request {self.header.request_id}: the receiver did not "
-                                         f"acknowledge within {timeout} s"))
-            except grpc.FutureCancelledError:
-                pass  # we cancelled it after a failure, recorded in self._error
+                raise TransferError("timeout", f"request {self.header.request_id}: the receiver did not "
+                                    f"acknowledge within {timeout} s") from None
+            except grpc.FutureCancelledError:  # we cancelled it after a failure: that failure is what finish raises
+                raise TransferError("aborted", f"request {self.header.request_id}: stream cancelled") from None
             except grpc.RpcError as e:
-                self._fail(wire.error_from_rpc(e, self.link.address))
-            if self._error is not None:
-                raise self._error
-        self._state = TransferState.SUCCESS  # every stream acknowledged: no failure can follow
+                raise wire.error_from_rpc(e, self.link.address) from None
 
-    def abort(self, reason):
-        if self._state == TransferState.SUCCESS or self._abort_reason is not None:
-            return
-        self._abort_reason = reason
+    def _abort(self, reason):
         self._ended.set()
         for _ in self._calls:
             self._work.put(None)  # wake every stream: each sends the ABORTED trailer and ends
@@ -178,30 +156,19 @@ class GrpcSender(KVSender):
         timer.daemon = True
         timer.start()
 
-    def status(self):
-        # failures are recorded by other threads (gRPC callbacks) in _error: never overwritten by a later step
-        if self._error is not None or self._abort_reason is not None:
-            return TransferState.FAILED
-        return self._state
-
-    # --- failure bookkeeping ---
-
-    def _fail(self, err: TransferError) -> None:
-        if self._error is None:
-            self._error = err
+    def _end(self, error):
         self._ended.set()
-        self._cancel()
+        if error is not None:
+            self._cancel()
 
     def _cancel(self) -> None:
         for c in self._calls:
             c.cancel()
 
     def _on_done(self, call) -> None:
-        if call.cancelled() or self._abort_reason is not None:
-            return
-        e = call.exception()
-        if e is not None:
-            self._fail(wire.error_from_rpc(e, self.link.address))
+        """A stream ended (gRPC's thread): its error fails the request, unless it has ended already."""
+        if not call.cancelled() and call.exception() is not None:
+            self._fail(wire.error_from_rpc(call.exception(), self.link.address))
 
     # --- threads: the shipper, and one request iterator per stream (run by gRPC) ---
 
@@ -235,8 +202,8 @@ class GrpcSender(KVSender):
                 item = self._work.get(timeout=0.5)
             except queue.Empty:
                 item = None
-            if self._abort_reason is not None:
-                yield wire.trailer_message(False, self._abort_reason)
+            if self._aborted is not None:
+                yield wire.trailer_message(False, self._aborted)
                 return
             if self._error is not None:
                 return

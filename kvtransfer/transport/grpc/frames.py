@@ -2,8 +2,8 @@
 
 Why a module of its own: sender and receiver must agree on every byte, and the receiver
 must check a header *before* it allocates anything. The KV payload travels as raw bytes
-behind a fixed 24-byte struct (a protobuf `bytes` field would cost a copy and is 2-3x
-slower); the per-request header and trailer are typed protobuf messages (proto/kvdata.proto).
+behind a fixed 24-byte struct (a protobuf `bytes` field would cost a copy of every chunk);
+the per-request header and trailer are typed protobuf messages (proto/kvdata.proto).
 Nothing here is pickled and nothing is parsed out of a string.
 """
 
@@ -15,12 +15,11 @@ import grpc
 import xxhash
 from google.protobuf.message import DecodeError
 
-from proto import kvdata_pb2 as pb
-
 from kvtransfer.rpc.status import CAUSE_STATUS, cause_of_status
 from kvtransfer.transport.base import Cause, TransferError, TransferHeader
 from kvtransfer.transport.frames import MAX_LAYERS, header_fields, make_header
 from kvtransfer.transport.options import Checksum
+from proto import kvdata_pb2 as pb
 
 SERVICE, METHOD = "kvtransfer.data.v1.KVData", "Push"
 PUSH_PATH = f"/{SERVICE}/{METHOD}"  # stream-unary, raw bytes in both directions

@@ -2,7 +2,7 @@
 
 Why the receiver listens: it owns the buffers, so it checks every header before it allocates
 (size limit, sane fields) and refuses with a status code the sender maps to a TransferError.
-The first stream of a request to arrive creates its receiver (grpc_receiver.py) and queues it
+The first stream of a request to arrive creates its receiver (receiver.py) and queues it
 for `accept()` (arrival order); the others attach to it by (link id, sequence number), so
 concurrent or repeated application request ids never mix. Ended requests leave a tombstone,
 so a late stream cannot start them again.
@@ -19,12 +19,11 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import torch
 
-from proto import kvdata_pb2 as pb
-
 from kvtransfer.transport import base
-from kvtransfer.transport.grpc import frames as wire
 from kvtransfer.transport.base import TransferError, TransferState
+from kvtransfer.transport.grpc import frames as wire
 from kvtransfer.transport.grpc.receiver import GrpcReceiver
+from proto import kvdata_pb2 as pb
 
 log = logging.getLogger("kvtransfer.transport.grpc")
 

@@ -16,12 +16,11 @@ import time
 
 import numpy as np
 
-from proto import kvdata_pb2 as pb
-
-from kvtransfer.transport.grpc import frames as wire
 from kvtransfer.transport.base import KVReceiver, TransferError, TransferHeader, TransferState
+from kvtransfer.transport.grpc import frames as wire
 from kvtransfer.transport.grpc.staging import Landing
 from kvtransfer.transport.options import Checksum
+from proto import kvdata_pb2 as pb
 
 
 class GrpcReceiver(KVReceiver):

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 
 from kvtransfer.transport.base import TransferError, TransferHeader
-from kvtransfer.transport.frames import Placement, destination_for
+from kvtransfer.transport.landing import Placement, destination_for
 from kvtransfer.transport.layout import byte_array, kv_block, kv_pair_view
 
 

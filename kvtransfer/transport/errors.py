@@ -1,0 +1,24 @@
+"""Why a transfer failed: one cause per failure, whatever the backend.
+
+Why beside base.py: every layer raises these (transports, both servers); kvtransfer.rpc.status
+maps each cause to the gRPC status a request ends with, and docs/errors.md lists them.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class Cause(enum.StrEnum):
+    """Why a transfer failed; kvtransfer.rpc.status maps each to the gRPC status a request ends with."""
+    ABORTED = "aborted"      # one side gave up (abort, or the receiver let go)
+    TIMEOUT = "timeout"      # a deadline passed
+    PEER = "peer"            # the other side or the connection is gone
+    PROTOCOL = "protocol"    # a frame or a call that breaks the contract
+    DATA_LOSS = "data_loss"  # bytes arrived corrupted (checksum)
+
+
+class TransferError(RuntimeError):
+    def __init__(self, cause: Cause | str, message: str):
+        self.cause = Cause(cause)
+        super().__init__(f"{self.cause.value}: {message}")
