@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from bench.measure.launch import ROOT
 from decode_server.client import generate
 from kvtransfer.rpc.security import ClientSecurity
 from proto import kvtransfer_pb2 as pb
@@ -121,6 +122,6 @@ def wait_for_log(t: Target, words: str, timeout: float = 10.0) -> str:
 
 def undocumented(cases: list[Case]) -> list[str]:
     """Names of cases without a row in docs/errors.md (the table must not drift from the tests)."""
-    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "errors.md")) as f:
+    with open(os.path.join(ROOT, "docs", "errors.md")) as f:
         text = f.read()
     return [c.name for c in cases if f"`{c.name}`" not in text]
