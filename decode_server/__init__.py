@@ -1,1 +1,2 @@
-"""Decode worker and front door: Generate, cache receive + assembly, decoding."""
+"""The decode worker's front door: Generate, its defaults and its link to the prefill worker (peer/); the engine
+it drives is kvtransfer/engine/."""

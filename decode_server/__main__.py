@@ -74,7 +74,7 @@ async def serve(config: DecodeConfig) -> None:
         log.info("decode server ready on port %d (%s; front door %s%s)", port,
                  "colocated" if config.colocated else "disaggregated", front, ", token required" if token else "")
         await stop.event.wait()
-    await shut_down(server, service.health, service.inflight, stop, 0.0 if stop.fatal else config.shutdown_grace_s,
+    await shut_down(server, service.health, service.running, stop, 0.0 if stop.fatal else config.shutdown_grace_s,
                     log, "decode server", service.end_for_shutdown)
     if pairing is not None:
         await pairing.close()

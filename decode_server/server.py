@@ -64,7 +64,7 @@ class DecodeService(pbg.DecodeServicer):
         self.admit = ConcurrencyLimit(config.max_inflight)
         self.prefill_metadata = prefill_metadata  # the prefill worker's token, when it asks for one
         self.metrics = metrics or Metrics("decode")
-        self.inflight = RunningRequests(self.metrics)
+        self.running = RunningRequests(self.metrics)
         self._mailbox: Mailbox | None = None  # tokens from the scheduler thread to this server's loop, one wake a burst
         self.failed = ""  # set by fail_all: a thread the server depends on died; every request ends INTERNAL
         self.metrics.inflight.set_function(lambda: self.admit.count)
@@ -125,11 +125,11 @@ class DecodeService(pbg.DecodeServicer):
             await self._abort(context, code or grpc.StatusCode.INVALID_ARGUMENT, problem)
 
     async def Generate(self, request, context):
-        with self.inflight.request(context) as r:  # counts the request's one outcome when it ends
+        with self.running.request(context) as r:  # counts the request's one outcome when it ends
             try:
                 if self.failed:
                     await self._abort(context, grpc.StatusCode.INTERNAL, self.failed)
-                if self.inflight.draining:
+                if self.running.draining:
                     await self._abort(context, grpc.StatusCode.UNAVAILABLE, f"{SHUTTING_DOWN}; retry elsewhere")
                 await self._validate(request, context)
                 if not self.admit.try_enter():
@@ -160,8 +160,8 @@ class DecodeService(pbg.DecodeServicer):
         """A thread the server depends on died (`cause`): new requests are refused, and every waiting or in-flight
         one ends INTERNAL saying so (one at a `yield` when its client reads on; the others now)."""
         self.failed = message = f"this server failed and is exiting: {cause}; retry on another replica"
-        self.inflight.draining = True
-        for r in list(self.inflight.requests):
+        self.running.draining = True
+        for r in list(self.running.requests):
             r.ending, r.end_code, r.end_message = True, grpc.StatusCode.INTERNAL, message
             if r.seq is not None:
                 r.seq.stop(message, EndCause.ENGINE_FAILED)

@@ -57,7 +57,7 @@ async def serve(config: PrefillConfig) -> None:
              "; fault injection on" if fault else "")
     await stop.event.wait()
     service.pairing.stopping = True  # handshakes refused from now; a join in progress gives up
-    await shut_down(server, service.pairing.health, service.inflight, stop, config.shutdown_grace_s, log,
+    await shut_down(server, service.pairing.health, service.running, stop, config.shutdown_grace_s, log,
                     "prefill server", before_stop=service.close)
 
 

@@ -21,7 +21,7 @@ from kvtransfer.rpc.metrics import Metrics
 from kvtransfer.rpc.modes import Mode
 from kvtransfer.rpc.security import server_credentials
 from kvtransfer.rpc.server import build_server
-from kvtransfer.rpc.status import transfer_status
+from kvtransfer.transport.status import transfer_status
 from kvtransfer.transport import TransferError
 from kvtransfer.transport.registry import Rendezvous, Transport
 from prefill_server import policy
@@ -49,7 +49,7 @@ class PrefillService(pbg.PrefillServicer):
         self.admit = ConcurrencyLimit(config.max_inflight)
         self.peer_max_receive_bytes = 0  # announced by the decode peer at the handshake (0: unknown)
         self.metrics = metrics or Metrics("prefill")
-        self.inflight = RunningRequests(self.metrics)
+        self.running = RunningRequests(self.metrics)
         self.metrics.inflight.set_function(lambda: self.admit.count)
         self.metrics.buffer_bytes.set_function(lambda: worker.sending_bytes)
         self.pairing = PrefillPairing(config, worker, backend, connect, self.gpu, self.metrics, store)
@@ -110,9 +110,9 @@ class PrefillService(pbg.PrefillServicer):
         self.gpu.shutdown(wait=False, cancel_futures=True)
 
     async def Prefill(self, request, context):
-        with self.inflight.request(context) as r:  # counts the request's one outcome when it ends
+        with self.running.request(context) as r:  # counts the request's one outcome when it ends
             try:
-                if self.inflight.draining:
+                if self.running.draining:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, f"{SHUTTING_DOWN}; retry elsewhere")
                 await self._validate(request, context)
                 if not self.admit.try_enter():

@@ -12,8 +12,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, MistralConfig
 
+from bench.measure.reference_decode import decode
 from kvtransfer.model import fused_prefill as fp
-from kvtransfer.model.prefill import decode, prefill, random_prompt
+from kvtransfer.model.prefill import prefill, random_prompt
 from kvtransfer.model.spec import ModelSpec, _seeded_init_, load_model
 from kvtransfer.model.streaming import cache_layers, caches_equal, same_bytes
 from tests.test_engine import tiny_qwen2

@@ -7,8 +7,9 @@ import warnings
 import pytest
 import torch
 
+from bench.measure.reference_decode import decode
 from kvtransfer.determinism import enable_deterministic
-from kvtransfer.model.prefill import decode, prefill, random_prompt
+from kvtransfer.model.prefill import prefill, random_prompt
 from kvtransfer.model.spec import ModelSpec, load_model, weights_fingerprint
 from kvtransfer.model.streaming import assemble_cache, cache_layers, caches_equal
 from support.generate import colocated_generate

@@ -46,6 +46,8 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
             # `from package import module` runs the package's __init__ before anything else imports the module
             # from it: only the module is this file's import (the package counts when a name comes from it)
             targets = subs + ([base] if len(subs) < len(node.names) else [])
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in modules:
+            targets = [node.value]  # a module named to importlib (the transport registry's lazy backends)
         else:
             continue
         for t in targets:
@@ -85,6 +87,27 @@ def violations(g: dict[str, set[str]], rooms: tuple[str, ...], banned: tuple[str
 @pytest.fixture(scope="module")
 def g():
     return graph()
+
+
+# The rooms in the order they may import each other: a module imports only from its own room or rooms before it
+# (docs/architecture.md, "Folder layout"). Rooms of one rank do not import each other (rules below).
+RANKS = [(0, ("kvtransfer.geometry", "kvtransfer.determinism", "proto")), (1, ("kvtransfer.kernels",)),
+         (2, ("kvtransfer.model",)), (3, ("kvtransfer.rpc",)), (4, ("kvtransfer.transport", "kvtransfer.engine")),
+         (5, ("prefill_server", "decode_server")), (6, ("bench",))]
+
+
+def rank(module: str) -> int | None:
+    return next((r for r, rooms in RANKS if _within(module, *rooms)), None)
+
+
+def upward(g: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{m} -> {d}" for m, deps in g.items() for d in deps
+                  if rank(m) is not None and rank(d) is not None and rank(d) > rank(m))
+
+
+def test_every_room_imports_only_rooms_before_it(g):
+    assert [m for m in g if _within(m, *PACKAGES) and m not in PACKAGES and rank(m) is None] == []
+    assert upward(g) == []
 
 
 def test_the_engine_imports_no_rpc_http_or_transport(g):
@@ -173,3 +196,7 @@ def test_the_checks_see_a_planted_import():
     g = graph()
     g["kvtransfer.engine.pool"] = g["kvtransfer.engine.pool"] | {"kvtransfer.engine.scheduler"}
     assert cycles(g) != []
+    g = graph()
+    g["kvtransfer.rpc.limits"] = g["kvtransfer.rpc.limits"] | {"kvtransfer.transport.errors"}
+    assert upward(g) != []
+    assert any(d.startswith("kvtransfer.transport.grpc") for d in g["kvtransfer.transport.registry"])  # lazy

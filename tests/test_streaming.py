@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtransfer.model.prefill import decode, prefill
+from bench.measure.reference_decode import decode
+from kvtransfer.model.prefill import prefill
 from kvtransfer.model.streaming import (
     StreamingCache,
     assemble_cache,

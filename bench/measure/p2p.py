@@ -7,6 +7,8 @@ Timed on the receiver from a barrier to the last receive, device-synchronized.
 
 from __future__ import annotations
 
+import datetime
+
 import torch
 import torch.distributed as dist
 
@@ -15,9 +17,16 @@ from bench.measure.stats import median, spread_ms, timed
 from bench.measure.twoproc import run_pair
 
 
+def init_pair(rank: int, init_method: str, device: torch.device, timeout_s: float = 60.0) -> None:
+    """Join the two-rank group (rank 0 prefill, rank 1 decode): NCCL on CUDA, gloo on CPU."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kw = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=timeout_s), **kw)
+
+
 def _side(rank: int, address: str, devices: tuple[str, str], patterns: dict, runs: int, warmup: int) -> dict:
     from kvtransfer.determinism import sync
-    from kvtransfer.transport.dist.backend import init_pair
     dev = torch.device(devices[rank])
     if dev.type == "cuda":
         torch.cuda.set_device(dev)

@@ -21,9 +21,23 @@ import torch
 
 from bench.measure.pagecache import drop_page_cache, read_file, write_file
 from kvtransfer.determinism import sync
-from kvtransfer.transport.layout import contiguous_span
 
 Layers = Sequence[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V): (batch, kv_heads, seq, head_dim)
+
+
+def contiguous_span(layers) -> torch.Tensor | None:
+    """A flat uint8 view over all of K0, V0, K1, ... when they lie back to back in one storage."""
+    tensors = [t for kv in layers for t in kv]
+    if not tensors or not all(t.is_contiguous() for t in tensors):
+        return None
+    first, ptr = tensors[0], tensors[0].data_ptr()
+    for t in tensors:
+        if t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or t.data_ptr() != ptr:
+            return None
+        ptr += t.nbytes
+    byte_off = first.data_ptr() - first.untyped_storage().data_ptr()
+    return torch.empty(0, dtype=torch.uint8, device=first.device).set_(
+        first.untyped_storage(), byte_off, (ptr - first.data_ptr(),))
 
 
 def flat_views(flat: torch.Tensor, like: Layers) -> list[tuple[torch.Tensor, torch.Tensor]]:

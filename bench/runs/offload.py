@@ -26,11 +26,12 @@ import transformers
 
 from bench.common import Job, Step, csv, default_device, ints
 from bench.measure.copies import filesystem, gbps, measure_links, stats
+from bench.measure.reference_decode import decode
 from bench.measure.stats import clock
 from bench.measure.tiers import TIER_KINDS, Tier, make_tiers
 from kvtransfer.determinism import enable_deterministic
 from kvtransfer.geometry import CacheGeometry
-from kvtransfer.model.prefill import decode, prefill, random_prompt
+from kvtransfer.model.prefill import prefill, random_prompt
 from kvtransfer.model.spec import ModelSpec, load_model
 from kvtransfer.model.streaming import assemble_cache, cache_layers, caches_equal
 

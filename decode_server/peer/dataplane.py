@@ -17,7 +17,7 @@ import grpc
 
 from decode_server.peer.receiver import BufferLedger, ReceiveLoop
 from decode_server.peer.remote import PEER_CODES, PeerFailure, Remote, RequestError
-from kvtransfer.rpc.status import transfer_status
+from kvtransfer.transport.status import transfer_status
 from kvtransfer.transport import TransferError, registry
 from kvtransfer.transport.registry import Rendezvous
 from proto import kvtransfer_pb2 as pb

@@ -7,12 +7,12 @@ chunked one; a digest), drops the sequences asked to stop (their slots are let g
 step writes into them), admits the sequences whose caches are complete, then queues one step for
 all of them; with --mixed-prefill that step also carries prompt tokens, in a step of --prefill-chunk
 rows in all (or a larger size, --mixed-max-rows): the next chunk of each prompt in progress, then of
-new ones (mixed.py).
+new ones (prompt_queue.py).
 A sequence leaves when its last token is made. Nothing here waits on a client: tokens go to each
 sequence's sink, which never blocks.
 
 One step runs ahead (SGLang's overlap scheduling): step k+1 is queued on the device, its input
-tokens gathered there from step k's argmax, before the thread waits for step k's tokens and
+tokens gathered there from step k's choice (sampler.py), before the thread waits for step k's tokens and
 hands them out. The host's share of a step (building inputs, launching the graph, streaming
 tokens) then hides behind the device's. What it costs: a sequence that hits EOS at step k has
 already been queued for step k+1; that row's token is dropped. Slots stay held by every queued

@@ -220,7 +220,7 @@ def decode_attention_triton(
     scale: float,
     num_splits: int | None = None,
 ) -> torch.Tensor:
-    """Split-K decode attention; shapes as `kvtransfer.kernels.decode_attention` (checked there).
+    """Split-K decode attention; shapes as `kvtransfer.kernels.ops.decode_attention` (checked there).
 
     q: (B, Hq, D) with unit stride on D; pools (S, Hkv, T, D) contiguous; returns (B, Hq, D).
     num_splits: None picks `choose_num_splits` (static shapes only); an int overrides (bench).

@@ -82,7 +82,7 @@ def _chunk_attention(
 
 def chunk_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, pieces: torch.Tensor,
                            scale: float) -> torch.Tensor:
-    """Shapes as `kvtransfer.kernels.chunk_attention` (checked there): q (R, Hq, D) unit stride on D, pools
+    """Shapes as `kvtransfer.kernels.ops.chunk_attention` (checked there): q (R, Hq, D) unit stride on D, pools
     (S, Hkv, T, D) contiguous, pieces (P, 4) int32 -> a new (R, Hq, D) tensor, zero outside the pieces."""
     rows, q_heads, head_dim = q.shape
     groups = q_heads // k_pool.shape[1]

@@ -76,7 +76,7 @@ def _rope_store_kernel(
 
 
 def rope_store_triton(q, k, v, cos, sin, k_pool, v_pool, slots, positions) -> torch.Tensor:
-    """Shapes as `kvtransfer.kernels.rope_store` (checked there); returns a new rotated q.
+    """Shapes as `kvtransfer.kernels.ops.rope_store` (checked there); returns a new rotated q.
 
     Requires unit stride on the last dim of q, k, v, cos, sin; pools contiguous and alike.
     """

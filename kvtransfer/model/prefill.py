@@ -1,29 +1,18 @@
-"""Colocated reference: prefill -> first token -> greedy decode, on one device.
+"""The prefill both servers run: the prompt once (or the next chunk after a past), its cache and last logits.
 
-Why: this is the baseline every disaggregated run is compared with, token for token and
-logit for logit. The disaggregated path reuses the same two halves (`prefill` on one
-worker, `decode` on the other) so the comparison is of the cache, not of two codes.
+Why one function: the prefill worker, the decode server's colocated and recompute paths and the bench all call
+it, so a colocated and a disaggregated request see byte-identical caches and logits; the comparison is of the
+cache, not of two codes. `logits_digest` is how both sides report logits, bit for bit.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 
 from kvtransfer.model import fused_prefill
 from kvtransfer.model.streaming import LayerCallback, StreamingCache, cache_kwarg
-
-
-@dataclass
-class Generation:
-    tokens: list[int]
-    logits: torch.Tensor  # (steps, vocab), model dtype, on the model's device
-
-    def logits_digests(self) -> list[str]:
-        return [logits_digest(row) for row in self.logits]
 
 
 def logits_digest(logits: torch.Tensor) -> str:
@@ -54,46 +43,6 @@ def prefill(model, input_ids: torch.Tensor, on_layer: LayerCallback | None = Non
     finally:
         cache.on_layer = None  # decode steps must never reach the transport
     return cache, out.logits[0, -1]  # (vocab,)
-
-
-@torch.inference_mode()
-def decode_steps(model, cache, first_token: torch.Tensor, steps: int,
-                 prompt_len: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Feed `first_token` (1, 1) and greedily continue: yields (token (1, 1), logits (vocab,)) per step.
-
-    The cache must cover exactly the prompt. Its length is checked on entry (when
-    `prompt_len` is given) and after every step, so a cache that silently re-ran prefill
-    (or lost tokens) fails loudly. Tokens stay on the device: no host sync per step.
-    """
-    if prompt_len is not None and cache.get_seq_length() != prompt_len:
-        raise RuntimeError(f"cache holds {cache.get_seq_length()} tokens, the prompt has {prompt_len}")
-    base = cache.get_seq_length()
-    kw = cache_kwarg(model)
-    tok = first_token
-    for step in range(1, steps + 1):
-        out = model(input_ids=tok, use_cache=True, **{kw: cache})
-        if cache.get_seq_length() != base + step:
-            raise RuntimeError(f"cache holds {cache.get_seq_length()} tokens after decode step {step}, "
-                               f"expected {base + step}")
-        logits = out.logits[0, -1]  # (vocab,)
-        tok = logits.argmax().view(1, 1)
-        yield tok, logits
-
-
-def decode(model, cache, first_logits: torch.Tensor, max_new_tokens: int,
-           prompt_len: int | None = None) -> Generation:
-    """Greedy decode from a cache covering exactly the prompt and the prompt's last logits.
-
-    Token 0 comes from `first_logits`; each later token costs one forward step of one token.
-    """
-    if max_new_tokens < 1:
-        raise ValueError("max_new_tokens must be >= 1")
-    first = first_logits.argmax().view(1, 1)  # (1, 1)
-    toks, logits = [first], [first_logits]
-    for tok, row in decode_steps(model, cache, first, max_new_tokens - 1, prompt_len):
-        toks.append(tok)
-        logits.append(row)
-    return Generation(torch.cat(toks).view(-1).tolist(), torch.stack(logits))
 
 
 def random_prompt(vocab_size: int, length: int, seed: int = 0, device="cpu") -> torch.Tensor:

@@ -189,14 +189,14 @@ class Stop:
         return False
 
 
-async def shut_down(server: grpc.aio.Server, health, inflight: RunningRequests, stop: Stop, grace_s: float,
+async def shut_down(server: grpc.aio.Server, health, running: RunningRequests, stop: Stop, grace_s: float,
                     log: logging.Logger, role: str, end=end_by_cancel, before_stop=None) -> None:
     """Health NOT_SERVING, drain within the grace, end the rest, `before_stop()` (a coroutine function: what the
     server must close while it still answers), stop the server (its port is free after); one log line."""
     t0 = time.monotonic()
     if health is not None:
         await health.enter_graceful_shutdown()
-    count, ended = await inflight.drain(grace_s, end)
+    count, ended = await running.drain(grace_s, end)
     if before_stop is not None:
         await before_stop()
     await server.stop(1.0)

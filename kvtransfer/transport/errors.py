@@ -1,6 +1,6 @@
 """Why a transfer failed: one cause per failure, whatever the backend.
 
-Why beside base.py: every layer raises these (transports, both servers); kvtransfer.rpc.status
+Why beside base.py: every layer raises these (transports, both servers); kvtransfer.transport.status
 maps each cause to the gRPC status a request ends with, and docs/errors.md lists them.
 """
 
@@ -10,7 +10,7 @@ import enum
 
 
 class Cause(enum.StrEnum):
-    """Why a transfer failed; kvtransfer.rpc.status maps each to the gRPC status a request ends with."""
+    """Why a transfer failed; kvtransfer.transport.status maps each to the gRPC status a request ends with."""
     ABORTED = "aborted"      # one side gave up (abort, or the receiver let go)
     TIMEOUT = "timeout"      # a deadline passed
     PEER = "peer"            # the other side or the connection is gone

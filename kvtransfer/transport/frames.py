@@ -1,4 +1,4 @@
-"""The one frame spec: what every backend's header carries, one validator, and where layers land.
+"""The one frame spec: what every backend's header carries, and one validator.
 
 Why one: a header is the receiver's only description of what is coming, so it is checked
 before anything is allocated, against the same limits, whatever the backend. Backends

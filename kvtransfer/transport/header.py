@@ -1,7 +1,7 @@
 """What one request is and where its layers land: the header (sent before any layer) and a destination.
 
 Why beside base.py: the interface names them but they are data, not verbs; frames.py encodes and
-checks the header on every wire and places received layers into a destination.
+checks the header on every wire, and landing.py places received layers into a destination.
 """
 
 from __future__ import annotations

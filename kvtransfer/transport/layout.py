@@ -1,6 +1,6 @@
 """Torch-only views of a KV layer's memory: the K/V-adjacent pair, contiguous runs, byte views.
 
-Why a module of its own: streaming (prefill), the host tiers and every transport look at the
+Why a module of its own: every transport (and the bench's host tiers) look at the
 same physical layout, (layers, 2, batch, kv_heads, seq, head_dim) with layer i's K and V
 adjacent, and none of them should pay for importing transformers to do so.
 """
@@ -54,18 +54,3 @@ def byte_array(t: torch.Tensor) -> np.ndarray:
 
 def byte_view(t: torch.Tensor) -> memoryview:
     return memoryview(byte_array(t))
-
-
-def contiguous_span(layers) -> torch.Tensor | None:
-    """A flat uint8 view over all of K0, V0, K1, ... when they lie back to back in one storage."""
-    tensors = [t for kv in layers for t in kv]
-    if not tensors or not all(t.is_contiguous() for t in tensors):
-        return None
-    first, ptr = tensors[0], tensors[0].data_ptr()
-    for t in tensors:
-        if t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or t.data_ptr() != ptr:
-            return None
-        ptr += t.nbytes
-    byte_off = first.data_ptr() - first.untyped_storage().data_ptr()
-    return torch.empty(0, dtype=torch.uint8, device=first.device).set_(
-        first.untyped_storage(), byte_off, (ptr - first.data_ptr(),))

@@ -1,6 +1,6 @@
 """Helpers for the fault, metrics and soak tests: a pair whose halves are killed and restarted one at a time.
 
-Why not bench/launch.server_pair: these tests restart one server while the other lives,
+Why not bench/measure/launch.py's server_pair: these tests restart one server while the other lives,
 on the same ports, so each half is started on its own (a fresh log per start), and the
 test reads each half's Prometheus endpoint and health. A "remote host" is one network
 namespace for the prefill worker, joined to the root namespace (where the decode worker,

@@ -1,6 +1,6 @@
 """The colocated reference run the tests compare against: prefill then greedy decode on one device.
 
-Why here and not in the package: no server or bench runs prefill and decode back to back on one cache; the tests
+Why here and not in the package: no server runs prefill and the HF decode back to back on one cache; the tests
 do, as the baseline every disaggregated run must equal token for token and logit for logit.
 """
 
@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from kvtransfer.model.prefill import Generation, decode, prefill
+from bench.measure.reference_decode import Generation, decode
+from kvtransfer.model.prefill import prefill
 from kvtransfer.model.streaming import StreamingCache
 
 

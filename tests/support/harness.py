@@ -26,7 +26,7 @@ def _links(backend: str, rank: int, address: str, options, dev):
     """This side's link; rank 0 sends, rank 1 receives. Process groups are joined here first."""
     b = registry.backend(backend)
     if b.rendezvous is registry.Rendezvous.PROCESS_GROUP:
-        from kvtransfer.transport.dist.backend import init_pair
+        from bench.measure.p2p import init_pair
         init_pair(rank, address, dev, timeout_s=30)
         address = ""
     if rank == 0:

@@ -68,7 +68,7 @@ class CudaOps:
                     handle=handle, ref_counter=ref_counter, event_handle=event_handle)
 
     def open(self, m, owner: int) -> torch.UntypedStorage:
-        """Map a peer's slot (an ipc_channel.Slot message) into this process, on the owner's device."""
+        """Map a peer's slot (a cuda_ipc/messages.py Slot message) into this process, on the owner's device."""
         return torch.UntypedStorage._new_shared_cuda(owner, m.handle, m.size, m.offset, m.ref_counter,
                                                      m.ref_counter_offset, m.event_handle, m.event_sync_required)
 

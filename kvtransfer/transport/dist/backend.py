@@ -35,14 +35,6 @@ TRAILER_OK, TRAILER_ABORTED = 1, 2
 HEADER_INTS = 8  # header_fields (7) + layers per message
 
 
-def init_pair(rank: int, init_method: str, device: torch.device, timeout_s: float = 60.0) -> None:
-    """Join the two-rank group (rank 0 prefill, rank 1 decode): NCCL on CUDA, gloo on CPU."""
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    kw = {"device_id": device} if device.type == "cuda" else {}
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=timeout_s), **kw)
-
-
 IDLE_WAIT_S = 7 * 24 * 3600.0  # a receive posted while idle (the next frame's header) may wait this long
 
 

@@ -15,10 +15,10 @@ import grpc
 import xxhash
 from google.protobuf.message import DecodeError
 
-from kvtransfer.rpc.status import CAUSE_STATUS, cause_of_status
 from kvtransfer.transport.base import Cause, TransferError, TransferHeader
 from kvtransfer.transport.frames import MAX_LAYERS, header_fields, make_header
 from kvtransfer.transport.options import Checksum
+from kvtransfer.transport.status import CAUSE_STATUS, cause_of_status
 from proto import kvdata_pb2 as pb
 
 SERVICE, METHOD = "kvtransfer.data.v1.KVData", "Push"
@@ -95,7 +95,7 @@ def check_header(m: pb.FrameHeader, max_bytes: int) -> TransferHeader:
                        max_bytes, MAX_LAYERS)
 
 
-# --- errors across the wire: the receiver ends a stream with the cause's status (kvtransfer.rpc.status) and the
+# --- errors across the wire: the receiver ends a stream with the cause's status (kvtransfer.transport.status) and the
 # cause itself in trailing metadata (a typed `Failure`), so the sender gets back exactly the cause ---
 
 FAILURE_KEY = "kvt-failure-bin"

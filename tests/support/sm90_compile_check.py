@@ -5,7 +5,7 @@ accepts. This goes through the real JIT binder (argument specialization, divisib
 a stand-in driver that reports an sm_90 target, compiles to cubin with the ptxas bundled in
 the triton wheel, and stops before any launch. It relies on Triton 3.6 internals
 (driver.set_active, triton.compiler.compile); run it in its own process:
-`python -m kvtransfer.kernels._sm90_compile_check` (tests/test_kernels_sm90_compile.py does).
+`python tests/support/sm90_compile_check.py` (tests/test_kernels_sm90_compile.py does).
 Prints one line per compiled kernel (shared memory, warps, stages) and exits non-zero on error.
 """
 
