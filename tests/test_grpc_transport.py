@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from bench.measure.launch import free_port
-from kvtransfer.rpc.status import CAUSE_STATUS
 from kvtransfer.transport import Cause, TransferError, TransferState
 from kvtransfer.transport.grpc import frames as wire
 from kvtransfer.transport.grpc.backend import Checksum, ReceiverLink, SenderLink
+from kvtransfer.transport.status import CAUSE_STATUS
 from proto import kvdata_pb2 as pb
 from support import contract
 

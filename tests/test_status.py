@@ -1,4 +1,4 @@
-"""The status tables (kvtransfer/rpc/status.py), every row of both checked against docs/errors.md.
+"""The status tables (kvtransfer/transport/status.py), every row of both checked against docs/errors.md.
 
 Why against the document: operators read the table there to tell what a status means; a row changed in the code
 and not in the doc (or the reverse) misleads them, so each test fails on either drift.
@@ -10,8 +10,8 @@ import os
 
 import grpc
 
-from kvtransfer.rpc.status import _CAUSE_OF_BARE_STATUS, CAUSE_STATUS, cause_of_status, transfer_status
 from kvtransfer.transport import Cause, TransferError
+from kvtransfer.transport.status import _CAUSE_OF_BARE_STATUS, CAUSE_STATUS, cause_of_status, transfer_status
 from proto import kvdata_pb2
 
 DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "errors.md")
