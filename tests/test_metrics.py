@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import threading
+import time
 
 import grpc
 import pytest
@@ -42,6 +43,17 @@ class HealthWatch(threading.Thread):
         return [s for i, s in enumerate(self.seen) if i == 0 or s != self.seen[i - 1]]
 
 
+def unavailable_counted(pair: Pair, timeout: float = 10.0) -> dict:
+    """The decode server's metrics once its refused request is counted: the handler counts its outcome as it
+    unwinds, which on a loaded machine can come a moment after the client has its status."""
+    deadline = time.monotonic() + timeout
+    while True:
+        d = pair.metrics("decode")
+        if value(d, "kvt_requests_total", outcome="UNAVAILABLE") >= 1 or time.monotonic() > deadline:
+            return d
+        time.sleep(0.1)
+
+
 def test_metrics_health_and_request_ids(tmp_path):
     lengths = [3, 40, 130]
     prompts = [random_prompt(512, n, seed=n).view(-1).tolist() for n in lengths]
@@ -71,7 +83,7 @@ def test_metrics_health_and_request_ids(tmp_path):
         with pytest.raises(grpc.aio.AioRpcError) as e:
             asyncio.run(generate(pair.addr, prompts[1], 4))
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "prefill worker" in e.value.details()
-        d = pair.metrics("decode")
+        d = unavailable_counted(pair)
         assert value(d, "kvt_peer_up") == 0 and value(d, "kvt_failures_total", cause="peer_down") == 1
         assert value(d, "kvt_requests_total", outcome="UNAVAILABLE") == 1
         pair.prefill.start()
