@@ -92,7 +92,7 @@ def test_a_decode_worker_checks_its_rendezvous_flag_before_the_handshake(tmp_pat
         pair.prefill.start()
         pair.decode.args = [a if not a.startswith("tcp://") else "env://" for a in pair.decode.args]
         pair.decode.start()
-        assert exits(pair.decode, 60) == 2
+        assert exits(pair.decode, 150) == 2
         assert "--dist-init env:// needs MASTER_ADDR" in pair.decode.log_text()
         assert "handshake from decode instance" not in pair.prefill.log_text()
 
@@ -102,12 +102,12 @@ def test_a_warm_up_over_the_receive_limit_is_refused_at_start(tmp_path):
     both flags. A decode worker whose limit is below the prefill worker's warm-up exits 2 at the handshake."""
     with Pair(tmp_path, prefill_args=["--max-prompt-tokens", "100"]) as pair:
         pair.prefill.start()
-        assert exits(pair.prefill, 60) == 2
+        assert exits(pair.prefill, 150) == 2
         assert "--warmup-tokens 128 is over --max-prompt-tokens 100" in pair.prefill.log_text()
     with Pair(tmp_path, decode_args=["--max-prompt-tokens", "100"]) as pair:
         pair.prefill.start()
         pair.decode.start()
-        assert exits(pair.decode, 60) == 2
+        assert exits(pair.decode, 150) == 2
         text = pair.decode.log_text()
         assert "--warmup-tokens" in text and "receive limit of 102400 bytes" in text, text[-2000:]
 
