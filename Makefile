@@ -26,16 +26,26 @@ demo: $(STAMP)
 	$(BIN)/kvtransfer-bench demo
 
 # Two workers, a test file each at a time (its module fixtures and test order kept): the suite mostly waits on
-# the server processes it starts, so two share the CI's two cores (~8 min against ~14 one at a time).
+# the server processes it starts, so two share the CI's two cores (~11 min; a server start is ~8 s of a core,
+# mostly imports, so the tests share servers where they can).
 TEST_WORKERS ?= 2
+MAIN_TESTS = $(BIN)/python -m pytest -m "not gpu and not gpu2 and not churn" -q -n $(TEST_WORKERS) --dist loadfile
 
-# Then the Triton kernels under the interpreter (TRITON_INTERPRET must be set before triton is imported, so it is a
-# run of its own; ~40 s). The main run compiles every kernel for sm_90 (tests/test_kernels_sm90_compile.py).
-# Last, the restart-churn test alone (~3 min): each cycle must serve again within 15 s of a restart, and a worker's
+# Beside the main run, the Triton kernels under the interpreter (TRITON_INTERPRET must be set before triton is
+# imported, so it is a run of its own; ~45 s of one core, which the main run leaves idle often enough); its output
+# is printed after the main run's, and either failing fails `make test`. The main run compiles every kernel for
+# sm_90 (tests/test_kernels_sm90_compile.py).
+# Last, the restart-churn test alone (~2 min): each cycle must serve again within 30 s of a restart, and a worker's
 # start is mostly its imports (~8 s here), which another test file's servers beside it would stretch.
 test: $(STAMP)
-	$(BIN)/python -m pytest -m "not gpu and not gpu2 and not churn" -q -n $(TEST_WORKERS) --dist loadfile
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests/test_kernels_interp.py
+	@log=$$(mktemp); \
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_kernels_interp.py > $$log 2>&1 & \
+	interp=$$!; \
+	echo '$(MAIN_TESTS)  (and TRITON_INTERPRET=1 tests/test_kernels_interp.py beside it)'; \
+	$(MAIN_TESTS); main=$$?; \
+	wait $$interp; kernels=$$?; \
+	echo 'TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests/test_kernels_interp.py:'; cat $$log; rm -f $$log; \
+	test $$main -eq 0 -a $$kernels -eq 0
 	$(BIN)/python -m pytest -m churn -q -s tests/test_churn.py
 
 # On a GPU machine (its python3 with torch already there): make gpu-test

@@ -208,6 +208,7 @@ class Servers:
     def __init__(self, tmp_path_factory, compat: pb.Compat, name: str, **pair_args):
         self.tmp_path_factory, self.compat, self.name, self.pair_args = tmp_path_factory, compat, name, pair_args
         self.target: Target | None = None
+        self.run = None  # the pair's Running (its processes)
         self.prefill_log, self.pairings = "", 0
         self._stack: ExitStack | None = None
 
@@ -220,11 +221,12 @@ class Servers:
                 assert self.pairings >= 1, \
                     f"the pairing is not in the prefill log as {ACCEPTED.pattern!r}:\n{run.log_text()}"
                 self.target = Target(run.addr, run.prefill_addr, self.compat, log_text=run.log_text)
+                self.run = run
                 self._stack = stack.pop_all()
         return self.target
 
     def discard(self) -> None:
-        stack, self._stack, self.target = self._stack, None, None
+        stack, self._stack, self.target, self.run = self._stack, None, None, None
         if stack is not None:
             stack.close()
 
@@ -296,12 +298,15 @@ def test_catalogue_is_documented():
     assert not undocumented(MAIN + TIGHT), "docs/errors.md lacks rows for these cases"
 
 
-def test_prefill_death_turns_decode_not_serving(tmp_path, compat):
-    """A dead peer breaks the data plane: probes see NOT_SERVING, requests get UNAVAILABLE, nothing hangs."""
+def test_prefill_death_turns_decode_not_serving(main_servers):
+    """A dead peer breaks the data plane: probes see NOT_SERVING, requests get UNAVAILABLE, nothing hangs.
+
+    On the `main` pair once its cases are done (each pair start is ~10 s of a CI core per server): this ends it."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with server_pair(tmp_path, prefill_args=["--warmup-tokens", "0"]) as run:
-        t = Target(run.addr, run.prefill_addr, compat, log_text=run.log_text)
+    t = main_servers.get()
+    run = main_servers.run
+    try:
         assert len(good_request(t)["tokens"]) == 2
         run.procs[0].kill()
         run.procs[0].wait(timeout=10)
@@ -317,3 +322,5 @@ def test_prefill_death_turns_decode_not_serving(tmp_path, compat):
         code, details = asyncio.run(outcome(Case("dead", lambda t: call_generate(t, gen_request([1, 2])),
                                                  S.UNAVAILABLE, ()), t))
         assert code == S.UNAVAILABLE and "prefill worker" in details, details
+    finally:
+        main_servers.discard()

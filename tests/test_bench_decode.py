@@ -4,11 +4,10 @@ cell is filed (not raised), and the floor, ratios and targets are the stated ari
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
-import os
 import struct
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -18,18 +17,19 @@ from bench.report.decode import finish_cell, targets
 from bench.runs.decode import DecodeBenchConfig, points
 from kvtransfer.model.spec import ModelSpec, load_model
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 @pytest.fixture(scope="module")
 def decode_run(tmp_path_factory):
+    """The CLI in this process, as tests/test_bench_link.py runs it: an interpreter start less on a CI core."""
+    from bench.cli import main
+
     out = tmp_path_factory.mktemp("decode")
-    cmd = [sys.executable, "-m", "bench.cli", "decode", "--model", "tiny", "--device", "cpu", "--batches", "1,2",
-           "--contexts", "64,128", "--runs", "2", "--warmup", "1", "--hf", "eager", "--out", str(out)]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
-                       env=dict(os.environ, PYTHONPATH=ROOT))
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    return json.loads(p.stdout.strip().splitlines()[-1]), out
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        rc = main(["decode", "--model", "tiny", "--device", "cpu", "--batches", "1,2", "--contexts", "64,128",
+                   "--runs", "2", "--warmup", "1", "--hf", "eager", "--out", str(out)])
+    assert rc == 0, stdout.getvalue()[-3000:] + stderr.getvalue()[-3000:]
+    return json.loads(stdout.getvalue().strip().splitlines()[-1]), out
 
 
 def test_decode_json(decode_run):

@@ -13,14 +13,16 @@ import pytest
 from bench.cli import main
 from bench.runs import link
 from bench.runs.link import size
+from support.harness import forked_pairs
 
 
 @pytest.fixture(scope="module")
 def link_run(tmp_path_factory):
-    """The CLI in this process (its p2p pair still spawns two processes), forced onto the CPU path."""
+    """The CLI in this process (its p2p pair still two processes, forked: support.harness.forked_pairs), forced
+    onto the CPU path."""
     out = tmp_path_factory.mktemp("link")
     stdout = io.StringIO()
-    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(stdout):
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(stdout), forked_pairs():
         mp.setattr(link, "gpu_count", lambda: 0)
         rc = main(["link", "--bytes", "2MiB", "--layers", "4", "--warmup", "1", "--out", str(out)])
     assert rc == 0, stdout.getvalue()[-3000:]

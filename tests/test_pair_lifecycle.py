@@ -4,6 +4,11 @@ worker per prefill worker, configs that cannot work refused at start, and stops 
 Why these: each was a way to wedge or kill a pair that the request-level tests never took. A pairing the
 decode side abandons must leave the prefill worker ready for the next decode worker; a stop must free the
 process (and its ports) within its grace, whatever the other side is doing.
+
+Why some tests share servers: each start is ~10 s of a CI core. A test that only needs a serving default pair,
+or a prefill worker no decode worker ever paired with, takes the module's (`Shared`, started at first use, and
+again if a test left it dead or not serving); a test that ends it takes it for good, and the next one starts a
+fresh one. What each test reads of a shared server's log is what it wrote after the test began.
 """
 
 from __future__ import annotations
@@ -14,11 +19,13 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 
 import grpc
 import pytest
 import torch
 
+from bench.measure.launch import stop
 from decode_server.client import generate
 from kvtransfer.geometry import CacheGeometry
 from kvtransfer.model.spec import ModelSpec
@@ -69,6 +76,84 @@ def compat(tiny_fp32) -> pb.Compat:
                         False)
 
 
+class Shared:
+    """One server set for several tests: `get()` the running one (a fresh one first, or when `usable` says the last
+    is not), `take()` it to end it (the next `get` starts a fresh one)."""
+
+    def __init__(self, start, usable):
+        self.start, self.usable, self.current, self.made = start, usable, None, []
+
+    def get(self) -> Pair:
+        if self.current is not None and not self.usable(self.current):
+            self.current.close()
+            self.current = None
+        if self.current is None:
+            self.current = self.start()
+            self.made.append(self.current)
+        return self.current
+
+    def take(self) -> Pair:
+        pair, self.current = self.get(), None
+        return pair
+
+    def close(self) -> None:
+        for pair in self.made:
+            pair.close()
+
+
+def alive(half: Half) -> bool:
+    return half.proc is not None and half.proc.poll() is None
+
+
+@pytest.fixture(scope="module")
+def serving_pair(tmp_path_factory):
+    """A default pair, serving."""
+    def start() -> Pair:
+        pair = Pair(tmp_path_factory.mktemp("pair"))
+        pair.start()
+        return pair
+    shared = Shared(start, lambda p: alive(p.prefill) and alive(p.decode) and p.health() == SERVING)
+    yield shared
+    shared.close()
+
+
+@pytest.fixture(scope="module")
+def lone_prefill(tmp_path_factory):
+    """A prefill worker no decode worker has paired with (--dist-timeout-s 60: a join it starts stays in progress);
+    the decode workers the tests start against it fail before pairing."""
+    def start() -> Pair:
+        pair = Pair(tmp_path_factory.mktemp("lone"), prefill_args=["--dist-timeout-s", "60"])
+        pair.prefill.start()
+        pair.wait_line(pair.prefill, "prefill server ready")
+        return pair
+    shared = Shared(start, lambda p: alive(p.prefill))
+    yield shared
+    shared.close()
+
+
+def another_decode(pair: Pair, log_dir, args=None) -> Half:
+    """A decode worker for `pair`'s prefill worker on ports of its own (`args`: the pair's decode arguments, or
+    these), its log under `log_dir`."""
+    args = list(pair.decode.args if args is None else args)
+    args[args.index("--listen") + 1] = f"127.0.0.1:{_free()}"
+    args[args.index("--metrics-port") + 1] = str(_free())
+    return Half("decode_server", args, str(log_dir))
+
+
+def log_size(half: Half) -> int:
+    return len(half.log_text())
+
+
+@contextmanager
+def started(half: Half):
+    """`half` started, and stopped at the end whatever happened (a refused worker has exited by then)."""
+    half.start()
+    try:
+        yield half
+    finally:
+        stop([half.proc])
+
+
 def test_an_abandoned_pairing_leaves_the_prefill_worker_ready_for_the_next(tmp_path, compat):
     """Two handshakes whose decode worker never joins, then a real decode worker: each newer pairing makes the
     prefill's join of the older one give way, and the real one pairs at its first try (a failed join once left
@@ -85,46 +170,35 @@ def test_an_abandoned_pairing_leaves_the_prefill_worker_ready_for_the_next(tmp_p
         assert "pairing failed" not in pair.decode.log_text(), pair.log_text()
 
 
-def test_a_decode_worker_checks_its_rendezvous_flag_before_the_handshake(tmp_path):
+def test_a_decode_worker_checks_its_rendezvous_flag_before_the_handshake(tmp_path, lone_prefill):
     """--dist-init env:// without MASTER_ADDR/MASTER_PORT: exit 2 at start naming the flag; the prefill worker
     never saw a handshake."""
-    with Pair(tmp_path) as pair:
-        pair.prefill.start()
-        pair.decode.args = [a if not a.startswith("tcp://") else "env://" for a in pair.decode.args]
-        pair.decode.start()
-        assert exits(pair.decode, 150) == 2
-        assert "--dist-init env:// needs MASTER_ADDR" in pair.decode.log_text()
-        assert "handshake from decode instance" not in pair.prefill.log_text()
+    pair = lone_prefill.get()
+    before = log_size(pair.prefill)
+    args = [a if not a.startswith("tcp://") else "env://" for a in pair.decode.args]
+    with started(another_decode(pair, tmp_path, args)) as decode:
+        assert exits(decode, 150) == 2
+    assert "--dist-init env:// needs MASTER_ADDR" in decode.log_text()
+    assert "handshake from decode instance" not in pair.prefill.log_text()[before:]
 
 
-def test_a_warm_up_over_the_receive_limit_is_refused_at_start(tmp_path):
-    """Both servers with --max-prompt-tokens 100 (the warm-up is 128 tokens): the prefill worker exits 2 naming
-    both flags. A decode worker whose limit is below the prefill worker's warm-up exits 2 at the handshake."""
-    with Pair(tmp_path, prefill_args=["--max-prompt-tokens", "100"]) as pair:
-        pair.prefill.start()
-        assert exits(pair.prefill, 150) == 2
-        assert "--warmup-tokens 128 is over --max-prompt-tokens 100" in pair.prefill.log_text()
-    with Pair(tmp_path, decode_args=["--max-prompt-tokens", "100"]) as pair:
-        pair.prefill.start()
-        pair.decode.start()
-        assert exits(pair.decode, 150) == 2
-        text = pair.decode.log_text()
-        assert "--warmup-tokens" in text and "receive limit of 102400 bytes" in text, text[-2000:]
+def test_a_warm_up_over_the_receive_limit_is_refused_at_start(tmp_path, lone_prefill):
+    """A decode worker whose limit (--max-prompt-tokens 100) is below the prefill worker's warm-up (128 tokens)
+    exits 2 at the handshake. (The prefill worker's own such limit: test_the_cli_refuses_before_any_server_runs.)"""
+    pair = lone_prefill.get()
+    with started(another_decode(pair, tmp_path, [*pair.decode.args, "--max-prompt-tokens", "100"])) as decode:
+        assert exits(decode, 150) == 2
+    text = decode.log_text()
+    assert "--warmup-tokens" in text and "receive limit of 102400 bytes" in text, text[-2000:]
 
 
-def test_a_second_decode_worker_is_refused_and_the_paired_one_undisturbed(tmp_path):
-    with Pair(tmp_path) as pair:
-        pair.start()
-        first = serves(pair)
-        other = Half("decode_server", [a for a in pair.decode.args], str(tmp_path))
-        i = other.args.index("--listen")
-        other.args[i + 1] = f"127.0.0.1:{_free()}"
-        j = other.args.index("--metrics-port")
-        other.args[j + 1] = str(_free())
-        other.start()
+def test_a_second_decode_worker_is_refused_and_the_paired_one_undisturbed(tmp_path, serving_pair):
+    pair = serving_pair.get()
+    first = serves(pair)
+    with started(another_decode(pair, tmp_path)) as other:
         assert exits(other, 60) == 2
-        assert "paired with decode instance" in other.log_text(), other.log_text()[-2000:]
-        assert serves(pair) == first and pair.health() == SERVING
+    assert "paired with decode instance" in other.log_text(), other.log_text()[-2000:]
+    assert serves(pair) == first and pair.health() == SERVING
 
 
 def _free() -> int:
@@ -153,9 +227,9 @@ def test_sigterm_to_the_prefill_mid_request_finishes_it_and_frees_the_process(tm
 
 
 @pytest.mark.parametrize("first", ["prefill", "decode", "both"])
-def test_sigterm_to_both_exits_0_on_both(tmp_path, first):
-    with Pair(tmp_path) as pair:
-        pair.start()
+def test_sigterm_to_both_exits_0_on_both(serving_pair, first):
+    """The first of these ends the pair test_a_second_decode_worker_... served on; the others start their own."""
+    with serving_pair.take() as pair:
         serves(pair)
         halves = {"prefill": [pair.prefill, pair.decode], "decode": [pair.decode, pair.prefill],
                   "both": [pair.prefill, pair.decode]}[first]
@@ -170,13 +244,13 @@ def test_sigterm_to_both_exits_0_on_both(tmp_path, first):
         assert "terminate called" not in pair.log_text()
 
 
-def test_a_prefill_worker_stopped_during_a_join_exits_at_once(tmp_path, compat):
+def test_a_prefill_worker_stopped_during_a_join_exits_at_once(compat, lone_prefill):
     """A join in progress (a handshake whose decode worker never joins, --dist-timeout-s 60) does not hold the
-    stopping process: it exits 0 within seconds."""
-    with Pair(tmp_path, prefill_args=["--dist-timeout-s", "60"]) as pair:
-        pair.prefill.start()
-        raw_handshake(pair.prefill_addr, compat)
-        pair.wait_line(pair.prefill, "joining process group epoch 1")
+    stopping process: it exits 0 within seconds. (The module's lone prefill worker, which this test ends: its
+    earlier refused decode workers may have left an older join, which this handshake supersedes.)"""
+    with lone_prefill.take() as pair:
+        epoch = raw_handshake(pair.prefill_addr, compat).epoch
+        pair.wait_line(pair.prefill, f"joining process group epoch {epoch} ")
         t0 = time.monotonic()
         pair.prefill.proc.send_signal(signal.SIGTERM)
         assert exits(pair.prefill, 30) == 0
@@ -197,7 +271,8 @@ def test_a_decode_worker_stopped_while_pairing_exits_at_once(tmp_path):
 
 
 def test_the_cli_refuses_before_any_server_runs():
-    """A flag combination that cannot work exits 2 naming it, before a model is loaded."""
-    out = subprocess.run([sys.executable, "-m", "prefill_server", "--max-prompt-tokens", "64"], capture_output=True,
+    """A flag combination that cannot work exits 2 naming it, before a model is loaded: a prefill worker whose own
+    --max-prompt-tokens 100 is below its warm-up (128 tokens) names both flags."""
+    out = subprocess.run([sys.executable, "-m", "prefill_server", "--max-prompt-tokens", "100"], capture_output=True,
                          text=True, timeout=60)
-    assert out.returncode == 2 and "--warmup-tokens 128 is over --max-prompt-tokens 64" in out.stderr
+    assert out.returncode == 2 and "--warmup-tokens 128 is over --max-prompt-tokens 100" in out.stderr, out.stderr

@@ -1,9 +1,14 @@
 """The two-GPU runbooks (bench/runbooks/) run end to end on CPU with `python3` standing in: every bench command
 they would run on the GPU machine parses with the bench's own flags, so a session that gets the GPUs does not
-spend its device minutes on a typo."""
+spend its device minutes on a typo.
+
+The stand-in (tests/support/runbook_checker.py) only records each command line; this test then parses them all
+here, in one interpreter, with the same parsers (one interpreter start with torch per line cost ~8 s each)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -11,9 +16,21 @@ import sys
 
 import pytest
 
+from support.runbook_checker import check
 from support.servers import ROOT
 
 RUNBOOKS = {"two-gpu-1-smoke.sh": 4, "two-gpu-2-interference.sh": 2, "two-gpu-3-serve.sh": 1}  # python3 calls
+
+
+def parse_error(argv: list[str]) -> str | None:
+    """None when the bench's parsers take `argv`; else what they said (argparse's message, or the refusal)."""
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            check(argv)
+    except SystemExit as e:
+        return f"{argv}: exit {e.code}: {err.getvalue().strip()}"
+    return None
 
 
 @pytest.mark.parametrize("name,calls", RUNBOOKS.items())
@@ -34,3 +51,14 @@ def test_a_runbooks_commands_parse(tmp_path, name, calls):
     rcs = [line for line in p.stdout.splitlines() if " rc=" in line]
     assert rcs and all(" rc=0" in line for line in rcs), p.stdout + "".join(
         (tmp_path / "out" / f).read_text() for f in os.listdir(tmp_path / "out") if f.endswith(".log"))
+    errors = [e for e in map(parse_error, ran) if e]
+    assert not errors, "\n".join(errors)
+
+
+def test_the_checker_refuses_a_bad_flag_and_an_unexpected_command():
+    """The in-process parse fails as the stand-in used to: a flag the bench does not have, a decode-server flag
+    in --decode-args that does not exist, a python3 command that is not a bench."""
+    assert parse_error(["-m", "bench.cli", "ttft", "--lengths", "8"]) is None
+    assert "--no-such-flag" in parse_error(["-m", "bench.cli", "ttft", "--no-such-flag"])
+    assert parse_error(["-m", "bench.runs.serve_sweep", "--out", "x", "--decode-args", "--no-such-flag 1"])
+    assert "unexpected python3 command" in parse_error(["-c", "print(1)"])

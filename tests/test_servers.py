@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from contextlib import contextmanager
 
 import grpc
 import pytest
@@ -33,12 +34,29 @@ def tiny_models():
     return {dt: load_model(ModelSpec("tiny", dt)) for dt in ("float32", "bfloat16")}
 
 
-@pytest.mark.parametrize("dtype,transport", [("float32", "gloo"), ("bfloat16", "gloo"), ("bfloat16", "grpc")])
-def test_pair_matches_colocated(tmp_path, tiny_models, dtype, transport):
-    """Cache byte-equal, tokens and logits bit-identical, in every mode, over each CPU data plane."""
-    model = tiny_models[dtype]
+@pytest.fixture(scope="module")
+def default_pair(tmp_path_factory):
+    """The float32 gloo pair, for the tests that only need it serving (each start is ~10 s of a CI core)."""
+    with server_pair(tmp_path_factory.mktemp("default"), dtype="float32", prefill_args=["--transport", "gloo"],
+                     decode_args=["--transport", "gloo"]) as run:
+        yield run
+
+
+@contextmanager
+def pair_for(request, tmp_path, dtype: str, transport: str):
+    if (dtype, transport) == ("float32", "gloo"):
+        yield request.getfixturevalue("default_pair")
+        return
     with server_pair(tmp_path, dtype=dtype, prefill_args=["--transport", transport],
                      decode_args=["--transport", transport]) as run:
+        yield run
+
+
+@pytest.mark.parametrize("dtype,transport", [("float32", "gloo"), ("bfloat16", "gloo"), ("bfloat16", "grpc")])
+def test_pair_matches_colocated(request, tmp_path, tiny_models, dtype, transport):
+    """Cache byte-equal, tokens and logits bit-identical, in every mode, over each CPU data plane."""
+    model = tiny_models[dtype]
+    with pair_for(request, tmp_path, dtype, transport) as run:
         for ids in prompts(model.config.vocab_size):
             want = reference(model, ids, 6)
             for mode in ("layerwise", "bulk", "auto", "colocated"):
@@ -90,15 +108,16 @@ def test_handshake_refuses_other_model(tmp_path):
         assert "weights_fingerprint" in text and "--seed" in text
 
 
-def test_bad_requests_get_clear_status(tmp_path):
-    with server_pair(tmp_path) as run:
-        for ids, n, code, words in [([], 4, grpc.StatusCode.INVALID_ARGUMENT, "empty prompt"),
-                                    ([1, 10**6], 4, grpc.StatusCode.INVALID_ARGUMENT, "vocabulary"),
-                                    ([1, 2], 0, grpc.StatusCode.INVALID_ARGUMENT, "max_new_tokens")]:
-            with pytest.raises(grpc.aio.AioRpcError) as e:
-                asyncio.run(generate(run.addr, ids, n))
-            assert e.value.code() == code and words in e.value.details()
-        assert len(asyncio.run(generate(run.addr, [1, 2, 3], 3))["tokens"]) == 3
+def test_bad_requests_get_clear_status(default_pair):
+    """On the float32 gloo pair of test_pair_matches_colocated: each refused, and the pair serves on."""
+    run = default_pair
+    for ids, n, code, words in [([], 4, grpc.StatusCode.INVALID_ARGUMENT, "empty prompt"),
+                                ([1, 10**6], 4, grpc.StatusCode.INVALID_ARGUMENT, "vocabulary"),
+                                ([1, 2], 0, grpc.StatusCode.INVALID_ARGUMENT, "max_new_tokens")]:
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            asyncio.run(generate(run.addr, ids, n))
+        assert e.value.code() == code and words in e.value.details()
+    assert len(asyncio.run(generate(run.addr, [1, 2, 3], 3))["tokens"]) == 3
 
 
 def test_auto_mode_policy_is_measured_per_transport():

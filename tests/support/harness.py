@@ -4,22 +4,34 @@ Why here: every transport test starts its two sides the same way (the process pl
 bench/measure/twoproc.py's and the free port bench/measure/launch.py's, shared with the benches); both sides
 build their links through the registry (kvtransfer.transport.registry), with the options
 given, exactly as the servers do.
+
+Why a fork server for CPU pairs: run_pair spawns a fresh interpreter per side, which imports torch and the
+transports again (~4 s of a CI core each, two per scenario, dozens of scenarios). On CPU the sides are instead
+forked from one server process per test worker that imported them once (multiprocessing's "forkserver": it
+never ran torch or gRPC work, so nothing of either is live in it when it forks). Each side is still its own
+process, with its own links, sockets and process group, and run_pair's reporting, timeouts and exit handling
+are unchanged. GPU pairs keep spawn (a CUDA context must not be inherited).
 """
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import tempfile
 import threading
 import traceback
+from contextlib import contextmanager
+from types import SimpleNamespace
+from unittest import mock
 
 import torch
 
+from bench.measure import twoproc
 from bench.measure.launch import free_port
 from bench.measure.twoproc import exit_now, run_pair
 from kvtransfer.transport import registry
 from support import contract
 
-__all__ = ["free_port", "run_in_threads", "run_two_processes"]
+__all__ = ["forked_pairs", "free_port", "run_in_threads", "run_two_processes"]
 
 
 def _links(backend: str, rank: int, address: str, options, dev):
@@ -78,5 +90,31 @@ def run_two_processes(backend: str, scenario: str, options=None, device: str = "
     address = f"127.0.0.1:{free_port()}"
     if registry.backend(backend).rendezvous is registry.Rendezvous.PROCESS_GROUP:
         address = f"tcp://{address}"
-    run_pair(_side, (backend, address, scenario, options, devices or (device, device)), timeout,
-             what=f"{backend}/{scenario}")
+    devices = devices or (device, device)
+    args = (_side, (backend, address, scenario, options, devices), timeout)
+    if any(torch.device(d).type != "cpu" for d in devices):
+        run_pair(*args, what=f"{backend}/{scenario}")
+        return
+    with forked_pairs():
+        run_pair(*args, what=f"{backend}/{scenario}")
+
+
+PRELOAD = [__name__, "bench.measure.p2p", "kvtransfer.transport.dist.backend", "kvtransfer.transport.grpc.backend"]
+
+
+def _forkserver(method: str):
+    """run_pair's context on CPU: forked from a server that imported PRELOAD (so torch, the transports, the
+    contract and the p2p bench's side) once; `method` is the one run_pair asks for (spawn)."""
+    assert method == "spawn", method
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+@contextmanager
+def forked_pairs():
+    """While in it, bench/measure/twoproc.run_pair forks its two CPU processes from the fork server instead of
+    spawning two interpreters (the contract here; the p2p probes of the benches a test runs in its own process).
+    Not for CUDA sides; tests/test_bench_stats.py checks run_pair itself as it is, spawning."""
+    with mock.patch.object(twoproc, "mp", SimpleNamespace(get_context=_forkserver)):
+        yield
