@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import time
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -26,10 +27,11 @@ from decode_server.peer.pairing import DecodePairing
 from decode_server.peer.remote import PeerFailure, RequestError
 from decode_server.streams import Mailbox, TokenStream, acquire_slot
 from kvtransfer.engine.engine import DecodeEngine
+from kvtransfer.engine.sampler import SamplingParams, sampling_params
 from kvtransfer.engine.scheduler import EngineFailed
 from kvtransfer.engine.sequence import EndCause, Ended, Sequence
 from kvtransfer.rpc.lifecycle import SHUTTING_DOWN, RunningRequests, end_by_cancel, request_budget
-from kvtransfer.rpc.limits import ConcurrencyLimit, prompt_problem
+from kvtransfer.rpc.limits import ConcurrencyLimit, prompt_problem, sampling_problem
 from kvtransfer.rpc.metrics import Metrics
 from kvtransfer.rpc.modes import REQUEST_MODES, Mode
 from kvtransfer.rpc.security import server_credentials
@@ -97,6 +99,10 @@ class DecodeService(pbg.DecodeServicer):
         context_len = self.engine.m.model.config.max_position_embeddings
         # the limits the prefill server enforces too (kvtransfer/rpc/limits.py), then this server's own
         problem = prompt_problem(request.token_ids, c.max_prompt_tokens, context_len, self.vocab)
+        if problem is None:
+            sm = request.sampling  # all defaults when absent: greedy
+            problem = sampling_problem(sm.temperature, sm.top_p if sm.HasField("top_p") else None, sm.top_k,
+                                       request.stop_token_ids, self.vocab)
         code = None
         if problem is not None:
             await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, problem)
@@ -123,6 +129,14 @@ class DecodeService(pbg.DecodeServicer):
                                  f"{c.max_receive_bytes}; send a shorter prompt"), grpc.StatusCode.RESOURCE_EXHAUSTED
         if problem is not None:
             await self._abort(context, code or grpc.StatusCode.INVALID_ARGUMENT, problem)
+
+    async def Info(self, request, context):
+        """The served model's name and the limits a request must keep (clients ask once)."""
+        m, c = self.engine.m, self.config
+        return pb.InfoResponse(model=os.path.basename(os.path.normpath(m.spec.name)), vocab_size=self.vocab,
+                               context_length=m.model.config.max_position_embeddings,
+                               max_seq_len=self.engine.pool.max_seq, max_new_tokens=c.max_new_tokens,
+                               max_prompt_tokens=c.max_prompt_tokens, eos_token_ids=sorted(self.engine.eos))
 
     async def Generate(self, request, context):
         with self.running.request(context) as r:  # counts the request's one outcome when it ends
@@ -189,16 +203,20 @@ class DecodeService(pbg.DecodeServicer):
         else:
             end_by_cancel(r)
 
-    async def _prefill(self, request, context, rid: int, deadline: float, lease) -> Prefilled:
-        """The cache into the request's slot and the first token, remotely unless colocated; the --on-failure
-        policy when the peer fails."""
+    async def _prefill(self, request, context, rid: int, deadline: float, lease,
+                       sampling: SamplingParams | None) -> Prefilled:
+        """The cache into the request's slot and the first token (chosen by `sampling`, the same on both sides),
+        remotely unless colocated; the --on-failure policy when the peer fails."""
         want = request.return_logits_digest
         timing = pb.Timing()
         if not (self.config.colocated or request.mode == pb.MODE_COLOCATED):
             try:
                 peer = choose_peer(self.pairing)
+                wire = None if sampling is None else pb.Sampling(
+                    temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed)
                 r = await peer.data.remote_prefill(peer.stub, request, rid, deadline, self.prefill_metadata,
-                                                   self.engine.pool.views(lease.slot, len(request.token_ids)), lease)
+                                                   self.engine.pool.views(lease.slot, len(request.token_ids)), lease,
+                                                   wire)
             except RequestError as e:
                 await self._abort(context, e.code, e.message)
             except PeerFailure as f:
@@ -218,7 +236,7 @@ class DecodeService(pbg.DecodeServicer):
                 timing.transfer_bytes = nbytes = self.engine.m.geometry.cache_bytes(len(request.token_ids))
                 self.metrics.moved(nbytes, r.t_ready - r.t_sent, Mode.from_proto(r.response.mode))
                 return Prefilled(r.response.first_token, r.response.first_logits_digest, timing, r.t_first, r.t_ready)
-        job = self.engine.prefill(list(request.token_ids), lease, want)
+        job = self.engine.prefill(list(request.token_ids), lease, want, sampling)
         local = await self._within(context, job, deadline, "the prefill did not finish before the deadline")
         timing.prefill_ms = local.prefill_ms
         timing.mode = timing.mode or Mode.COLOCATED.proto
@@ -237,7 +255,12 @@ class DecodeService(pbg.DecodeServicer):
     async def _generate(self, request, context, deadline: float, lease, r):
         t_in, rid = time.perf_counter(), next(self.ids)
         n, want = len(request.token_ids), request.return_logits_digest
-        p = await self._prefill(request, context, rid, deadline, lease)
+        sm = request.sampling  # absent or temperature 0: None (greedy); a seed drawn here when the request has none
+        sampling = sampling_params(sm.temperature, sm.top_p if sm.HasField("top_p") else None, sm.top_k,
+                                   sm.seed if sm.HasField("seed") else None)
+        # the tokens that end the request early (each is sent, as its last)
+        stops = frozenset(request.stop_token_ids) | (self.engine.eos if request.stop_on_eos else frozenset())
+        p = await self._prefill(request, context, rid, deadline, lease, sampling)
         timing = p.timing
         cache_dig = (await self._within(context, self.engine.digest(lease.slot, n), deadline,
                                         "the cache digest did not finish before the deadline")
@@ -248,17 +271,15 @@ class DecodeService(pbg.DecodeServicer):
         self.metrics.ttft_ms.labels(mode).observe(timing.cache_ready_ms)
         log.info("request %d: %d tokens, %s, cache ready %.1f ms", rid, n, mode, timing.cache_ready_ms)
         steps = request.max_new_tokens - 1
-        stop = request.stop_on_eos and p.first in self.engine.eos
-        if steps == 0 or stop:
+        if steps == 0 or p.first in stops:
             timing.total_ms = timing.second_token_ms = (time.perf_counter() - t_in) * 1e3
             yield pb.GenerateResponse(token_id=p.first, index=0, logits_digest=p.digest, timing=timing,
-                                      cache_digest=cache_dig)
+                                      cache_digest=cache_dig, finish_reason=finish_reason(p.first, stops))
             return
         yield pb.GenerateResponse(token_id=p.first, index=0, logits_digest=p.digest, cache_digest=cache_dig)
         stream = TokenStream(self._box(), self.config.stream_buffer_tokens)
         lease.hold()  # the sequence's own hold: the scheduler lets go when it drops or finishes it
-        seq = stream.seq = Sequence(rid, lease, n, p.first, steps, stream.sink, want,
-                                    self.engine.eos if request.stop_on_eos else frozenset())
+        seq = stream.seq = Sequence(rid, lease, n, p.first, steps, stream.sink, want, stops, sampling=sampling)
         r.seq = seq
         self.engine.scheduler.add(seq)
         try:
@@ -271,7 +292,8 @@ class DecodeService(pbg.DecodeServicer):
                 if item.last:
                     timing.total_ms = (time.perf_counter() - t_in) * 1e3
                     yield pb.GenerateResponse(token_id=item.token_id, index=item.index,
-                                              logits_digest=item.logits_digest, timing=timing)
+                                              logits_digest=item.logits_digest, timing=timing,
+                                              finish_reason=finish_reason(item.token_id, stops))
                     return
                 yield pb.GenerateResponse(token_id=item.token_id, index=item.index, logits_digest=item.logits_digest)
         except asyncio.TimeoutError:
@@ -279,6 +301,11 @@ class DecodeService(pbg.DecodeServicer):
             await self._abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, "decoding did not finish before the deadline")
         finally:
             seq.stop("the request ended (client gone, deadline or error)")  # no-op once it finished
+
+
+def finish_reason(last: int, stops: frozenset[int]) -> int:
+    """Why the last message is the last: a stop token (stop_token_ids, or EOS with stop_on_eos), else the length."""
+    return pb.FINISH_REASON_STOP if last in stops else pb.FINISH_REASON_LENGTH
 
 
 async def create_server(config: DecodeConfig, service: DecodeService, address: str | None = None,

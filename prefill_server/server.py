@@ -13,17 +13,18 @@ import logging
 
 import grpc
 
+from kvtransfer.engine.sampler import sampling_params
 from kvtransfer.rpc.compat import mismatch
 from kvtransfer.rpc.lifecycle import SHUTTING_DOWN, RunningRequests
-from kvtransfer.rpc.limits import ConcurrencyLimit, prompt_problem, request_id_problem
+from kvtransfer.rpc.limits import ConcurrencyLimit, prompt_problem, request_id_problem, sampling_problem
 from kvtransfer.rpc.main import gpu_executor
 from kvtransfer.rpc.metrics import Metrics
 from kvtransfer.rpc.modes import Mode
 from kvtransfer.rpc.security import server_credentials
 from kvtransfer.rpc.server import build_server
-from kvtransfer.transport.status import transfer_status
 from kvtransfer.transport import TransferError
 from kvtransfer.transport.registry import Rendezvous, Transport
+from kvtransfer.transport.status import transfer_status
 from prefill_server import policy
 from prefill_server.config import PrefillConfig
 from prefill_server.pairing import PeerHealth, PrefillPairing
@@ -89,6 +90,9 @@ class PrefillService(pbg.PrefillServicer):
         problem = request_id_problem(request.request_id, WARMUP_REQUEST_ID) or prompt_problem(
             request.token_ids, self.config.max_prompt_tokens, self.worker.m.model.config.max_position_embeddings,
             self.vocab)  # the decode server's limits (kvtransfer/rpc/limits.py): nothing it would drop is computed
+        if problem is None and request.HasField("sampling"):
+            s = request.sampling
+            problem = sampling_problem(s.temperature, s.top_p if s.HasField("top_p") else None, s.top_k)
         if problem is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         if request.mode not in MODES and request.mode != pb.MODE_AUTO:
@@ -131,9 +135,12 @@ class PrefillService(pbg.PrefillServicer):
         n = len(request.token_ids)
         mode = self.resolve_mode(request.mode, n)
         loop = asyncio.get_running_loop()
+        s = request.sampling  # the decode server always sets the seed; a direct call without one gets a drawn seed
+        sampling = sampling_params(s.temperature, s.top_p if s.HasField("top_p") else None, s.top_k,
+                                   s.seed if s.HasField("seed") else None) if request.HasField("sampling") else None
         try:
             r = await loop.run_in_executor(self.gpu, self.pairing.run_request, request.request_id,
-                                           list(request.token_ids), mode, request.return_logits_digest)
+                                           list(request.token_ids), mode, request.return_logits_digest, sampling)
         except TransferError as e:
             log.error("request %d: transfer failed: %s", request.request_id, e)
             self.metrics.failures.labels(e.cause).inc()

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtransfer.determinism import sync
-from kvtransfer.engine.sampler import first_token
+from kvtransfer.engine.sampler import SamplingParams, first_token
 from kvtransfer.model.loaded import LoadedModel
 from kvtransfer.model.prefill import logits_digest, prefill, random_prompt
 from kvtransfer.model.streaming import cache_layers
@@ -47,8 +47,11 @@ class PrefillWorker:
         return TransferHeader(request_id=request_id, seq_len=seq_len, num_layers=g.num_layers,
                               kv_heads=g.kv_heads, head_dim=g.head_dim, dtype=g.dtype)
 
-    def run(self, request_id: int, token_ids: list[int], mode: str, want_digest: bool) -> PrefillResult:
-        """Prefill and ship the cache. `mode` is "layerwise" or "bulk". Raises TransferError/ValueError."""
+    def run(self, request_id: int, token_ids: list[int], mode: str, want_digest: bool,
+            sampling: SamplingParams | None = None) -> PrefillResult:
+        """Prefill and ship the cache. `mode` is "layerwise" or "bulk"; `sampling` chooses the first token (None:
+        greedy), at position len(token_ids), as the decode server's local prefill does. Raises
+        TransferError/ValueError."""
         if self.link is None:
             raise TransferError("peer", "no decode peer has paired its data plane (the decode server handshakes "
                                 "at start and again after a failure)")
@@ -66,7 +69,7 @@ class PrefillWorker:
                 cache, logits = prefill(self.m.model, ids, on_layer=send)
             else:
                 cache, logits = prefill(self.m.model, ids)
-            first = first_token(logits)
+            first = first_token(logits, sampling, len(token_ids))
             if mode == "bulk":
                 for i, (k, v) in enumerate(cache_layers(cache)):
                     send(i, k, v)

@@ -22,6 +22,12 @@ class Transport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TRANSPORT_GLOO: _ClassVar[Transport]
     TRANSPORT_GRPC: _ClassVar[Transport]
     TRANSPORT_CUDA_IPC: _ClassVar[Transport]
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_STOP: _ClassVar[FinishReason]
 MODE_AUTO: Mode
 MODE_LAYERWISE: Mode
 MODE_BULK: Mode
@@ -32,22 +38,63 @@ TRANSPORT_NCCL: Transport
 TRANSPORT_GLOO: Transport
 TRANSPORT_GRPC: Transport
 TRANSPORT_CUDA_IPC: Transport
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+FINISH_REASON_STOP: FinishReason
+
+class Sampling(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("token_ids", "max_new_tokens", "mode", "return_logits_digest", "return_cache_digest", "stop_on_eos")
+    __slots__ = ("token_ids", "max_new_tokens", "mode", "return_logits_digest", "return_cache_digest", "stop_on_eos", "sampling", "stop_token_ids")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     RETURN_LOGITS_DIGEST_FIELD_NUMBER: _ClassVar[int]
     RETURN_CACHE_DIGEST_FIELD_NUMBER: _ClassVar[int]
     STOP_ON_EOS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_new_tokens: int
     mode: Mode
     return_logits_digest: bool
     return_cache_digest: bool
     stop_on_eos: bool
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ..., return_logits_digest: _Optional[bool] = ..., return_cache_digest: _Optional[bool] = ..., stop_on_eos: _Optional[bool] = ...) -> None: ...
+    sampling: Sampling
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ..., return_logits_digest: _Optional[bool] = ..., return_cache_digest: _Optional[bool] = ..., stop_on_eos: _Optional[bool] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class InfoResponse(_message.Message):
+    __slots__ = ("model", "vocab_size", "context_length", "max_seq_len", "max_new_tokens", "max_prompt_tokens", "eos_token_ids")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    vocab_size: int
+    context_length: int
+    max_seq_len: int
+    max_new_tokens: int
+    max_prompt_tokens: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Timing(_message.Message):
     __slots__ = ("prefill_ms", "cache_ready_ms", "first_token_ms", "second_token_ms", "transfer_bytes", "total_ms", "mode")
@@ -68,18 +115,20 @@ class Timing(_message.Message):
     def __init__(self, prefill_ms: _Optional[float] = ..., cache_ready_ms: _Optional[float] = ..., first_token_ms: _Optional[float] = ..., second_token_ms: _Optional[float] = ..., transfer_bytes: _Optional[float] = ..., total_ms: _Optional[float] = ..., mode: _Optional[_Union[Mode, str]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("token_id", "index", "logits_digest", "timing", "cache_digest")
+    __slots__ = ("token_id", "index", "logits_digest", "timing", "cache_digest", "finish_reason")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     LOGITS_DIGEST_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
     CACHE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     index: int
     logits_digest: str
     timing: Timing
     cache_digest: str
-    def __init__(self, token_id: _Optional[int] = ..., index: _Optional[int] = ..., logits_digest: _Optional[str] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., cache_digest: _Optional[str] = ...) -> None: ...
+    finish_reason: FinishReason
+    def __init__(self, token_id: _Optional[int] = ..., index: _Optional[int] = ..., logits_digest: _Optional[str] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., cache_digest: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ...) -> None: ...
 
 class Compat(_message.Message):
     __slots__ = ("model", "dtype", "weights_fingerprint", "geometry_digest", "num_layers", "kv_heads", "head_dim", "layout", "protocol_version", "deterministic")
@@ -132,16 +181,18 @@ class HandshakeResponse(_message.Message):
     def __init__(self, compat: _Optional[_Union[Compat, _Mapping]] = ..., transport: _Optional[_Union[Transport, str]] = ..., instance_id: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "mode", "return_logits_digest")
+    __slots__ = ("request_id", "token_ids", "mode", "return_logits_digest", "sampling")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     RETURN_LOGITS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     mode: Mode
     return_logits_digest: bool
-    def __init__(self, request_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., mode: _Optional[_Union[Mode, str]] = ..., return_logits_digest: _Optional[bool] = ...) -> None: ...
+    sampling: Sampling
+    def __init__(self, request_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., mode: _Optional[_Union[Mode, str]] = ..., return_logits_digest: _Optional[bool] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token", "first_logits_digest", "prefill_ms", "send_done_ms", "mode")

@@ -40,6 +40,11 @@ class DecodeStub:
                 request_serializer=proto_dot_kvtransfer__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=proto_dot_kvtransfer__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Info = channel.unary_unary(
+                '/kvtransfer.v1.Decode/Info',
+                request_serializer=proto_dot_kvtransfer__pb2.InfoRequest.SerializeToString,
+                response_deserializer=proto_dot_kvtransfer__pb2.InfoResponse.FromString,
+                _registered_method=True)
 
 
 class DecodeServicer:
@@ -53,6 +58,13 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Info(self, request, context):
+        """What this server serves: the model's name and limits (the HTTP front and clients ask once).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -60,6 +72,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=proto_dot_kvtransfer__pb2.GenerateRequest.FromString,
                     response_serializer=proto_dot_kvtransfer__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Info': grpc.unary_unary_rpc_method_handler(
+                    servicer.Info,
+                    request_deserializer=proto_dot_kvtransfer__pb2.InfoRequest.FromString,
+                    response_serializer=proto_dot_kvtransfer__pb2.InfoResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -90,6 +107,33 @@ class Decode:
             '/kvtransfer.v1.Decode/Generate',
             proto_dot_kvtransfer__pb2.GenerateRequest.SerializeToString,
             proto_dot_kvtransfer__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Info(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtransfer.v1.Decode/Info',
+            proto_dot_kvtransfer__pb2.InfoRequest.SerializeToString,
+            proto_dot_kvtransfer__pb2.InfoResponse.FromString,
             options,
             channel_credentials,
             insecure,

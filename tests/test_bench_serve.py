@@ -49,6 +49,23 @@ def test_serve_concurrency(server, capsys, tmp_path):
     assert r["sustained_output_throughput"] > 0 and 0 < r["sustained_window_s"] < r["duration"]
 
 
+def test_serve_through_the_openai_front(server, capsys, tmp_path):
+    """`--api URL`: the same prompts through kvtransfer-api (no tokenizer: token ids in and out), every token timed
+    and counted as over gRPC; a bad --api is a usage error."""
+    from support.apifront import api_front
+
+    with api_front(str(tmp_path / "api.log"), server.addr) as url:
+        rc, r = run_cli(["serve", "--api", url, "--model", "tiny", "--concurrency", "4", "--num-prompts", "8",
+                         "--input-len", "24", "--input-len-range", "0.5", "--output-len", "6"], capsys)
+    assert rc == 0 and r["ok"], (r["failures"], r["errors"])
+    assert r["completed"] == 8 and r["failed"] == 0 and r["output_lens"] == [6] * 8
+    assert r["config"]["api"] == url and 0 < r["median_itl_ms"] <= r["p99_itl_ms"]
+    with pytest.raises(ValueError, match="loopback"):
+        ServeConfig(api="http://10.1.2.3:8000", model="tiny")
+    with pytest.raises(ValueError, match="--mode"):
+        ServeConfig(api="http://127.0.0.1:8000", model="tiny", mode="bulk")
+
+
 def _req(start: float, *times: float, code=None) -> dict:
     return {"start": start, "times": list(times), "code": code}
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("kvtransfer", "decode_server", "prefill_server", "bench", "proto")
+PACKAGES = ("kvtransfer", "decode_server", "prefill_server", "api_server", "bench", "proto")
 RPC = ("grpc", "grpc_health", "grpc_reflection", "google.protobuf", "proto")
 HTTP = ("fastapi", "starlette", "uvicorn", "aiohttp", "httpx")
 
@@ -93,7 +93,7 @@ def g():
 # (docs/architecture.md, "Folder layout"). Rooms of one rank do not import each other (rules below).
 RANKS = [(0, ("kvtransfer.geometry", "kvtransfer.determinism", "proto")), (1, ("kvtransfer.kernels",)),
          (2, ("kvtransfer.model",)), (3, ("kvtransfer.rpc",)), (4, ("kvtransfer.transport", "kvtransfer.engine")),
-         (5, ("prefill_server", "decode_server")), (6, ("bench",))]
+         (5, ("prefill_server", "decode_server", "api_server")), (6, ("bench",))]
 
 
 def rank(module: str) -> int | None:
@@ -124,12 +124,23 @@ def test_transports_import_no_model_code(g):
 
 
 def test_nothing_in_the_core_imports_a_server_or_the_bench(g):
-    assert violations(g, ("kvtransfer",), ("decode_server", "prefill_server", "bench")) == []
+    assert violations(g, ("kvtransfer",), ("decode_server", "prefill_server", "api_server", "bench")) == []
 
 
 def test_the_servers_do_not_import_each_other_or_the_bench(g):
-    assert violations(g, ("decode_server",), ("prefill_server", "bench")) == []
-    assert violations(g, ("prefill_server",), ("decode_server", "bench")) == []
+    assert violations(g, ("decode_server",), ("prefill_server", "api_server", "bench")) == []
+    assert violations(g, ("prefill_server",), ("decode_server", "api_server", "bench")) == []
+
+
+# The HTTP front talks to a decode server over gRPC only: it shares kvtransfer.rpc (flags, security) and proto,
+# never the engine, the model, a transport or torch (a front that loaded them would compete for the GIL and the
+# memory that it exists to keep away from the decode engine; docs/api.md).
+API_BANNED = ("decode_server", "prefill_server", "bench", "kvtransfer.engine", "kvtransfer.model",
+              "kvtransfer.transport", "kvtransfer.kernels", "torch")
+
+
+def test_the_http_front_speaks_to_the_decode_server_over_grpc_only(g):
+    assert violations(g, ("api_server",), API_BANNED) == []
 
 
 def test_nothing_imports_the_bench_command_line(g):
@@ -200,3 +211,6 @@ def test_the_checks_see_a_planted_import():
     g["kvtransfer.rpc.limits"] = g["kvtransfer.rpc.limits"] | {"kvtransfer.transport.errors"}
     assert upward(g) != []
     assert any(d.startswith("kvtransfer.transport.grpc") for d in g["kvtransfer.transport.registry"])  # lazy
+    g = graph()
+    g["api_server.config"] = g["api_server.config"] | {"kvtransfer.rpc.main"}  # which imports torch
+    assert violations(g, ("api_server",), API_BANNED) != []

@@ -45,6 +45,9 @@ def targets(cells: list[dict]) -> dict[str, bool]:
 def tables(result: dict) -> list[Table]:
     cfg = result["config"]
     graphs = "CUDA graphs" if cfg["cuda_graphs"] and result["device"].startswith("cuda") else "eager"
+    if cfg.get("temperature"):  # --temperature: the draw is part of the timed step
+        graphs += (f", every row sampling (temperature {cfg['temperature']:g}, top_p {cfg['top_p']:g}, "
+                   f"top_k {cfg['top_k']})")
     t = Table(f"Decode step -- {result['model']} {result['dtype']} on {result['device']} ({result['gpu_name']}), "
               f"engine {graphs}, p50 [p10-p90] of {cfg['runs']} after {cfg['warmup']} warm-up",
               ["batch", "context", "step ms", "floor ms", "ratio", "back-to-back ms", "ratio b2b", "tok/s", "floor tok/s", "share of floor",

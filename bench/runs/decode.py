@@ -10,11 +10,15 @@ fresh pool filled with random K/V (times do not depend on values); a cell that d
 --mem-fraction is skipped with its size, one that runs out of memory is skipped with the
 error, and the run goes on. One sanity check per context: the timed step's logits for row 0
 equal the eager `runner.forward` of that row alone (relative L2 <= 5e-2 in bf16, 1e-4 in fp32).
+With --temperature > 0 every row samples (seeded, --top-p, --top-k) and the timed step includes the draw as the
+decode server runs it (the step's sampling graph per bucket, kvtransfer/engine/sampler.py): a run at the default
+(greedy: argmax, no sampling work) and one at --temperature 1 --top-p 0.9 price sampling against greedy.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import platform
 import sys
@@ -46,9 +50,16 @@ class DecodeBenchConfig:
     hf_compile_points: tuple[tuple[int, int], ...] = ()  # (batch, context)
     mem_fraction: float = 0.85
     seed: int = 0
+    temperature: float = 0.0  # > 0: every row samples (seed + row), the draw timed with the step
+    top_p: float = 1.0
+    top_k: int = 0
 
     def __post_init__(self):
         ModelSpec(self.model, self.dtype)
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError("--temperature must be finite and >= 0 (0: greedy)")
+        if not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise ValueError("--top-p must be in (0, 1] and --top-k >= 0")
         if not self.batches or min(self.batches) < 1 or not self.contexts or min(self.contexts) < 2:
             raise ValueError("batches must be >= 1 and contexts >= 2 (non-empty lists)")
         if self.runs < 2 or self.warmup < 0:
@@ -117,19 +128,27 @@ def engine_context(model, geom: CacheGeometry, ctx: int, batches: list[int], cfg
     from kvtransfer.engine.graphs import Step  # the engine (and its kernels) only when this bench runs
     from kvtransfer.engine.pool import KVPool
     from kvtransfer.engine.runner import StepRunner
+    from kvtransfer.engine.sampler import Draws, SamplingParams
     pool = KVPool(geom, grid.device, slots=max(batches), max_seq=ctx + 8)
     pool.kv.normal_()  # (layers, 2, slots + 1, kv_heads, max_seq, head_dim): values do not change the times
     runner = StepRunner(model, pool)  # fuses the weights on the first pool only (idempotent)
-    step = Step(runner, max(batches), cfg.cuda_graphs)
+    sampling = cfg.temperature > 0
+    step = Step(runner, max(batches), cfg.cuda_graphs, sampling=sampling)
     gen = torch.Generator(device=grid.device).manual_seed(cfg.seed + ctx)
     for b in batches:
         tokens, positions, slots = inputs(b, ctx, model.config.vocab_size, gen)
+        draws = Draws([SamplingParams(cfg.temperature, cfg.top_p, cfg.top_k, cfg.seed + j) for j in range(b)],
+                      [ctx] * b)  # each row draws the token after its ctx live ones
+
+        def timed_step() -> torch.Tensor:
+            # one step as the scheduler queues it: greedy, the logits (argmax aside); sampling, then every row's draw
+            logits = step(tokens, positions, slots)
+            return step.sampler(logits, draws) if sampling else logits
 
         def one() -> None:
-            s = time_calls(lambda: step(tokens, positions, slots), grid.device, cfg.runs, cfg.warmup)
+            s = time_calls(timed_step, grid.device, cfg.runs, cfg.warmup)
             # BACK_TO_BACK steps queued with no host wait between them, as the overlapping scheduler runs them
-            chain = time_calls(lambda: [step(tokens, positions, slots) for _ in range(BACK_TO_BACK)], grid.device,
-                               cfg.runs, 1)
+            chain = time_calls(lambda: [timed_step() for _ in range(BACK_TO_BACK)], grid.device, cfg.runs, 1)
             grid.cell(b, ctx).update(step_ms_p50=s["p50"], step_ms_p10=s["p10"], step_ms_p90=s["p90"],
                                      step_ms_back_to_back_p50=chain["p50"] / BACK_TO_BACK, graphed=bool(step.graphs))
             print(f"decode: engine {b}x{ctx}: {s['p50']:.3f} ms", file=sys.stderr, flush=True)
@@ -199,6 +218,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="BATCHxCONTEXT cells where static-compile runs (about 1 min of compile each)")
     p.add_argument("--mem-fraction", type=float, default=0.85, help="skip cells that would not fit this share")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0: greedy steps (default); > 0: every row samples, seeded, the draw timed with the step")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus of the sampling rows, (0, 1] (default 1)")
+    p.add_argument("--top-k", type=int, default=0, help="top-k of the sampling rows (0: all)")
     p.add_argument("--out", help="write result.json, report.md and decode.png in this directory")
 
 
@@ -211,5 +234,5 @@ def job(args: argparse.Namespace) -> Job:
                        batches=tuple(args.batches), contexts=tuple(args.contexts), runs=args.runs,
                        warmup=args.warmup, cuda_graphs=not args.no_cuda_graphs, hf=hf,
                        hf_compile_points=tuple(points(args.hf_compile_points)), mem_fraction=args.mem_fraction,
-                       seed=args.seed)
+                       seed=args.seed, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     return Job(total_steps(cfg), lambda step: run_decode(cfg, step))

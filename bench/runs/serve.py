@@ -3,7 +3,8 @@
 Why: `ttft` times one request at a time; a served model meets many at once. This sends
 `num_prompts` prompts of random token ids (uniform in the server's vocabulary, lengths
 uniform in input_len x [1 - r, 1 + r]) to the decode server's Generate, at most
-`concurrency` in flight and/or arriving as a Poisson process of `request_rate` per second,
+`concurrency` in flight and/or arriving as a Poisson process of `request_rate` per second
+(or, with `--api URL`, to the OpenAI front's /v1/completions: the same prompts through the HTTP door),
 and reports ttft, tpot (time per output token after the first), itl (every gap between two
 tokens) and e2el (request latency) as mean/median/std/p90/p99 in ms, with completed,
 failed (counted by gRPC status code), duration and request/output/total token throughput:
@@ -25,10 +26,12 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import aiohttp
 import grpc
 import numpy as np
 
 from bench.common import Job, Step
+from bench.measure import openai_stream
 from bench.measure.serve_metrics import BatchWatch
 from bench.measure.stats import summarize
 from decode_server.client import MODES
@@ -69,10 +72,15 @@ class ServeConfig:
     max_duration_s: float = 600.0      # the whole run
     long_share: float = 0.0            # this fraction of the prompts is long instead (a prefill that stalls decode)
     long_len: tuple[int, int] = (16384, 32768)  # a long prompt's length: uniform in [lo, hi]
+    api: str = ""                      # the OpenAI front's base URL (api_server/); empty: the gRPC door at addr
 
     def __post_init__(self):
         if not is_loopback(self.addr):
             raise ValueError(f"--addr {self.addr!r}: serve only targets loopback servers (127.0.0.1, ::1, localhost)")
+        if self.api and not (self.api.startswith("http") and openai_stream.is_loopback_url(self.api)):
+            raise ValueError(f"--api {self.api!r}: an http(s) URL of a loopback server, e.g. http://127.0.0.1:8000")
+        if self.api and self.mode != "auto":
+            raise ValueError("--mode is the gRPC request's; the OpenAI front sends AUTO: drop --mode or --api")
         if not 1 <= self.num_prompts <= MAX_PROMPTS:
             raise ValueError(f"num prompts must be 1..{MAX_PROMPTS}")
         if self.concurrency is not None and self.concurrency < 1 or not self.request_rate > 0:
@@ -176,12 +184,41 @@ def summary(xs: list[float], name: str) -> dict:
     return {f"{k}_{name}_ms": s[k] for k in ("mean", "median", "std", *(f"p{p}" for p in PERCENTILES))}
 
 
+def grpc_door(cfg: ServeConfig, metadata):
+    """A request function for the gRPC door: send(ids, timeout) -> record; an async context manager."""
+    class Door:
+        async def __aenter__(self):
+            self.channel = grpc.aio.insecure_channel(cfg.addr)
+            stub = pbg.DecodeStub(self.channel)
+            return lambda ids, timeout: one_request(stub, ids, cfg, timeout, metadata)
+
+        async def __aexit__(self, *exc):
+            await self.channel.close()
+    return Door()
+
+
+def http_door(cfg: ServeConfig, metadata):
+    """The same for the OpenAI front (--api): one aiohttp session, unlimited connections (the semaphore limits)."""
+    headers = {k.title(): v for k, v in (metadata or ())}
+
+    class Door:
+        async def __aenter__(self):
+            self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                                 timeout=aiohttp.ClientTimeout(total=None))
+            model = await openai_stream.served_model(self.session, cfg.api.rstrip("/"), headers)
+            return lambda ids, timeout: openai_stream.one_request(self.session, cfg.api.rstrip("/"), model, ids,
+                                                                  cfg.output_len, timeout, headers)
+
+        async def __aexit__(self, *exc):
+            await self.session.close()
+    return Door()
+
+
 async def _run(cfg: ServeConfig, prompts: list[list[int]], step: Step, metadata, watch=None
                ) -> tuple[list[dict], float, list]:
-    async with grpc.aio.insecure_channel(cfg.addr) as channel:
-        stub = pbg.DecodeStub(channel)
+    async with (http_door if cfg.api else grpc_door)(cfg, metadata) as send:
         for i in range(cfg.warmup):
-            w = await one_request(stub, prompts[0], cfg, cfg.timeout_s, metadata)
+            w = await send(prompts[0], cfg.timeout_s)
             step(f"warm-up {i + 1}")
             if w["code"]:
                 return [], 0.0, [f"warm-up request failed: {w['code']}: {w['error']}"]
@@ -196,7 +233,7 @@ async def _run(cfg: ServeConfig, prompts: list[list[int]], step: Step, metadata,
                 left = deadline - time.perf_counter()
                 if left <= 0:
                     return None  # the run's budget is spent: not sent
-                res = await one_request(stub, ids, cfg, min(cfg.timeout_s, left), metadata)
+                res = await send(ids, min(cfg.timeout_s, left))
                 step(f"requests ({res['code'] or 'ok'})")
                 return res
 
@@ -287,6 +324,8 @@ DESCRIPTION = __doc__.split("\n\n")[1].replace("\n", " ")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--addr", default="127.0.0.1:50051", help="the decode server (loopback only)")
+    p.add_argument("--api", default="", help="send through the OpenAI front instead (kvtransfer-api): its base URL, "
+                   "e.g. http://127.0.0.1:8000 (loopback only); the same prompts, as token ids to /v1/completions")
     p.add_argument("--server-metrics", default="", help="the decode server's /metrics URL (its --metrics-port): "
                    "report its batch size over the run")
     p.add_argument("--num-prompts", type=int, default=100)
@@ -303,7 +342,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=120.0, help="per request, s")
     p.add_argument("--max-duration", type=float, default=600.0, help="whole run, s; later requests are not sent")
-    p.add_argument("--auth-token", help="bearer token, when the server requires one")
+    p.add_argument("--auth-token", help="bearer token, when the server requires one (the API key, with --api)")
     p.add_argument("--auth-token-file")
     p.add_argument("--out", help="write result.json and report.md in this directory")
 
@@ -314,7 +353,8 @@ def config(args: argparse.Namespace) -> ServeConfig:
                        request_rate=args.request_rate, input_len=args.input_len, input_len_range=args.input_len_range,
                        output_len=args.output_len, vocab_size=args.vocab_size, model=args.model, mode=args.mode,
                        warmup=args.warmup, seed=args.seed, timeout_s=args.timeout, max_duration_s=args.max_duration,
-                       server_metrics=args.server_metrics, long_share=args.long_share, long_len=args.long_len_range)
+                       server_metrics=args.server_metrics, long_share=args.long_share, long_len=args.long_len_range,
+                       api=args.api)
 
 
 def job(args: argparse.Namespace) -> Job:

@@ -17,9 +17,9 @@ import grpc
 
 from decode_server.peer.receiver import BufferLedger, ReceiveLoop
 from decode_server.peer.remote import PEER_CODES, PeerFailure, Remote, RequestError
-from kvtransfer.transport.status import transfer_status
 from kvtransfer.transport import TransferError, registry
 from kvtransfer.transport.registry import Rendezvous
+from kvtransfer.transport.status import transfer_status
 from proto import kvtransfer_pb2 as pb
 
 log = logging.getLogger("kvtransfer.decode")
@@ -102,11 +102,12 @@ class DataPlane:
 
     # --- one request ---
 
-    async def remote_prefill(self, stub, request, rid: int, deadline: float, metadata, destination, lease) -> Remote:
+    async def remote_prefill(self, stub, request, rid: int, deadline: float, metadata, destination, lease,
+                             sampling: pb.Sampling | None = None) -> Remote:
         """Prefill `request` on the peer as request `rid`, its cache landing in `destination` (per layer (k, v)
         views of the request's pool slot, held by `lease` while a frame lands); raises PeerFailure or
         RequestError. Bounded by --peer-timeout-s as well as the deadline, so a stalled peer leaves time to
-        recompute."""
+        recompute. `sampling` (its seed set) chooses the first token there; None: greedy."""
         c, loop, n = self.config, self.loop, len(request.token_ids)
         if loop is None:
             raise PeerFailure("peer_down", S.UNAVAILABLE, "the data plane is being rebuilt; retry")
@@ -118,7 +119,7 @@ class DataPlane:
             t_sent = time.perf_counter()
             resp = await stub.Prefill(
                 pb.PrefillRequest(request_id=rid, token_ids=request.token_ids, mode=request.mode,
-                                  return_logits_digest=request.return_logits_digest),
+                                  return_logits_digest=request.return_logits_digest, sampling=sampling),
                 timeout=max(peer_deadline - t_sent, 0.001), metadata=metadata)
             t_first = time.perf_counter()
             await asyncio.wait_for(asyncio.wrap_future(exp.future), max(peer_deadline - t_first, 0.001))

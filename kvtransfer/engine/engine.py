@@ -25,7 +25,7 @@ from kvtransfer.engine.graphs import Step
 from kvtransfer.engine.mixed import MixedPrefill
 from kvtransfer.engine.pool import KVPool, Lease
 from kvtransfer.engine.runner import StepRunner
-from kvtransfer.engine.sampler import first_token
+from kvtransfer.engine.sampler import SamplingParams, first_token
 from kvtransfer.engine.scheduler import Job, Scheduler
 from kvtransfer.engine.sequence import LocalPrefill
 from kvtransfer.model.loaded import LoadedModel
@@ -89,8 +89,10 @@ class DecodeEngine:
                  "Triton kernels" if self.runner.use_triton else "torch reference ops",
                  f", CUDA graphs for batch {','.join(map(str, self.step.buckets))}" if self.step.graphs else ", eager")
 
-    def prefill_job(self, token_ids: list[int], lease: Lease, want_digest: bool) -> Job:
-        """Prefill the prompt into the leased slot; returns LocalPrefill.
+    def prefill_job(self, token_ids: list[int], lease: Lease, want_digest: bool,
+                    sampling: SamplingParams | None = None) -> Job:
+        """Prefill the prompt into the leased slot; returns LocalPrefill (its first token chosen by `sampling`, at
+        position len(token_ids), as the prefill worker chooses it; None: greedy).
 
         Whole (prefill_chunk 0, or a prompt no longer than a chunk): one `next()`, exactly the prefill worker's
         forward. Chunked (Sarathi-Serve): one chunk per `next()`, so the scheduler runs a decode step between two
@@ -117,22 +119,23 @@ class DecodeEngine:
                 start = end
                 if start < n:
                     yield
-            first = int(first_token(logits))
+            first = int(first_token(logits, sampling, n))
             ms, cpu = (time.perf_counter() - t0) * 1e3, (time.thread_time() - c0) * 1e3
             log.debug("local prefill of %d tokens: %.1f ms, %.1f ms of thread CPU", n, ms, cpu)
             return LocalPrefill(first, logits_digest(logits) if want_digest else "", ms, cpu)
         finally:
             lease.release()
 
-    def prefill(self, token_ids: list[int], lease: Lease, want_digest: bool):
+    def prefill(self, token_ids: list[int], lease: Lease, want_digest: bool, sampling: SamplingParams | None = None):
         """Future -> LocalPrefill, run on the device thread between decode steps; with --mixed-prefill, in them
         (one chunk per step), unless the prompt fits one chunk and nothing decodes: then exactly the prefill
-        worker's forward, so a request alone stays bit-identical to a disaggregated one."""
+        worker's forward, so a request alone stays bit-identical to a disaggregated one. `sampling` chooses the
+        first token (None: greedy)."""
         o = self.options
         if o.mixed_prefill and (len(token_ids) > o.prefill_chunk or self.scheduler.active()):
             ids = torch.tensor(token_ids, dtype=torch.long).to(self.m.device)  # (n,)
-            return self.scheduler.submit_mixed(MixedPrefill(ids, lease, want_digest))
-        return self.scheduler.submit(self.prefill_job(token_ids, lease, want_digest))
+            return self.scheduler.submit_mixed(MixedPrefill(ids, lease, want_digest, sampling=sampling))
+        return self.scheduler.submit(self.prefill_job(token_ids, lease, want_digest, sampling))
 
     def digest(self, slot: int, seq_len: int):
         """Future -> digest of the slot's cache, byte for byte as the transports' cache_digest of the same cache."""

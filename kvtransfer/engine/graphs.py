@@ -16,6 +16,10 @@ decode rows + 256 prompt rows would pay for 384.
 With --mixed-max-rows there are such graphs at 2, 4 .. x --prefill-chunk rows too (mixed.step_sizes); a step
 takes the largest size that the prompt tokens waiting fill (`prompt_budget`). Eagerly, a mixed step is host
 bound (its launches cost the same at any row count), so every size is a graph.
+
+The step's draw (sampler.py, `Sampler`) has graphs of its own, one per bucket (and bucket + MAX_PIECES rows with
+--mixed-prefill, for the first tokens of prompts whose last chunk rode along), replayed after the step only when a
+row samples; a step of greedy rows takes argmax outside any graph, as before sampling existed.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch
 
 from kvtransfer.engine.mixed import MAX_PIECES, Chunk, lay_out, mixed_forward, step_sizes
 from kvtransfer.engine.runner import StepRunner
+from kvtransfer.engine.sampler import Sampler
 
 log = logging.getLogger("kvtransfer.decode.graphs")
 
@@ -43,10 +48,12 @@ class Step:
     then 2, 4 .. x chunk) that holds them beside the bucket (graphed when `chunk` > 0; `prompt_budget` says how
     many to hand it).
 
-    The graphed logits are a view into the graph's output buffer: valid until the next call.
+    The graphed logits are a view into the graph's output buffer: valid until the next call. `step.sampler` draws
+    the sampling rows' tokens from them (captured per bucket too, unless `sampling` is False: then always eager).
     """
 
-    def __init__(self, runner: StepRunner, max_batch: int, cuda_graphs: bool, chunk: int = 0, max_rows: int = 0):
+    def __init__(self, runner: StepRunner, max_batch: int, cuda_graphs: bool, chunk: int = 0, max_rows: int = 0,
+                 sampling: bool = True):
         self.runner, self.max_batch, self.chunk = runner, max_batch, chunk
         self.sizes = step_sizes(chunk, max_rows) if chunk else []  # the mixed steps' row counts, ascending
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -54,6 +61,9 @@ class Step:
         self.buckets = buckets(max_batch)
         if cuda_graphs and runner.device.type == "cuda":
             self._capture()
+        vocab, dtype = runner.lm_head.shape[0], runner.lm_head.dtype
+        rows = buckets(max_batch + MAX_PIECES) if chunk else self.buckets  # decode rows (+ finished prompts)
+        self.sampler = Sampler(vocab, dtype, runner.device, rows if sampling else [], cuda_graphs)
 
     def _inputs(self) -> None:
         dev, rows = self.runner.device, max([self.max_batch, *self.sizes])

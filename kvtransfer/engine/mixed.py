@@ -40,6 +40,7 @@ import torch
 
 from kvtransfer.engine.pool import Lease
 from kvtransfer.engine.runner import StepRunner
+from kvtransfer.engine.sampler import SamplingParams
 
 MAX_PIECES = 4  # prompt chunks in one step (each keeps one row for lm_head)
 
@@ -125,6 +126,7 @@ class MixedPrefill:
     future: Future = field(default_factory=Future)
     start: int = 0
     t0: float = field(default_factory=time.perf_counter)  # reset when its first chunk goes (scheduler)
+    sampling: SamplingParams | None = None  # how its first token is chosen (None: greedy; at position len(ids))
 
     def next_chunk(self, budget: int) -> Chunk:
         """The next chunk: at most `budget` tokens (the step's prompt rows still free)."""

@@ -15,7 +15,7 @@ import torch
 
 from kvtransfer.engine.graphs import Step
 from kvtransfer.engine.mixed import Chunk, MixedPrefill
-from kvtransfer.engine.sampler import first_token, next_tokens
+from kvtransfer.engine.sampler import Draws, first_token, next_tokens
 from kvtransfer.engine.sequence import Sequence
 
 log = logging.getLogger("kvtransfer.decode.scheduler")
@@ -91,8 +91,17 @@ def queue_step(step: Step, dev: torch.device, batch: list[Sequence], prev: Queue
         logits, lasts = step.mixed(tokens, positions, slots, chunks)  # (n, vocab), (P, vocab)
         for task, _ in pieces:
             task.lease.hold()
-    nxt = next_tokens(logits)  # (n,) on the device
-    rows_out = torch.cat([nxt, *(first_token(lasts[j]).view(1) for j in done)])  # (n + finished prompts,); no H2D index
+    firsts = [pieces[j][0] for j in done]
+    # each row's draw position: the tokens before the one drawn (a decode row's input sits at index s.length)
+    draws = Draws.of([s.sampling for s in batch] + [t.sampling for t in firsts],
+                     [s.length + 1 for s in batch] + [t.ids.shape[0] for t in firsts])
+    if draws is None:  # every row greedy: argmax, nothing of the sampler runs
+        nxt = next_tokens(logits)  # (n,) on the device
+        rows_out = torch.cat([nxt, *(first_token(lasts[j]).view(1) for j in done)])  # (n + finished prompts,)
+    else:  # the decode rows and the finished prompts' last rows in one draw (captured per bucket on CUDA)
+        drawn = torch.cat([logits, *(lasts[j:j + 1] for j in done)]) if done else logits  # (n + len(done), vocab)
+        rows_out = step.sampler(drawn, draws)  # (n + len(done),): a view into the sampler's buffer on CUDA
+        nxt = rows_out[:n]
     rows = {j: logits[j].clone() for j, s in enumerate(batch) if s.want_digest}  # (vocab,) each, kept
     host = torch.empty(rows_out.shape[0], dtype=torch.long, pin_memory=dev.type == "cuda")
     host.copy_(rows_out, non_blocking=True)
@@ -104,7 +113,6 @@ def queue_step(step: Step, dev: torch.device, batch: list[Sequence], prev: Queue
         s.lease.hold()
         s.length += 1
         s.remaining -= 1
-    firsts = [pieces[j][0] for j in done]
     return QueuedStep(batch, nxt, host, event, rows, [s.remaining for s in batch],
                     chunk_tasks=[task for task, _ in pieces], first_tasks=firsts,
                     first_logits=[lasts[j].clone() if t.want_digest else None for j, t in zip(done, firsts)],

@@ -3,20 +3,222 @@
 Why a file of its own: the choice is made in three places that must agree, or a request would decode
 differently colocated and disaggregated: the decode step's rows (queued.py, gathered on the device for the
 step after, with no host sync), a prompt's first token at the end of a local prefill (engine.py, mixed.py's
-last chunk) and at the end of a remote one (the prefill worker). Today the choice is greedy (argmax; ties go
-to the lowest id, as in HF's greedy search).
+last chunk) and at the end of a remote one (the prefill worker). All three call the functions here.
+
+Greedy (no SamplingParams, or temperature 0) is argmax; ties go to the lowest id, as in HF's greedy search. A
+step whose rows are all greedy runs argmax and nothing else (`next_tokens`, `first_token`).
+
+Sampling (`sample`) is one draw per row by inverse CDF, with exact top-k / nucleus semantics: the row's logits
+sorted (descending, stable: ties in id order, so rank 0 is the argmax), softmax at the row's temperature, the
+ranks kept are the first min(top_k, nucleus) where the nucleus is the smallest prefix whose mass reaches top_p,
+and the token is the kept rank where the kept mass's CDF first reaches u x that mass. The one uniform u of a
+row is a counter-based hash of (seed, position) alone (`uniform`: SplitMix64 keyed by the seed, its
+position-th output), computed on the device. "position" is the number of tokens before the drawn one: the
+prompt's length for the first token, and for a decode row whose input token sits at index `length` of its slot,
+length + 1. So a seeded request's draw is a function of (seed, position, logits) alone: reproducible, and every
+op is row-wise (sort, elementwise math, a scan and counts along the row, gather), so given its logits a row's
+token does not depend on the other rows of its batch (the logits themselves do, within the batching tolerance:
+docs/architecture.md, "Exactness and determinism"); colocated and disaggregated requests draw the same tokens
+wherever their logits are the same.
+
+On CUDA the decode step's draw is `Sampler`: `sample` captured as one CUDA graph per batch bucket over static
+input buffers (the logits copied in, the per-row parameters copied from the host), replayed after the step when
+the batch has a sampling row. Eagerly (CPU, --no-cuda-graphs, a batch past the largest bucket, a prompt's first
+token) `sample` runs as it is: the same function, the same kernels, the same bits.
 """
 
 from __future__ import annotations
 
+import logging
+import secrets
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
+
+log = logging.getLogger("kvtransfer.decode.graphs")
+_U64 = 1 << 64
+
+
+def _signed(x: int) -> int:
+    """A uint64 as the int64 with the same bits (torch has no uint64 arithmetic)."""
+    x &= _U64 - 1
+    return x - _U64 if x >= 1 << 63 else x
+
+
+GAMMA = _signed(0x9E3779B97F4A7C15)  # SplitMix64's increment
+MIX1 = _signed(0xBF58476D1CE4E5B9)
+MIX2 = _signed(0x94D049BB133111EB)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request chooses its tokens past argmax (a request without one is greedy)."""
+
+    temperature: float = 0.0  # 0: greedy; > 0: softmax(logits / temperature)
+    top_p: float = 1.0  # (0, 1]: the smallest set of likeliest tokens whose mass reaches it
+    top_k: int = 0  # keep the k likeliest tokens (0: all)
+    seed: int = 0  # 0 .. 2**64 - 1: with the position, the row's uniform
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def sampling_params(temperature: float, top_p: float | None = None, top_k: int = 0,
+                    seed: int | None = None) -> SamplingParams | None:
+    """A request's sampling as the servers take it from the wire: None (greedy) at temperature 0; a missing seed is
+    drawn here (the decode server calls this at admission, and sends the seed on to the prefill worker)."""
+    if temperature == 0:
+        return None
+    return SamplingParams(float(temperature), 1.0 if top_p is None else float(top_p), int(top_k),
+                          secrets.randbits(63) if seed is None else int(seed))
 
 
 def next_tokens(logits: torch.Tensor) -> torch.Tensor:
-    """logits (n, vocab) -> (n,) int64 on the same device; no host sync."""
+    """logits (n, vocab) -> (n,) int64 on the same device, greedy; no host sync."""
     return logits.argmax(dim=-1)
 
 
-def first_token(logits: torch.Tensor) -> torch.Tensor:
-    """A prompt's last-row logits (vocab,) or (1, vocab) -> its first generated token, a 0-d int64 tensor."""
-    return logits.reshape(-1).argmax()
+def first_token(logits: torch.Tensor, sampling: SamplingParams | None = None, position: int = 0) -> torch.Tensor:
+    """A prompt's last-row logits (vocab,) or (1, vocab) -> its first generated token, a 0-d int64 tensor.
+    `position`: the prompt's length (the tokens before this one)."""
+    if sampling is None or sampling.greedy:
+        return logits.reshape(-1).argmax()
+    row = logits.reshape(1, -1)  # (1, vocab)
+    floats, ints = Draws([sampling], [position]).tensors()
+    floats, ints = floats.to(row.device, non_blocking=True), ints.to(row.device, non_blocking=True)
+    return sample(row, floats[:, 0], floats[:, 1], ints[:, 0], ints[:, 1], ints[:, 2])[0]
+
+
+def _srl(z: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (torch's >> is arithmetic)."""
+    return (z >> k) & ((1 << (64 - k)) - 1)
+
+
+def _mix(z: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finalizer on int64 bits (products wrap mod 2**64, as uint64 ones do)."""
+    z = (z ^ _srl(z, 30)) * MIX1
+    z = (z ^ _srl(z, 27)) * MIX2
+    return z ^ _srl(z, 31)
+
+
+def uniform(seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """(n,) int64 seeds (uint64 bits) and positions -> (n,) float64 in [0, 1): the position-th output (counting
+    from 0) of SplitMix64 started at mix(seed), its top 53 bits. A pure function of (seed, position)."""
+    z = _mix(_mix(seed) + (position + 1) * GAMMA)
+    return _srl(z, 11).double() * 2.0 ** -53
+
+
+def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
+           seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """logits (n, vocab), per row: temperature and top_p (n,) float32, top_k, seed, position (n,) int64 -> (n,)
+    int64 tokens. Temperature-0 rows take argmax (exactly `next_tokens`); the others draw as the module says. No
+    host sync, no host-made tensor: capturable as a CUDA graph."""
+    vocab = logits.shape[1]
+    greedy = temperature == 0  # (n,)
+    sx, idx = logits.sort(dim=-1, descending=True, stable=True)  # (n, vocab) each: rank 0 is the argmax
+    e = sx.float()  # (n, vocab) float32 (sx itself when logits are float32: ours to change)
+    top = e[:, :1].clone()  # (n, 1): the row's max
+    t = torch.where(greedy, 1.0, temperature)[:, None]  # (n, 1): greedy rows draw too, at 1, then take argmax
+    e.sub_(top).div_(t).exp_()  # (n, vocab): unnormalized softmax, 1 at rank 0, never nan (no inf - inf)
+    cum = e.cumsum(-1)  # (n, vocab)
+    # the nucleus: rank 0, and each rank whose likelier ranks hold less than top_p of the mass
+    nucleus = 1 + (cum[:, :-1] < top_p[:, None] * cum[:, -1:]).sum(-1)  # (n,)
+    k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)  # (n,)
+    keep = torch.minimum(nucleus, k)  # (n,) >= 1: the ranks kept are 0 .. keep - 1
+    ranks = torch.arange(vocab, device=logits.device)  # (vocab,)
+    q = e.masked_fill_(ranks[None, :] >= keep[:, None], 0.0)  # (n, vocab): the kept mass
+    c = torch.cumsum(q, -1, out=cum)  # (n, vocab): its CDF
+    x = uniform(seed, position) * c[:, -1].double()  # (n,) float64 in [0, kept mass)
+    j = torch.minimum((c < x[:, None]).sum(-1), keep - 1)  # (n,): the first rank whose CDF reaches x
+    tok = idx.gather(1, j[:, None])[:, 0]  # (n,)
+    return torch.where(greedy, logits.argmax(dim=-1), tok)
+
+
+@dataclass(frozen=True)
+class Draws:
+    """One call's rows as `sample` reads them, built on the host: each row's SamplingParams (None: greedy) and
+    position (the tokens before the one drawn)."""
+
+    params: Sequence[SamplingParams | None]
+    positions: Sequence[int]
+
+    @staticmethod
+    def of(params: Sequence[SamplingParams | None], positions: Sequence[int]) -> Draws | None:
+        """None when every row is greedy: the caller then runs argmax and nothing of this."""
+        if all(p is None or p.greedy for p in params):
+            return None
+        return Draws(params, positions)
+
+    def tensors(self, rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, 2) float32 [temperature, top_p] and (rows, 3) int64 [top_k, seed, position] on the host; rows
+        past the call's (padding up to a graph's bucket) are greedy."""
+        floats, ints = [], []
+        for p, pos in zip(self.params, self.positions):
+            if p is None or p.greedy:
+                floats.append((0.0, 1.0))
+                ints.append((0, 0, pos))
+            else:
+                floats.append((p.temperature, p.top_p))
+                ints.append((p.top_k, _signed(p.seed), pos))
+        pad = max(rows - len(floats), 0)
+        return (torch.tensor(floats + [(0.0, 1.0)] * pad, dtype=torch.float32),
+                torch.tensor(ints + [(0, 0, 0)] * pad, dtype=torch.long))
+
+
+class Sampler:
+    """`sampler(logits, draws)` -> (n,) int64: `sample` over a step's rows, one CUDA graph per size in `sizes`
+    (the step's batch buckets) when `cuda_graphs` on CUDA, else eager. The graphed result is a view into the
+    graph's output buffer: valid until the next call (like the step's logits)."""
+
+    def __init__(self, vocab: int, dtype: torch.dtype, device: torch.device, sizes: list[int], cuda_graphs: bool):
+        self.vocab, self.dtype, self.device, self.sizes = vocab, dtype, device, sorted(sizes)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        if cuda_graphs and device.type == "cuda" and self.sizes:
+            self._capture()
+
+    def _inputs(self, b: int) -> tuple[torch.Tensor, ...]:
+        f, i = self.floats[:b], self.ints[:b]
+        return self.logits[:b], f[:, 0], f[:, 1], i[:, 0], i[:, 1], i[:, 2]
+
+    def _capture(self) -> None:
+        rows, dev = self.sizes[-1], self.device
+        self.logits = torch.zeros(rows, self.vocab, dtype=self.dtype, device=dev)
+        self.floats = torch.zeros(rows, 2, dtype=torch.float32, device=dev)  # temperature, top_p
+        self.ints = torch.zeros(rows, 3, dtype=torch.long, device=dev)  # top_k, seed, position
+        self.floats[:, 0] = 1.0  # the warm-up draws (every op of the sampling path runs once before capture)
+        self.floats[:, 1] = 0.9
+        torch.cuda.synchronize(dev)
+        before, t0 = torch.cuda.memory_allocated(dev), time.perf_counter()
+        mempool = torch.cuda.graph_pool_handle()  # its own: never shared with the step's graphs
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for b in self.sizes:
+                sample(*self._inputs(b))
+        torch.cuda.current_stream(dev).wait_stream(side)
+        for b in reversed(self.sizes):  # the largest first: it sizes the shared pool
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=mempool):
+                out = sample(*self._inputs(b))
+            self.graphs[b] = (g, out)
+        torch.cuda.synchronize(dev)
+        log.info("captured %d sampling CUDA graphs (rows %s) in %.1f s, %.0f MiB", len(self.graphs),
+                 ",".join(map(str, self.sizes)), time.perf_counter() - t0,
+                 (torch.cuda.memory_allocated(dev) - before) / 2**20)
+
+    def __call__(self, logits: torch.Tensor, draws: Draws) -> torch.Tensor:
+        n = logits.shape[0]
+        b = next((s for s in self.sizes if s >= n), 0) if self.graphs else 0
+        floats, ints = draws.tensors(b)  # (max(n, b), 2), (max(n, b), 3) on the host
+        if not b:
+            floats, ints = floats.to(logits.device, non_blocking=True), ints.to(logits.device, non_blocking=True)
+            return sample(logits, floats[:, 0], floats[:, 1], ints[:, 0], ints[:, 1], ints[:, 2])
+        self.logits[:n].copy_(logits)
+        self.floats[:b].copy_(floats, non_blocking=True)
+        self.ints[:b].copy_(ints, non_blocking=True)
+        g, out = self.graphs[b]
+        g.replay()
+        return out[:n]

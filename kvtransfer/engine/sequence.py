@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvtransfer.engine.pool import Lease
+from kvtransfer.engine.sampler import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -22,7 +23,7 @@ class Token:
     token_id: int
     logits_digest: str
     t: float  # perf_counter when it was known on the host
-    last: bool  # no more tokens follow (max_new_tokens reached, or EOS)
+    last: bool  # no more tokens follow (max_new_tokens reached, or a stop token)
 
 
 class EndCause(enum.Enum):
@@ -66,12 +67,14 @@ class Sequence:
     remaining: int  # tokens still to make, less those of queued steps
     sink: Sink
     want_digest: bool = False
-    eos: frozenset[int] = frozenset()  # stop early on these (empty: run to max_new_tokens)
+    eos: frozenset[int] = frozenset()  # stop early on these: the request's stop set (stop_token_ids, and the
+    # model's EOS with stop_on_eos); empty: run to max_new_tokens
     index: int = 0  # of the last token made
     over: bool = False  # its last token was delivered, or it was dropped (the scheduler thread's flag)
     _stop: threading.Event = field(default_factory=threading.Event)
     stop_cause: EndCause = EndCause.REQUEST_ENDED
     stop_reason: str = ""
+    sampling: SamplingParams | None = None  # None: greedy (sampler.py; each row's draw position is length + 1)
 
     @property
     def slot(self) -> int:

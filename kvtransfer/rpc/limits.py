@@ -3,12 +3,13 @@
 Why shared: a prompt the decode server would refuse (longer than the model's context, past
 --max-prompt-tokens, a token id outside the vocabulary) must be refused the same way, with the
 same words, when it is sent straight to a prefill server; before, the prefill side computed and
-pushed a cache the decode side then dropped.
+pushed a cache the decode side then dropped. The same holds for a request's sampling values.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Iterable, Sequence
 
 MAX_REQUEST_ID = (1 << 63) - 1  # the data-plane header carries it as int64
 CONTROL_MESSAGE_LIMIT = 4 << 20  # default --max-message-bytes: a 32k-token prompt is < 330 KB
@@ -28,6 +29,21 @@ def prompt_problem(token_ids: Sequence[int], max_prompt_tokens: int, context_len
     bad = next((t for t in token_ids if not 0 <= t < vocab), None)
     if bad is not None:
         return f"token id {bad} outside the vocabulary [0, {vocab})"
+    return None
+
+
+def sampling_problem(temperature: float, top_p: float | None, top_k: int, stop_token_ids: Iterable[int] = (),
+                     vocab: int = 0) -> str | None:
+    """What is wrong with a request's `sampling` (and its stop_token_ids; None: nothing). top_p None: not set."""
+    if not (math.isfinite(temperature) and temperature >= 0):
+        return f"sampling.temperature is {temperature}; use a finite value >= 0 (0: greedy)"
+    if top_p is not None and not 0 < top_p <= 1:
+        return f"sampling.top_p is {top_p}; use a value in (0, 1] (leave it unset for 1: no nucleus cut)"
+    if top_k < 0:
+        return f"sampling.top_k is {top_k}; use 0 (all tokens) or a positive count"
+    bad = next((t for t in stop_token_ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        return f"stop_token_ids: {bad} outside the vocabulary [0, {vocab})"
     return None
 
 

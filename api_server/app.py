@@ -1,0 +1,271 @@
+"""The routes: /v1/completions, /v1/chat/completions, /v1/models, /health.
+
+Why every generation starts before the response does: the first token back from the decode server is the point
+after which an HTTP status can no longer change; until then any refusal is an HTTP error in OpenAI's shape
+(api_server/errors.py), after it a stream carries an error event and ends with [DONE]. Several prompts in one
+/v1/completions request run as concurrent Generate calls, one choice index each (OpenAI's batch form); any of
+them failing ends the whole request and cancels the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+import uuid
+from contextlib import aclosing, asynccontextmanager
+
+from fastapi import FastAPI
+from fastapi.responses import StreamingResponse
+
+from api_server import errors
+from api_server.backend import Backend
+from api_server.config import ApiConfig
+from api_server.errors import ApiError, bad_request
+from api_server.generation import Generation, collect
+from api_server.metrics import ApiMetrics
+from api_server.params import Params, params, token_ids
+from api_server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_choice,
+    chat_delta,
+    completion_choice,
+    envelope,
+    usage,
+)
+from api_server.text import TextCodec
+
+DEFAULT_CHAT_MAX_TOKENS = 256  # chat without max_tokens, from a decode server that does not say its limits
+MERGE_QUEUE = 64  # pieces buffered per request of several prompts (the client's reading paces the rest)
+
+
+def build_app(config: ApiConfig, backend: Backend, codec: TextCodec | None, metrics: ApiMetrics) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_app):
+        backend.open()
+        yield
+        await backend.close()
+
+    app = FastAPI(title="kvtransfer OpenAI-compatible API", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    errors.install(app)
+    started = int(time.time())
+    front = Front(config, backend, codec, metrics)
+
+    @app.get("/health")
+    async def health():
+        if await backend.serving(config.health_timeout_s):
+            return {"status": "serving"}
+        raise ApiError(503, f"the decode server at {backend.address} is not serving (unreachable, starting, "
+                       "pairing with its prefill worker, or shutting down)", code="backend_not_serving")
+
+    @app.get("/v1/models")
+    async def models():
+        name, info = await front.model_name(), await backend.info()
+        card = {"id": name, "object": "model", "created": started, "owned_by": "kvtransfer"}
+        if info.max_seq_len:
+            card["max_model_len"] = info.max_seq_len
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest):
+        return await front.complete(req)
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatCompletionRequest):
+        return await front.chat(req)
+
+    return app
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+class Front:
+    """What the routes share: the served name, prompts to ids, starting and collecting generations."""
+
+    def __init__(self, config: ApiConfig, backend: Backend, codec: TextCodec | None, metrics: ApiMetrics):
+        self.config, self.backend, self.codec, self.metrics = config, backend, codec, metrics
+
+    async def model_name(self) -> str:
+        if self.config.served_model_name:
+            return self.config.served_model_name
+        info = await self.backend.info()
+        model = self.config.model
+        return info.model or (os.path.basename(os.path.normpath(model)) if model else "") or "kvtransfer"
+
+    async def _check_model(self, asked: str | None) -> str:
+        name = await self.model_name()
+        if asked and asked != name:
+            raise ApiError(404, f"The model '{asked}' does not exist: this server serves '{name}' (GET /v1/models)",
+                           "model", "model_not_found")
+        return name
+
+    def _need_codec(self, param: str) -> TextCodec:
+        if self.codec is None:
+            raise bad_request(f"{param} as text needs a tokenizer, and this server has none: send token ids, or start "
+                              "kvtransfer-api with --tokenizer DIR (or --model DIR, a local model directory)", param,
+                              code="no_tokenizer")
+        return self.codec
+
+    def _prompts(self, prompt) -> list[list[int]]:
+        if isinstance(prompt, str):
+            return [self._need_codec("prompt").encode(prompt)]
+        if not prompt:
+            raise bad_request("prompt is empty: send text, token ids, or a list of either", "prompt")
+        if isinstance(prompt[0], int):
+            return [token_ids(prompt, "prompt", low=-(1 << 63))]
+        if isinstance(prompt[0], str):
+            codec = self._need_codec("prompt")
+            return [codec.encode(p) for p in prompt]
+        return [token_ids(p, "prompt", low=-(1 << 63)) for p in prompt]
+
+    def _messages(self, req: ChatCompletionRequest) -> list[dict]:
+        out = []
+        for i, m in enumerate(req.messages):
+            content = m.content
+            if isinstance(content, list):
+                kinds = {part.get("type") for part in content} - {"text"}
+                if kinds:
+                    raise bad_request(f"messages[{i}].content: part type {min(map(str, kinds))!r} is not "
+                                      "supported (text only)", f"messages[{i}].content", code="unsupported_parameter")
+                content = "".join(str(part.get("text", "")) for part in content)
+            out.append({**m.model_dump(exclude_none=True), "content": content or ""})
+        return out
+
+    async def _start(self, p: Params, prompts: list[list[int]], max_tokens: list[int], endpoint: str,
+                     t0: float) -> list[Generation]:
+        eos = self.codec.eos_token_ids if self.codec else []
+        gens = [Generation(self.backend, p.request(ids, n, eos), self.codec.detokenizer(ids) if self.codec else None,
+                           p.stop, self.metrics, endpoint, t0) for ids, n in zip(prompts, max_tokens)]
+        got = await asyncio.gather(*(g.start() for g in gens), return_exceptions=True)
+        failed = next((e for e in got if isinstance(e, BaseException)), None)
+        if failed is not None:
+            for g in gens:
+                g.cancel()
+            raise failed
+        return gens
+
+    async def complete(self, req: CompletionRequest):
+        t0 = time.perf_counter()
+        p = params(req)
+        name = await self._check_model(req.model)
+        prompts = self._prompts(req.prompt)
+        max_tokens = [p.max_tokens or await self._fill(len(ids)) for ids in prompts]  # null: as chat's default
+        gens = await self._start(p, prompts, max_tokens, "/v1/completions", t0)
+        rid, created, ids = f"cmpl-{uuid.uuid4().hex}", int(time.time()), req.return_token_ids or self.codec is None
+
+        def choice(i, piece):
+            return completion_choice(i, piece.text, piece.finish_reason, piece.token_ids if ids else None)
+        if not req.stream:
+            return envelope("text_completion", rid, created, name, [choice(i, piece) for i, piece in
+                                                                    enumerate(await _collect_all(gens))],
+                            _usage(gens))
+
+        async def events():
+            async for i, piece in _merged(gens):
+                yield _sse(envelope("text_completion", rid, created, name, [choice(i, piece)]))
+            if req.stream_options and req.stream_options.include_usage:
+                yield _sse(envelope("text_completion", rid, created, name, [], _usage(gens)))
+        return _stream(events(), gens)
+
+    async def chat(self, req: ChatCompletionRequest):
+        t0 = time.perf_counter()
+        p = params(req)
+        name = await self._check_model(req.model)
+        codec = self._need_codec("messages")
+        try:
+            prompt = codec.chat(self._messages(req))
+        except ValueError as e:
+            raise bad_request(str(e), "messages") from None
+        max_tokens = p.max_tokens or await self._fill(len(prompt))
+        gens = await self._start(p, [prompt], [max_tokens], "/v1/chat/completions", t0)
+        rid, created, ids = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), req.return_token_ids
+        if not req.stream:
+            piece = (await _collect_all(gens))[0]
+            return envelope("chat.completion", rid, created, name,
+                            [chat_choice(0, piece.text, piece.finish_reason, piece.token_ids if ids else None)],
+                            _usage(gens))
+
+        def chunk(delta, reason=None, token_ids=None):
+            return _sse(envelope("chat.completion.chunk", rid, created, name,
+                                 [chat_delta(0, delta, reason, token_ids if ids else None)]))
+
+        async def events():
+            yield chunk({"role": "assistant", "content": ""}, token_ids=[])
+            async for _, piece in _merged(gens):
+                yield chunk({"content": piece.text} if piece.text else {}, piece.finish_reason, piece.token_ids)
+            if req.stream_options and req.stream_options.include_usage:
+                yield _sse(envelope("chat.completion.chunk", rid, created, name, [], _usage(gens)))
+        return _stream(events(), gens)
+
+    async def _fill(self, prompt_len: int) -> int:
+        """No max_tokens (chat's default, or null): what the decode server's slot leaves after the prompt, within
+        its --max-new-tokens (at least 1: a prompt with no room left is the server's to refuse, in its words)."""
+        info = await self.backend.info()
+        bounds = [b for b in (info.max_new_tokens, info.max_seq_len and info.max_seq_len - prompt_len) if b]
+        return max(1, min(bounds)) if bounds else DEFAULT_CHAT_MAX_TOKENS
+
+
+def _usage(gens: list[Generation]) -> dict:
+    return usage(sum(g.prompt_tokens for g in gens), sum(g.completion_tokens for g in gens))
+
+
+async def _collect_all(gens: list[Generation]):
+    try:
+        return await asyncio.gather(*(collect(g) for g in gens))
+    finally:
+        for g in gens:
+            g.cancel()
+
+
+async def _merged(gens: list[Generation]):
+    """(choice index, piece) from every generation as they come; one generation: straight through."""
+    if len(gens) == 1:
+        async with aclosing(gens[0].pieces()) as pieces:
+            async for piece in pieces:
+                yield 0, piece
+        return
+    queue: asyncio.Queue = asyncio.Queue(MERGE_QUEUE)
+
+    async def pump(i: int, gen: Generation):
+        try:
+            async with aclosing(gen.pieces()) as pieces:
+                async for piece in pieces:
+                    await queue.put((i, piece))
+        except ApiError as e:
+            await queue.put((i, e))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        left = len(gens)
+        while left:
+            i, item = await queue.get()
+            if isinstance(item, ApiError):
+                raise item
+            yield i, item
+            left -= item.finish_reason is not None
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def _stream(events, gens: list[Generation]) -> StreamingResponse:
+    """SSE: the events, an error event if the generation fails after the 200 went out, then [DONE]."""
+
+    async def body():
+        try:
+            async with aclosing(events) as it:
+                async for event in it:
+                    yield event
+        except ApiError as e:
+            yield _sse(e.body())
+        finally:
+            for g in gens:
+                g.cancel()
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

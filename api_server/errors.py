@@ -1,0 +1,120 @@
+"""Every refusal leaves the front in OpenAI's error shape, with one HTTP code per cause.
+
+Why one table and one handler: OpenAI clients read `{"error": {"message", "type", "param", "code"}}` and decide
+on the HTTP code whether to retry (429, 503) or give up (400). The decode server already says what went wrong as
+a gRPC status and a message that says what to fix (docs/errors.md); the front only translates the code, keeps the
+message and names the status in `code`. FastAPI's own 422 for a body it cannot parse, and Starlette's 404/405,
+are answered the same way, so a client sees one shape whatever refused it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+log = logging.getLogger("kvtransfer.api")
+
+# The decode server's status -> this front's HTTP code (docs/api.md, "Errors"); anything else: 500.
+HTTP_OF_GRPC = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.FAILED_PRECONDITION: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "invalid_request_error", 405: "invalid_request_error", 429: "rate_limit_error",
+               499: "request_cancelled"}
+
+
+class ApiError(Exception):
+    """A refusal: its HTTP status, a message that says what to fix, the request field at fault, a short code."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        kind = ERROR_TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def bad_request(message: str, param: str | None = None, code: str = "invalid_request") -> ApiError:
+    return ApiError(400, message, param, code)
+
+
+def from_rpc(e: grpc.aio.AioRpcError, backend: str) -> ApiError:
+    """The decode server's status as this front's error: its message kept, its status name as `code`."""
+    status = HTTP_OF_GRPC.get(e.code(), 500)
+    message = e.details() or e.code().name
+    if e.code() == grpc.StatusCode.UNAVAILABLE and "failed to connect" in message:
+        message = f"the decode server at {backend} is unreachable (--backend): {message}"
+    elif e.code() == grpc.StatusCode.UNAUTHENTICATED:  # the front's own credentials, not the client's API key
+        message = f"the decode server refused this front's credentials (--backend-auth-token*): {message}"
+    return ApiError(status, message, code=e.code().name)
+
+
+def _loc(error: dict) -> list[str]:
+    return [str(p) for p in error.get("loc", ()) if p != "body"]
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """One line naming the field (OpenAI's `param` is the top-level field); a value of none of a field's accepted
+    types (the prompt) is said once, not once per type tried."""
+    errors = exc.errors()
+    if not errors:
+        return "the request body is not valid", None
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}", None
+    loc = _loc(first)
+    if not loc:
+        return f"the request body: {first.get('msg', 'invalid')} (send a JSON object)", None
+    field = loc[0]
+    tried = sorted({e.get("msg", "") for e in errors if _loc(e)[:1] == [field]})
+    if len(tried) > 1:
+        return f"{field}: not any of the accepted forms ({'; '.join(tried[:4])})", field
+    return f"{'.'.join(loc)}: {first.get('msg', 'invalid')}", field
+
+
+def install(app: FastAPI) -> None:
+    """Route every refusal through one shape."""
+
+    @app.exception_handler(ApiError)
+    async def _api(_request: Request, exc: ApiError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_request: Request, exc: RequestValidationError):
+        message, param = _validation_message(exc)
+        return bad_request(message, param).response()
+
+    @app.exception_handler(json.JSONDecodeError)
+    async def _json(_request: Request, exc: json.JSONDecodeError):
+        return bad_request(f"the request body is not valid JSON: {exc}").response()
+
+    @app.exception_handler(HTTPException)
+    async def _http(_request: Request, exc: HTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return ApiError(exc.status_code, str(exc.detail), code=code).response()
+
+    @app.exception_handler(Exception)
+    async def _internal(_request: Request, exc: Exception):
+        log.exception("internal error")
+        return ApiError(500, f"internal error in the API front: {type(exc).__name__}: {exc}",
+                        code="internal_error").response()
