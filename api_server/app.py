@@ -5,24 +5,30 @@ after which an HTTP status can no longer change; until then any refusal is an HT
 (api_server/errors.py), after it a stream carries an error event and ends with [DONE]. Several prompts in one
 /v1/completions request run as concurrent Generate calls, one choice index each (OpenAI's batch form); any of
 them failing ends the whole request and cancels the others.
+
+Why every request runs beside a watcher of its client: Starlette runs a route handler to its end whether or not
+the client is still there, and a non-streaming answer (or a stream still waiting for its first token) sends
+nothing that could notice the hang-up; without the watcher a client that gave up would keep its KV slot busy on
+the decode server until max_tokens. Once the client is gone the handler is cancelled, its Generate calls with it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import time
 import uuid
 from contextlib import aclosing, asynccontextmanager
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
 from api_server import errors
 from api_server.backend import Backend
 from api_server.config import ApiConfig
-from api_server.errors import ApiError, bad_request
+from api_server.errors import ApiError, bad_request, internal
 from api_server.generation import Generation, collect
 from api_server.metrics import ApiMetrics
 from api_server.params import Params, params, token_ids
@@ -39,6 +45,9 @@ from api_server.text import TextCodec
 
 DEFAULT_CHAT_MAX_TOKENS = 256  # chat without max_tokens, from a decode server that does not say its limits
 MERGE_QUEUE = 64  # pieces buffered per request of several prompts (the client's reading paces the rest)
+STRAY_MESSAGE_S = 0.1  # an ASGI server sending other messages than the disconnect is not read in a busy loop
+
+log = logging.getLogger("kvtransfer.api")
 
 
 def build_app(config: ApiConfig, backend: Backend, codec: TextCodec | None, metrics: ApiMetrics) -> FastAPI:
@@ -70,14 +79,47 @@ def build_app(config: ApiConfig, backend: Backend, codec: TextCodec | None, metr
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
-        return await front.complete(req)
+    async def completions(req: CompletionRequest, request: Request):
+        return await _unless_gone(request, front.complete(req))
 
     @app.post("/v1/chat/completions")
-    async def chat(req: ChatCompletionRequest):
-        return await front.chat(req)
+    async def chat(req: ChatCompletionRequest, request: Request):
+        return await _unless_gone(request, front.chat(req))
 
     return app
+
+
+async def _client_gone(request: Request) -> None:
+    """Returns once the HTTP client has hung up. Why reading the ASGI messages is safe here: FastAPI has read the
+    whole body to parse the request, so the next message is the disconnect; and the watcher is gone before a
+    streaming response starts listening for the same message itself."""
+    while (await request.receive())["type"] != "http.disconnect":
+        await asyncio.sleep(STRAY_MESSAGE_S)
+
+
+async def _unless_gone(request: Request, work):
+    """`work`'s result (the response); if the client hangs up first, `work` is cancelled, which cancels its
+    Generate calls (the decode server frees their KV slots at its next step), and the request ends as a 499 that
+    nobody reads but the metrics count."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_client_gone(request))
+    try:
+        done, _ = await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this handler cancelled (the server stopping): its work too
+        task.cancel()
+        raise
+    finally:
+        watch.cancel()
+    if task in done:
+        return task.result()
+    if watch.exception() is not None:  # cannot tell whether the client is there: answer as if it were
+        log.warning("cannot watch the client for a hang-up: %r", watch.exception())
+        return await task
+    task.cancel()
+    await asyncio.wait((task,))  # its clean-up (the calls cancelled) done before the handler returns
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("a request whose client hung up also failed: %r", task.exception())
+    raise ApiError(499, "the client closed the connection before its answer was ready", code="client_closed_request")
 
 
 def _sse(obj: dict) -> str:
@@ -104,11 +146,11 @@ class Front:
                            "model", "model_not_found")
         return name
 
-    def _need_codec(self, param: str) -> TextCodec:
+    def _need_codec(self, param: str, needs: str = "", instead: str = "send token ids") -> TextCodec:
         if self.codec is None:
-            raise bad_request(f"{param} as text needs a tokenizer, and this server has none: send token ids, or start "
-                              "kvtransfer-api with --tokenizer DIR (or --model DIR, a local model directory)", param,
-                              code="no_tokenizer")
+            raise bad_request(f"{needs or param + ' as text needs'} a tokenizer, and this server has none: {instead}, "
+                              "or start kvtransfer-api with --tokenizer DIR (or --model DIR, a local model directory)",
+                              param, code="no_tokenizer")
         return self.codec
 
     def _prompts(self, prompt) -> list[list[int]]:
@@ -138,21 +180,33 @@ class Front:
 
     async def _start(self, p: Params, prompts: list[list[int]], max_tokens: list[int], endpoint: str,
                      t0: float) -> list[Generation]:
+        """Every generation started (its first token in); the first refusal cancels the others at once, so it
+        is answered without waiting for their prefill."""
         eos = self.codec.eos_token_ids if self.codec else []
         gens = [Generation(self.backend, p.request(ids, n, eos), self.codec.detokenizer(ids) if self.codec else None,
                            p.stop, self.metrics, endpoint, t0) for ids, n in zip(prompts, max_tokens)]
-        got = await asyncio.gather(*(g.start() for g in gens), return_exceptions=True)
-        failed = next((e for e in got if isinstance(e, BaseException)), None)
-        if failed is not None:
+        tasks = [asyncio.ensure_future(g.start()) for g in gens]
+        for t in tasks:  # an error a cancelled start still ends with is nobody's to hear
+            t.add_done_callback(lambda t: t.cancelled() or t.exception())
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            failed = next((t.exception() for t in tasks if t.done() and t.exception() is not None), None)
+            if failed is not None:
+                raise failed
+        except BaseException:  # a refusal, or the request cancelled (its client gone)
+            for t in tasks:
+                t.cancel()
             for g in gens:
                 g.cancel()
-            raise failed
+            raise
         return gens
 
     async def complete(self, req: CompletionRequest):
         t0 = time.perf_counter()
         p = params(req)
         name = await self._check_model(req.model)
+        if p.stop:  # matched on the generated text, which is empty without a tokenizer: they would never stop it
+            self._need_codec("stop", "stop strings need", "use stop_token_ids")
         prompts = self._prompts(req.prompt)
         max_tokens = [p.max_tokens or await self._fill(len(ids)) for ids in prompts]  # null: as chat's default
         gens = await self._start(p, prompts, max_tokens, "/v1/completions", t0)
@@ -166,8 +220,9 @@ class Front:
                             _usage(gens))
 
         async def events():
-            async for i, piece in _merged(gens):
-                yield _sse(envelope("text_completion", rid, created, name, [choice(i, piece)]))
+            async with aclosing(_merged(gens)) as merged:
+                async for i, piece in merged:
+                    yield _sse(envelope("text_completion", rid, created, name, [choice(i, piece)]))
             if req.stream_options and req.stream_options.include_usage:
                 yield _sse(envelope("text_completion", rid, created, name, [], _usage(gens)))
         return _stream(events(), gens)
@@ -196,8 +251,9 @@ class Front:
 
         async def events():
             yield chunk({"role": "assistant", "content": ""}, token_ids=[])
-            async for _, piece in _merged(gens):
-                yield chunk({"content": piece.text} if piece.text else {}, piece.finish_reason, piece.token_ids)
+            async with aclosing(_merged(gens)) as merged:
+                async for _, piece in merged:
+                    yield chunk({"content": piece.text} if piece.text else {}, piece.finish_reason, piece.token_ids)
             if req.stream_options and req.stream_options.include_usage:
                 yield _sse(envelope("chat.completion.chunk", rid, created, name, [], _usage(gens)))
         return _stream(events(), gens)
@@ -223,7 +279,8 @@ async def _collect_all(gens: list[Generation]):
 
 
 async def _merged(gens: list[Generation]):
-    """(choice index, piece) from every generation as they come; one generation: straight through."""
+    """(choice index, piece) from every generation as they come; one generation: straight through. Any error of
+    one generation (a refusal, a bug) ends them all: a pump that died quietly would leave the queue waiting."""
     if len(gens) == 1:
         async with aclosing(gens[0].pieces()) as pieces:
             async for piece in pieces:
@@ -236,7 +293,7 @@ async def _merged(gens: list[Generation]):
             async with aclosing(gen.pieces()) as pieces:
                 async for piece in pieces:
                     await queue.put((i, piece))
-        except ApiError as e:
+        except Exception as e:  # noqa: BLE001 - forwarded to the reader, never lost with its task
             await queue.put((i, e))
 
     tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
@@ -244,7 +301,7 @@ async def _merged(gens: list[Generation]):
         left = len(gens)
         while left:
             i, item = await queue.get()
-            if isinstance(item, ApiError):
+            if isinstance(item, Exception):
                 raise item
             yield i, item
             left -= item.finish_reason is not None
@@ -254,7 +311,9 @@ async def _merged(gens: list[Generation]):
 
 
 def _stream(events, gens: list[Generation]) -> StreamingResponse:
-    """SSE: the events, an error event if the generation fails after the 200 went out, then [DONE]."""
+    """SSE: the events, an error event if the generation fails after the 200 went out, then [DONE]. Whatever the
+    failure (the decode server's status, or a bug here), the client gets an error in OpenAI's shape and the end of
+    the stream, never a stream that just stops."""
 
     async def body():
         try:
@@ -263,6 +322,9 @@ def _stream(events, gens: list[Generation]) -> StreamingResponse:
                     yield event
         except ApiError as e:
             yield _sse(e.body())
+        except Exception as e:
+            log.exception("a stream failed after its 200 was sent")
+            yield _sse(internal(e).body())
         finally:
             for g in gens:
                 g.cancel()

@@ -28,7 +28,7 @@ HTTP_OF_GRPC = {
     grpc.StatusCode.PERMISSION_DENIED: 403,
     grpc.StatusCode.NOT_FOUND: 404,
     grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
-    grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.CANCELLED: 503,  # the server gave up on the call (stopping, its peer lost): worth a retry
     grpc.StatusCode.UNAVAILABLE: 503,
     grpc.StatusCode.FAILED_PRECONDITION: 503,
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
@@ -36,7 +36,7 @@ HTTP_OF_GRPC = {
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "invalid_request_error", 405: "invalid_request_error", 429: "rate_limit_error",
-               499: "request_cancelled"}
+               499: "request_cancelled"}  # 499: the client hung up before its answer (nobody reads it; counted)
 
 
 class ApiError(Exception):
@@ -56,6 +56,11 @@ class ApiError(Exception):
 
 def bad_request(message: str, param: str | None = None, code: str = "invalid_request") -> ApiError:
     return ApiError(400, message, param, code)
+
+
+def internal(exc: Exception) -> ApiError:
+    """A bug in the front, as a 500 in the same shape (a handler's, or a stream's error event after its 200)."""
+    return ApiError(500, f"internal error in the API front: {type(exc).__name__}: {exc}", code="internal_error")
 
 
 def from_rpc(e: grpc.aio.AioRpcError, backend: str) -> ApiError:
@@ -116,5 +121,4 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _internal(_request: Request, exc: Exception):
         log.exception("internal error")
-        return ApiError(500, f"internal error in the API front: {type(exc).__name__}: {exc}",
-                        code="internal_error").response()
+        return internal(exc).response()

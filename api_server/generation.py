@@ -82,6 +82,8 @@ class Generation:
                 out, stopped = self.stops.feed(text)
                 if stopped:
                     yield Piece(out, ids, "stop")
+                    if reason is not None:  # the call's last message: read its status rather than cancel it
+                        await self._call.code()
                     return
                 if reason is not None:
                     yield Piece(out + self.stops.flush(), ids, reason)

@@ -4,8 +4,12 @@ Why the tokenizers library's DecodeStream: a byte-level token may hold half a UT
 bytes, often two or three tokens); decoding each token alone gives replacement characters, and decoding the
 whole output at every step costs O(n^2). DecodeStream keeps the offsets and yields text only once it is whole;
 the last few prompt ids seed it, so a tokenizer that drops a leading space at the start of a text does not drop
-it at the start of the answer. Ids the model may emit but the tokenizer does not know (vocabularies padded past
-the tokenizer's) decode to nothing. Only local directories are read (`local_files_only`): nothing is downloaded.
+it at the start of the answer. A seed must not end inside a character (a token-id prompt may): DecodeStream
+compares each new decode with the seed's, and a seed ending in U+FFFD is no prefix of the text once the answer's
+first token completes the character, so the whole seed would be sent again as answer. The ids of that unfinished
+character are stepped after the seed instead, unsent: the character the answer completes is the answer's. Ids
+the model may emit but the tokenizer does not know (vocabularies padded past the tokenizer's) decode to
+nothing. Only local directories are read (`local_files_only`): nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -20,14 +24,18 @@ PREFIX_IDS = 6  # prompt ids that seed a Detokenizer (enough context for any mer
 class Detokenizer:
     """One request's generated ids -> text pieces; `step` per id, `flush` at the end for anything held back."""
 
-    def __init__(self, backend, size: int, prefix: list[int]):
+    def __init__(self, backend, size: int, prefix: list[int], pending: list[int] = ()):
+        """`prefix`: prompt ids that end on a whole character (the seed); `pending`: the prompt's last ids after
+        it, the start of a character the answer may complete (fed to the stream, never sent on their own)."""
         from tokenizers.decoders import DecodeStream
 
         self._backend, self._size, self._prefix = backend, size, prefix
         self._stream = DecodeStream(ids=prefix or None, skip_special_tokens=True)
-        self._ids: list[int] = []
+        self._ids: list[int] = list(pending)  # decoded after the seed with the answer's ids, for flush
+        for t in pending:
+            self._stream.step(backend, t)  # nothing comes out: every step ends inside the unfinished character
         self._sent: list[str] = []
-        self._held = False  # the last step returned nothing: the text may end in an incomplete character
+        self._held = False  # the answer's last step returned nothing: it may end in an incomplete character
 
     def step(self, token_id: int) -> str:
         if not 0 <= token_id < self._size:
@@ -41,7 +49,8 @@ class Detokenizer:
 
     def flush(self) -> str:
         """Text DecodeStream still holds (bytes that never formed a whole character decode as U+FFFD, as a
-        one-shot decode of the same ids would)."""
+        one-shot decode of the same ids would). The seed never ends inside a character, so its decode is the
+        start of the whole one and what follows it is the answer's."""
         if not self._held:
             return ""
         self._held = False
@@ -99,9 +108,15 @@ class TextCodec:
         return list(self.tok(text, add_special_tokens=False)["input_ids"])
 
     def detokenizer(self, prompt_ids: list[int]) -> Detokenizer:
+        """Seeded with the prompt's last ids, cut back to the last whole character (no seed when none ends in
+        them); the ids cut off are the start of a character the answer may finish."""
         tail = prompt_ids[-PREFIX_IDS:]
-        prefix = tail if all(0 <= t < self.size for t in tail) else []
-        return Detokenizer(self.backend, self.size, prefix)
+        if not all(0 <= t < self.size for t in tail):
+            return Detokenizer(self.backend, self.size, [])
+        cut = len(tail)
+        while cut and self.backend.decode(tail[:cut], skip_special_tokens=True).endswith("\ufffd"):
+            cut -= 1
+        return Detokenizer(self.backend, self.size, tail[:cut], tail[cut:] if cut else [])
 
     def decode(self, ids: list[int]) -> str:
         """A whole output at once (tests; the front streams through `detokenizer`)."""

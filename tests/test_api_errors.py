@@ -180,6 +180,48 @@ def test_a_full_decode_server_is_429_and_frees_its_slots_when_streams_close(url)
     assert got[0] == 200, got
 
 
+def _send_and_keep(url: str, body: dict) -> socket.socket:
+    """A request written on a raw socket and left unread: closing the socket is the client hanging up."""
+    data = json.dumps(body).encode()
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                 f"Authorization: Bearer {TOKEN}\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+    return sock
+
+
+def test_a_client_that_hangs_up_on_a_whole_answer_frees_its_slot_at_once(url):
+    """Non-streaming, nothing is written to the client before the answer is whole, so nothing but the front's own
+    watching notices the hang-up; unnoticed, each of these would hold a slot for the ~30 s of its 4000 tokens."""
+    held = [_send_and_keep(url, {"prompt": [1, 2, 3], "max_tokens": 4000, "ignore_eos": True}) for _ in range(2)]
+    try:
+        time.sleep(0.5)
+        deadline = time.monotonic() + 30
+        while post(url, "/v1/completions", {"prompt": [1, 2], "max_tokens": 2})[0] != 429:  # --max-inflight 2
+            assert time.monotonic() < deadline, "the two long requests never held both slots"
+            time.sleep(0.1)
+    finally:
+        for sock in held:
+            sock.close()
+    gone = time.monotonic()
+    while (got := post(url, "/v1/completions", {"prompt": [1, 2], "max_tokens": 2}))[0] == 429:
+        assert time.monotonic() - gone < 8, "the hung-up requests kept their slots: they are still generating"
+        time.sleep(0.1)
+    assert got[0] == 200, got
+
+
+def test_the_tokens_never_reach_the_log(tmp_path):
+    front, backend = "front-secret-8c1f0e", "backend-secret-5d2e7a"
+    log = tmp_path / "api.log"
+    args = ["--served-model-name", "m", "--auth-token", front, "--backend-auth-token", backend, "--log-level", "DEBUG"]
+    with api_front(str(log), f"127.0.0.1:{free_port()}", args, ready=(503,)) as u:
+        refused(post(u, "/v1/completions", {"prompt": [1, 2]}, token=front), 503)  # a Generate call, with its token
+        refused(post(u, "/v1/completions", {"prompt": [1, 2]}, token=front + "x"), 401)
+    text = log.read_text()
+    assert "auth_token=<set>" in text and "backend_auth_token=<set>" in text, text  # the start-up config line
+    assert front not in text and backend not in text, text
+
+
 @pytest.fixture(scope="module")
 def dead_backend(tmp_path_factory):
     logs = tmp_path_factory.mktemp("dead")
@@ -192,6 +234,13 @@ def test_an_unreachable_decode_server_is_503_and_health_says_so(dead_backend):
     err = refused(post(dead_backend, "/v1/completions", {"prompt": [1, 2]}), 503, None, "unreachable")
     assert err["code"] == "UNAVAILABLE"
     refused(request("GET", f"{dead_backend}/health"), 503)
+
+
+def test_stop_strings_without_a_tokenizer_are_400_not_ignored(dead_backend):
+    """They match the generated text, which is empty without a tokenizer: accepted, they would never stop it."""
+    err = refused(post(dead_backend, "/v1/completions", {"prompt": [1, 2], "stop": ["x"]}), 400, "stop",
+                  "--tokenizer DIR", "stop_token_ids")
+    assert err["code"] == "no_tokenizer"
 
 
 def test_text_without_a_tokenizer_is_400_naming_the_flag(dead_backend):

@@ -161,6 +161,69 @@ def test_a_stop_string_cuts_the_text_and_ends_the_call_at_its_token(client, mode
         assert stop in codec.decode(base.token_ids[:used]) and stop not in codec.decode(base.token_ids[:used - 1])
 
 
+def test_a_stop_string_completed_by_the_last_allowed_token_is_stop_not_length(client, model, codec):
+    """The decode server's last message says "length" too; the stop string, matched on that same token, wins."""
+    ids = client.completions.create(model=model, prompt="Paris is the", max_tokens=16, temperature=0,
+                                    extra_body=LENGTH).choices[0].token_ids
+
+    def ends_new(k):  # the last two characters of the first k tokens' text, appearing there for the first time
+        stop = codec.decode(ids[:k])[-2:]
+        return len(stop) == 2 and "\ufffd" not in stop and stop not in codec.decode(ids[:k - 1])
+    k = next((k for k in range(len(ids), 1, -1) if ends_new(k)), None)
+    assert k is not None, codec.decode(ids)
+    text = codec.decode(ids[:k])
+    stop = text[-2:]
+    for stream in (False, True):
+        kwargs = {"model": model, "prompt": "Paris is the", "max_tokens": k, "temperature": 0, "stop": stop,
+                  "extra_body": LENGTH}
+        if stream:
+            chunks = [c for c in client.completions.create(stream=True, **kwargs) if c.choices]
+            got = ("".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason,
+                   [t for c in chunks for t in c.choices[0].token_ids])
+        else:
+            c = client.completions.create(**kwargs).choices[0]
+            got = (c.text, c.finish_reason, c.token_ids)
+        assert got == (text[:text.find(stop)], "stop", ids[:k]), stream
+
+
+def test_max_tokens_1_answers_one_token(client, model, servers):
+    out = client.completions.create(model=model, prompt=[5, 6, 7], max_tokens=1, temperature=0, extra_body=LENGTH)
+    assert out.choices[0].token_ids == _direct(servers, [5, 6, 7], 1) and out.choices[0].finish_reason == "length"
+    assert out.usage.completion_tokens == 1
+    chunks = list(client.completions.create(model=model, prompt=[5, 6, 7], max_tokens=1, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}, extra_body=LENGTH))
+    assert [c.choices[0].finish_reason for c in chunks if c.choices] == ["length"]
+    assert chunks[-1].usage.completion_tokens == 1
+
+
+def test_stop_token_ids_end_the_answer_on_that_id_even_with_ignore_eos(client, model, servers):
+    base = _direct(servers, [5, 6, 7], 12)
+    j = next((j for j in range(1, len(base)) if base[j] not in base[:j]), None)
+    assert j is not None, base  # a token first generated past the start, to stop on
+    out = client.completions.create(model=model, prompt=[5, 6, 7], max_tokens=12, temperature=0,
+                                    extra_body={**LENGTH, "stop_token_ids": [base[j]]})
+    assert out.choices[0].token_ids == base[:j + 1] and out.choices[0].finish_reason == "stop"  # the id is counted
+    assert out.usage.completion_tokens == j + 1
+
+
+# Prompts whose greedy answer from the tiny preset's weights holds the EOS; the rest are searched in order.
+EOS_PROMPTS = [[0, 457, 458], [0, 394, 395]] + [[0, a, a + 1] for a in range(2, 512, 7)]
+
+
+def test_eos_ends_the_answer_unless_ignore_eos(client, model, servers, codec):
+    eos, n = codec.tok.eos_token_id, 48
+    prompt, base = next(((p, b) for p in EOS_PROMPTS if eos in (b := _direct(servers, p, n))), (None, None))
+    assert prompt is not None, "no prompt in EOS_PROMPTS makes the model say EOS: add one"
+    j = base.index(eos)
+    out = client.completions.create(model=model, prompt=prompt, max_tokens=n, temperature=0,
+                                    extra_body={"return_token_ids": True}).choices[0]
+    assert (out.token_ids, out.finish_reason) == (base[:j + 1], "stop")
+    assert out.text == codec.decode(base[:j])  # the EOS is counted, its text not shown
+    out = client.completions.create(model=model, prompt=prompt, max_tokens=n, temperature=0,
+                                    extra_body=LENGTH).choices[0]
+    assert (out.token_ids, out.finish_reason) == (base, "length")
+
+
 def test_32_concurrent_streams_all_complete(servers, model):
     async def one(aclient, i):
         stream = await aclient.completions.create(model=model, prompt=[2 + i, 3 + i, 4 + i], max_tokens=NEW,

@@ -1,21 +1,31 @@
 """The OpenAI front's pieces that need no server: stop strings, incremental detokenization, the error table, the
-request checks.
+request checks, and the app itself in-process against a scripted decode server.
 
 Why apart from the server tests: each of these has edge cases (a stop string split over three pieces, a
-character split over three tokens, a seed over 64 bits) that are cheap to state here and costly to reach through
-a model with random weights.
+character split over three tokens, a seed over 64 bits, a decode server that fails at the second token or never
+answers, a client that hangs up mid-prefill) that are cheap to state here and costly to reach through a model
+with random weights.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import grpc
 import pytest
 
+from api_server.app import build_app
+from api_server.config import ApiConfig
 from api_server.errors import HTTP_OF_GRPC, ApiError, from_rpc
+from api_server.generation import Generation, collect
+from api_server.metrics import ApiMetrics
 from api_server.params import params
 from api_server.protocol import ChatCompletionRequest, CompletionRequest
 from api_server.stops import StopMatcher
-from api_server.text import TextCodec
+from api_server.text import Detokenizer, TextCodec
+from proto import kvtransfer_pb2 as pb
+from support.apifront import HANG, FakeBackend, asgi_post, rpc_error, sse_events
 from support.textmodel import save_tokenizer
 
 MULTI = "é漢字🙂"
@@ -80,6 +90,27 @@ def test_an_unfinished_character_at_the_end_is_flushed_as_a_one_shot_decode_woul
     assert streamed == codec.decode(ids[:-1]) and "\ufffd" in streamed
 
 
+def _words(codec, text: str) -> list[int]:
+    return codec.tok(text, add_special_tokens=False)["input_ids"]
+
+
+def test_a_prompt_ending_inside_a_character_is_not_repeated_in_the_answer(codec):
+    """A token-id prompt may stop inside a character: the answer's first token completes it. That character is
+    the answer's, and no prompt text comes back with it."""
+    ids = _words(codec, "hello 漢")
+    assert codec.decode(ids[-1:]) == "\ufffd"  # the last token is one byte of 漢
+    detok = codec.detokenizer(codec.encode("hello 漢")[:-1])
+    pieces = [detok.step(t) for t in [ids[-1], *_words(codec, " world")]] + [detok.flush()]
+    assert "".join(pieces) == "漢 world"
+
+
+def test_held_text_is_flushed_after_a_prompt_ending_inside_a_character(codec):
+    ids = _words(codec, "hello 漢")
+    detok = codec.detokenizer(codec.encode("hello 漢")[:-2])
+    assert detok.step(ids[-2]) == ""  # still inside the character
+    assert detok.flush() == "\ufffd" == codec.decode(ids[-2:-1])  # as a one-shot decode of the answer says
+
+
 def test_ids_past_the_tokenizer_and_special_tokens_decode_to_nothing(codec):
     detok = codec.detokenizer([])
     assert detok.step(codec.size + 5) == "" and detok.step(-1) == ""
@@ -96,7 +127,7 @@ def test_the_chat_template_opens_the_assistant_turn(codec):
 CASES = {
     grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.OUT_OF_RANGE: 400, grpc.StatusCode.UNAUTHENTICATED: 401,
     grpc.StatusCode.PERMISSION_DENIED: 403, grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
-    grpc.StatusCode.CANCELLED: 499, grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.FAILED_PRECONDITION: 503,
+    grpc.StatusCode.CANCELLED: 503, grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.FAILED_PRECONDITION: 503,
     grpc.StatusCode.DEADLINE_EXCEEDED: 504, grpc.StatusCode.INTERNAL: 500, grpc.StatusCode.UNKNOWN: 500,
     grpc.StatusCode.DATA_LOSS: 500, grpc.StatusCode.UNIMPLEMENTED: 500,
 }
@@ -147,3 +178,78 @@ def test_the_defaults_and_vllm_extensions_reach_the_request():
     chat = params(ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], max_tokens=5,
                                         max_completion_tokens=7, response_format={"type": "text"}))
     assert chat.max_tokens == 7
+
+
+# ---- the app in-process, against a scripted decode server (support.apifront.FakeBackend) ----
+
+LAST = pb.FINISH_REASON_LENGTH
+
+
+def _app(backend: FakeBackend, codec=None):
+    return build_app(ApiConfig(served_model_name="m"), backend, codec, ApiMetrics())
+
+
+def _post(app, body: dict, path: str = "/v1/completions", **kw) -> tuple[int, str]:
+    return asyncio.run(asgi_post(app, path, body, **kw))
+
+
+@pytest.mark.parametrize("stream,script", [(False, [HANG]), (False, [5, 6, HANG]), (True, [HANG])],
+                         ids=["whole-in-prefill", "whole-mid-answer", "stream-in-prefill"])
+def test_a_client_that_hangs_up_cancels_its_generate_call(stream, script):
+    """Starlette runs a handler to its end whatever the client does; the front must notice the hang-up itself
+    (a stream past its first token is Starlette's own case: its writes notice)."""
+    backend = FakeBackend(lambda _req: script)
+    t0 = time.monotonic()
+    status, _ = _post(_app(backend), {"prompt": [1, 2], "max_tokens": 50, "stream": stream}, hang_up_after=0.3)
+    assert status == 499 and time.monotonic() - t0 < 5
+    assert [c.cancelled for c in backend.calls] == [True]
+
+
+def test_a_refused_prompt_is_answered_without_waiting_for_the_others():
+    """Prompt 2 refused at once, prompt 1 still in prefill (never answering here): the 400 comes now and prompt
+    1's call is cancelled, rather than the refusal waiting for every other prompt's first token."""
+    backend = FakeBackend(lambda req: [rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "prompt too long")]
+                          if list(req.token_ids) == [7, 8] else [HANG])
+    status, text = _post(_app(backend), {"prompt": [[5, 6], [7, 8]], "max_tokens": 4}, timeout=5)
+    assert status == 400 and "prompt too long" in text
+    assert [c.cancelled for c in backend.calls] == [True, False]
+
+
+def test_an_error_after_the_first_token_is_an_error_event_then_done():
+    backend = FakeBackend(lambda _req: [5, rpc_error(grpc.StatusCode.UNAVAILABLE, "the decode server is stopping")])
+    status, text = _post(_app(backend), {"prompt": [1, 2], "max_tokens": 8, "stream": True})
+    events = sse_events(text)
+    assert status == 200 and events[0]["choices"][0]["token_ids"] == [5]
+    assert events[1]["error"]["code"] == "UNAVAILABLE" and "stopping" in events[1]["error"]["message"]
+    assert events[2:] == ["[DONE]"]
+
+
+@pytest.mark.parametrize("prompt", [[1, 2], [[1, 2], [3, 4]]], ids=["one-prompt", "two-prompts"])
+def test_a_bug_mid_stream_is_a_500_event_then_done_never_a_stall(codec, monkeypatch, prompt):
+    """Not only the decode server's errors: an exception of the front's own (here its detokenizer) must still
+    end the stream in OpenAI's shape, and with several prompts must not leave the merge waiting forever."""
+    def broken(self, token_id):
+        raise RuntimeError("detokenizer broke")
+    monkeypatch.setattr(Detokenizer, "step", broken)
+    backend = FakeBackend(lambda _req: [5, 6, (7, LAST)])
+    status, text = _post(_app(backend, codec), {"prompt": prompt, "max_tokens": 3, "stream": True}, timeout=5)
+    events = sse_events(text)
+    assert status == 200 and events[-1] == "[DONE]"
+    err = events[-2]["error"]
+    assert (err["type"], err["code"]) == ("server_error", "internal_error") and "detokenizer broke" in err["message"]
+    assert all(c.done() for c in backend.calls)
+
+
+def test_a_stop_string_completed_by_the_last_message_reads_its_status_rather_than_cancel(codec):
+    """The decode server then counts the request as finished, not cancelled."""
+    ids = _words(codec, "Hello world")
+    backend = FakeBackend(lambda _req: [*ids[:-1], (ids[-1], LAST)])
+    request = pb.GenerateRequest(token_ids=[1], max_new_tokens=len(ids))
+    gen = Generation(backend, request, codec.detokenizer([1]), ["world"], ApiMetrics(), "/v1/completions", 0.0)
+
+    async def run():
+        await gen.start()
+        return await collect(gen)
+    piece = asyncio.run(run())
+    assert (piece.text, piece.finish_reason, piece.token_ids) == ("Hello ", "stop", ids)
+    assert backend.calls[0].status_read and not backend.calls[0].cancelled

@@ -164,7 +164,7 @@ MAIN = [
          lambda t: call_handshake(t, pb.HandshakeRequest(compat=compat_with(t, dtype="bfloat16"), transport=pb.TRANSPORT_GLOO)),
          S.FAILED_PRECONDITION, ("dtype: here 'float32', peer 'bfloat16'",)),
     Case("handshake_missing_compat", lambda t: call_handshake(t, pb.HandshakeRequest(transport=pb.TRANSPORT_GLOO)),
-         S.FAILED_PRECONDITION, ("protocol_version: here 1, peer 0",)),
+         S.FAILED_PRECONDITION, ("protocol_version: here 2, peer 0",)),
     Case("handshake_other_transport",
          lambda t: call_handshake(t, pb.HandshakeRequest(compat=t.compat, transport=pb.TRANSPORT_NCCL)),
          S.FAILED_PRECONDITION, ("transport: here 'gloo', peer 'nccl'",)),

@@ -19,7 +19,7 @@ from kvtransfer.geometry import CacheGeometry
 from kvtransfer.model.spec import ModelSpec, weights_fingerprint
 from proto import kvtransfer_pb2 as pb
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: PrefillRequest.sampling (a worker of 1 would choose a seeded first token greedily)
 LAYOUT = "l2bhsd"  # (layers, K|V, batch, kv_heads, seq, head_dim), K and V of a layer adjacent
 
 
