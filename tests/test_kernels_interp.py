@@ -23,9 +23,9 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 pytest.importorskip("triton")
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the interpreter's numpy use
 
-from bench.measure.kernel_inputs import attention_gold, decode_case  # noqa: E402
-from kvtransfer.kernels import ops as K  # noqa: E402
-from kvtransfer.kernels.triton_attention import choose_num_splits  # noqa: E402
+from bench.measure.kernel_inputs import attention_gold, decode_case
+from kvtransfer.kernels import ops as K
+from kvtransfer.kernels.triton_attention import choose_num_splits
 
 # max |err| / max |gold| allowed per dtype (bf16 doubled for the interpreter's truncation)
 ATT_TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
@@ -207,3 +207,107 @@ def test_attention_kernels_round_p_to_the_kv_dtype():
     pieces = torch.tensor([[0, 1, 0, 1]], dtype=torch.int32)  # one prompt row at position 1: keys 0 and 1
     chunk = K.chunk_attention(q, k_pool, v_pool, pieces, scale, use_triton=True)
     assert abs(chunk[0, 0, 0].item()) < 1e-3, chunk[0, 0, 0].item()
+
+
+# --- sampling (kvtransfer/kernels/triton_sample.py against sampler.sample_ref) ---
+
+from test_sampler import llm_like_logits, unexplained
+
+from kvtransfer.engine.sampler import Draws, SamplingParams, sample, sample_ref, uniform
+from kvtransfer.kernels.triton_sample import sample_triton
+
+# per row: temperature, top_p, top_k (None: greedy). Each path of the kernel: no threshold (drawn over the row),
+# the ladder then a list of every value >= lo (common settings), a top_k past half the row (rounds over the row,
+# then the bracket listed), a nucleus keeping most of the row, top_k 1, a temperature near 0 and huge ones (every
+# weight near 1: where the cut falls moves the token, so the bracket's counts and masses must be right).
+SAMPLE_ROWS = [None, (0.7, 0.9, 50), (1.0, 0.95, 0), (0.8, 1.0, 20), (1.0, 1.0, 0), (2.0, 0.999, 0),
+               (1.0, 1.0, -3), (1e-4, 0.9, 0), (1.2, 0.5, 400), (0.6, 0.8, 1), (1e4, 0.7, 0), (1.0, 0.3, 7),
+               (1e4, 1.0, -3)]
+
+
+def _params(spec, vocab, seed):
+    """A SAMPLE_ROWS entry -> SamplingParams (top_k -j: vocab - j, past half the row)."""
+    return None if spec is None else SamplingParams(spec[0], spec[1], spec[2] if spec[2] >= 0 else vocab + spec[2],
+                                                    seed)
+
+
+def _args(params, positions):
+    floats, ints = Draws(params, positions).tensors()
+    return floats[:, 0], floats[:, 1], ints[:, 0], ints[:, 1], ints[:, 2]
+
+
+def _sample_args(rows, vocab, seed0=17):
+    """SAMPLE_ROWS-like specs -> `sample`'s per-row tensors."""
+    return _args([_params(r, vocab, seed0 + 7 * j) for j, r in enumerate(rows)], [100 + 3 * j for j in range(len(rows))])
+
+
+def _ties(n, vocab, seed, dtype):
+    """Integer logits 0..7: every threshold falls on a tie group of hundreds."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 8, (n, vocab), generator=g).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_sample_kernel_draws_as_the_reference(dtype):
+    vocab = 3001
+    args = _sample_args(SAMPLE_ROWS, vocab)
+    for logits in (llm_like_logits(len(SAMPLE_ROWS), vocab, 1, dtype), _ties(len(SAMPLE_ROWS), vocab, 2, dtype)):
+        got = sample(logits, *args, use_triton=True)
+        want = sample_ref(logits, *args)
+        assert unexplained(logits, *args, got, want) == [], (got.tolist(), want.tolist())
+        assert int((got != want).sum()) <= 1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_sample_kernel_across_block_edges(dtype):
+    """Small blocks over a vocabulary that is no multiple of them: carries of the running sums, scans and
+    counts across blocks, the last block's tail, lists longer than a list block."""
+    vocab = 1500
+    args = _sample_args(SAMPLE_ROWS[1:7], vocab, seed0=5)
+    logits = llm_like_logits(6, vocab, 3, dtype)
+    got = sample_triton(logits, *args, block=256, list_block=64)
+    want = sample_ref(logits, *args)
+    assert unexplained(logits, *args, got, want) == []
+    assert torch.equal(got, sample_triton(logits, *args))  # the block sizes change sums' order only
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_sample_kernel_rows_are_batch_invariant(dtype):
+    """Rows alone, then together in one batch between rows of other logits and settings: the same tokens."""
+    vocab = 2000
+    specs = [(0.7, 0.9, 50), (2.0, 0.999, 0), (1.0, 1.0, -3)]  # a list of every value >= lo, a bracket, the row
+    rows = llm_like_logits(len(specs), vocab, 9, dtype)
+    mine = [_params(spec, vocab, 5 + j) for j, spec in enumerate(specs)]
+    alone = [int(sample_triton(rows[j:j + 1], *_args([p], [100 + j]))[0]) for j, p in enumerate(mine)]
+    others = llm_like_logits(3, vocab, 10, dtype)
+    logits = torch.cat([others[:1], rows[:1], others[1:2], rows[1:], others[2:]])  # mine at 1, 3, 4
+    params = [_params(SAMPLE_ROWS[2], vocab, 1), mine[0], _params(SAMPLE_ROWS[8], vocab, 2), mine[1], mine[2], None]
+    batch = sample_triton(logits, *_args(params, [7, 100, 9, 101, 102, 11]))
+    assert [int(batch[at]) for at in (1, 3, 4)] == alone
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_sample_kernel_greedy_rows_are_argmax_bit_for_bit(dtype):
+    """Ties to the lowest id, -0.0 equal to +0.0, NaN the max (first NaN), rows all -inf: as torch's argmax."""
+    x = torch.full((5, 700), -3.0)
+    x[0, [5, 600]] = 2.0
+    x[1, 10], x[1, 20] = -0.0, 0.0
+    x[2, [30, 40]] = float("nan")
+    x[3] = float("-inf")
+    x[4] = torch.randn(700, generator=torch.Generator().manual_seed(4))
+    logits = x.to(dtype)
+    zeros = torch.zeros(5)
+    got = sample_triton(logits, zeros, zeros + 1, zeros.long(), zeros.long(), zeros.long())
+    assert torch.equal(got, logits.argmax(-1)), (got.tolist(), logits.argmax(-1).tolist())
+
+
+def test_sample_kernel_hashes_the_uniform_as_sampler_uniform():
+    """Flat rows, temperature 1, no threshold: every weight is 1 and every sum exact, so the token is
+    floor(u x vocab): the kernel's SplitMix64 against `uniform` over seeds across the uint64 range."""
+    vocab, n = 4096, 16
+    seeds = torch.tensor([0, 1, 7, -1, -2**63, 2**63 - 1, 2**40 + 3, -977] * 2)
+    positions = torch.tensor([0, 1, 2, 17, 4096, 2**40, 5, 99] + [3, 4, 1000, 0, 2**33, 7, 8, 12345])
+    ones = torch.ones(n)
+    got = sample_triton(torch.zeros(n, vocab), ones, ones, torch.zeros(n, dtype=torch.long), seeds, positions)
+    want = (uniform(seeds, positions) * vocab).floor().long()
+    assert torch.equal(got, want)

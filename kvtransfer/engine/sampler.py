@@ -8,23 +8,31 @@ last chunk) and at the end of a remote one (the prefill worker). All three call 
 Greedy (no SamplingParams, or temperature 0) is argmax; ties go to the lowest id, as in HF's greedy search. A
 step whose rows are all greedy runs argmax and nothing else (`next_tokens`, `first_token`).
 
-Sampling (`sample`) is one draw per row by inverse CDF, with exact top-k / nucleus semantics: the row's logits
-sorted (descending, stable: ties in id order, so rank 0 is the argmax), softmax at the row's temperature, the
-ranks kept are the first min(top_k, nucleus) where the nucleus is the smallest prefix whose mass reaches top_p,
-and the token is the kept rank where the kept mass's CDF first reaches u x that mass. The one uniform u of a
-row is a counter-based hash of (seed, position) alone (`uniform`: SplitMix64 keyed by the seed, its
-position-th output), computed on the device. "position" is the number of tokens before the drawn one: the
-prompt's length for the first token, and for a decode row whose input token sits at index `length` of its slot,
-length + 1. So a seeded request's draw is a function of (seed, position, logits) alone: reproducible, and every
-op is row-wise (sort, elementwise math, a scan and counts along the row, gather), so given its logits a row's
-token does not depend on the other rows of its batch (the logits themselves do, within the batching tolerance:
-docs/architecture.md, "Exactness and determinism"); colocated and disaggregated requests draw the same tokens
-wherever their logits are the same.
+Sampling (`sample`) is one draw per row by inverse CDF over a kept set defined by thresholds (ties kept, so no
+tie order matters; vLLM's top-k keeps every logit >= the k-th value alike). Per row: l the logits as float32, M
+= max(l), t the temperature, w_i = exp((l_i - M) / t) (float32), Z = sum w.
+- top_k in (0, vocab): tau_k = the k-th largest value of l (with multiplicity); else -inf.
+- top_p < 1: tau_p = the largest value v of the row with sum_{l_i >= v} w_i >= top_p * Z; else -inf.
+- kept = {i : l_i >= max(tau_k, tau_p)}: never empty (the max is kept), every tie of the threshold in it.
+- the token: the first id, in id order, whose running sum of w over the kept ids passes u x (the kept mass);
+  past the end (rounding) the last kept id.
+The one uniform u of a row is a counter-based hash of (seed, position) alone (`uniform`: SplitMix64 keyed by the
+seed, its position-th output). "position" is the number of tokens before the drawn one: the prompt's length for
+the first token, and for a decode row whose input token sits at index `length` of its slot, length + 1.
+
+Two implementations of that one definition: on CUDA with triton, one kernel launch per call
+(kvtransfer/kernels/triton_sample.py: no sort, the threshold found by a search over the row's values, the uniform
+hashed in the kernel); elsewhere (CPU, CUDA without triton) `sample_ref` in torch (a sort finds the thresholds;
+sums in float64). Each is deterministic and row-wise, so given its logits a row's token depends on nothing else
+in its batch (the logits themselves do, within the batching tolerance: docs/architecture.md, "Exactness and
+determinism"): a seeded request's draw is a function of (seed, position, logits) alone, colocated or
+disaggregated. The two sum in different orders, so they give the same token except where a mass sum lands within
+float rounding of a threshold (top_p * Z) or of the target (u x kept mass).
 
 On CUDA the decode step's draw is `Sampler`: `sample` captured as one CUDA graph per batch bucket over static
 input buffers (the logits copied in, the per-row parameters copied from the host), replayed after the step when
 the batch has a sampling row. Eagerly (CPU, --no-cuda-graphs, a batch past the largest bucket, a prompt's first
-token) `sample` runs as it is: the same function, the same kernels, the same bits.
+token) `sample` runs as it is: the same function, the same kernel, the same bits.
 """
 
 from __future__ import annotations
@@ -36,6 +44,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from kvtransfer.kernels._checks import last_dim_unit
+from kvtransfer.kernels.ops import triton_available
 
 log = logging.getLogger("kvtransfer.decode.graphs")
 _U64 = 1 << 64
@@ -112,28 +123,45 @@ def uniform(seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
-           seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+           seed: torch.Tensor, position: torch.Tensor, *, use_triton: bool | None = None) -> torch.Tensor:
     """logits (n, vocab), per row: temperature and top_p (n,) float32, top_k, seed, position (n,) int64 -> (n,)
     int64 tokens. Temperature-0 rows take argmax (exactly `next_tokens`); the others draw as the module says. No
-    host sync, no host-made tensor: capturable as a CUDA graph."""
+    host sync, no host-made tensor: capturable as a CUDA graph. use_triton: None = the Triton kernel where
+    `triton_available` (CUDA and an importable triton), else `sample_ref`; True/False force one (True on CPU
+    tensors: the Triton interpreter, in tests)."""
+    if triton_available(logits.device) if use_triton is None else use_triton:
+        from kvtransfer.kernels.triton_sample import sample_triton
+
+        return sample_triton(last_dim_unit(logits), temperature, top_p, top_k, seed, position)
+    return sample_ref(logits, temperature, top_p, top_k, seed, position)
+
+
+def sample_ref(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
+               seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """`sample` in torch ops (CPU, and CUDA without triton): the module's definition with the thresholds read off
+    the row sorted by value (only values: the kept set is by value, so no tie order enters) and the masses summed
+    in float64."""
     vocab = logits.shape[1]
     greedy = temperature == 0  # (n,)
-    sx, idx = logits.sort(dim=-1, descending=True, stable=True)  # (n, vocab) each: rank 0 is the argmax
-    e = sx.float()  # (n, vocab) float32 (sx itself when logits are float32: ours to change)
-    top = e[:, :1].clone()  # (n, 1): the row's max
-    t = torch.where(greedy, 1.0, temperature)[:, None]  # (n, 1): greedy rows draw too, at 1, then take argmax
-    e.sub_(top).div_(t).exp_()  # (n, vocab): unnormalized softmax, 1 at rank 0, never nan (no inf - inf)
-    cum = e.cumsum(-1)  # (n, vocab)
-    # the nucleus: rank 0, and each rank whose likelier ranks hold less than top_p of the mass
-    nucleus = 1 + (cum[:, :-1] < top_p[:, None] * cum[:, -1:]).sum(-1)  # (n,)
-    k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)  # (n,)
-    keep = torch.minimum(nucleus, k)  # (n,) >= 1: the ranks kept are 0 .. keep - 1
-    ranks = torch.arange(vocab, device=logits.device)  # (vocab,)
-    q = e.masked_fill_(ranks[None, :] >= keep[:, None], 0.0)  # (n, vocab): the kept mass
-    c = torch.cumsum(q, -1, out=cum)  # (n, vocab): its CDF
-    x = uniform(seed, position) * c[:, -1].double()  # (n,) float64 in [0, kept mass)
-    j = torch.minimum((c < x[:, None]).sum(-1), keep - 1)  # (n,): the first rank whose CDF reaches x
-    tok = idx.gather(1, j[:, None])[:, 0]  # (n,)
+    x = logits.float()  # (n, vocab)
+    top = x.max(dim=-1, keepdim=True).values  # (n, 1): M
+    t = torch.where(greedy, 1.0, temperature.float())[:, None]  # (n, 1): greedy rows draw too, at 1, then argmax
+    w = ((x - top) / t).exp()  # (n, vocab) float32, 1 at the max
+    sv = x.sort(dim=-1, descending=True).values  # (n, vocab)
+    cum = ((sv - top) / t).exp().double().cumsum(-1)  # (n, vocab): cum[r] = the mass of the r + 1 largest
+    neg = torch.full_like(top, float("-inf"))
+    k = top_k.clamp(1, vocab)[:, None] - 1  # (n, 1)
+    tau_k = torch.where(((top_k > 0) & (top_k < vocab))[:, None], sv.gather(1, k), neg)  # the k-th largest
+    # tau_p: the value at the first rank whose cum reaches top_p * Z; its whole tie group's mass (>= cum there)
+    # reaches it too, and every larger value's group ends before that rank
+    r = (cum < top_p.double()[:, None] * cum[:, -1:]).sum(-1, keepdim=True).clamp(max=vocab - 1)  # (n, 1)
+    tau_p = torch.where((top_p < 1)[:, None], sv.gather(1, r), neg)
+    keep = x >= torch.maximum(tau_k, tau_p)  # (n, vocab)
+    c = torch.where(keep, w, 0.0).double().cumsum(-1)  # (n, vocab): the kept mass's running sum, in id order
+    target = uniform(seed, position)[:, None] * c[:, -1:]  # (n, 1) in [0, kept mass)
+    j = (c <= target).sum(-1)  # (n,): the first id whose running sum passes the target (vocab: none)
+    last = vocab - 1 - keep.flip(-1).to(torch.uint8).argmax(-1)  # (n,): the last kept id
+    tok = torch.where(j < vocab, j, last)
     return torch.where(greedy, logits.argmax(dim=-1), tok)
 
 
@@ -213,6 +241,8 @@ class Sampler:
         n = logits.shape[0]
         b = next((s for s in self.sizes if s >= n), 0) if self.graphs else 0
         floats, ints = draws.tensors(b)  # (max(n, b), 2), (max(n, b), 3) on the host
+        if logits.device.type == "cuda":  # pinned: a copy from pageable memory may wait for the queued step
+            floats, ints = floats.pin_memory(), ints.pin_memory()
         if not b:
             floats, ints = floats.to(logits.device, non_blocking=True), ints.to(logits.device, non_blocking=True)
             return sample(logits, floats[:, 0], floats[:, 1], ints[:, 0], ints[:, 1], ints[:, 2])
