@@ -26,7 +26,7 @@ demo: $(STAMP)
 	$(BIN)/kvtransfer-bench demo
 
 # Two workers, a test file each at a time (its module fixtures and test order kept): the suite mostly waits on
-# the server processes it starts, so two share the CI's two cores (~11 min; a server start is ~8 s of a core,
+# the server processes it starts, so two share the CI's two cores (~13 min; a server start is ~8 s of a core,
 # mostly imports, so the tests share servers where they can).
 TEST_WORKERS ?= 2
 MAIN_TESTS = $(BIN)/python -m pytest -m "not gpu and not gpu2 and not churn" -q -n $(TEST_WORKERS) --dist loadfile
