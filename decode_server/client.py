@@ -27,7 +27,7 @@ MODES = {"auto": pb.MODE_AUTO, "layerwise": pb.MODE_LAYERWISE, "bulk": pb.MODE_B
 async def generate(addr: str, token_ids: list[int], max_new_tokens: int, mode: str = "auto",
                    digest: bool = False, timeout: float = 120.0, cache_digest: bool = False,
                    security: ClientSecurity | None = None, sampling: pb.Sampling | None = None,
-                   stop_token_ids: list[int] = (), stop_on_eos: bool = False) -> dict:
+                   stop_token_ids: list[int] = (), stop_on_eos: bool = False, skip_prefix_cache: bool = False) -> dict:
     """One Generate call; returns tokens, digests, client-side TTFT, the server's timing and why it finished
     ("length" or "stop"). `sampling` None: greedy."""
     security = security or ClientSecurity()
@@ -38,7 +38,8 @@ async def generate(addr: str, token_ids: list[int], max_new_tokens: int, mode: s
         tokens, digests, timing, cache, finish = [], [], None, "", pb.FINISH_REASON_UNSPECIFIED
         req = pb.GenerateRequest(token_ids=token_ids, max_new_tokens=max_new_tokens, mode=MODES[mode],
                                  return_logits_digest=digest, return_cache_digest=cache_digest, sampling=sampling,
-                                 stop_token_ids=stop_token_ids, stop_on_eos=stop_on_eos)
+                                 stop_token_ids=stop_token_ids, stop_on_eos=stop_on_eos,
+                                 skip_prefix_cache=skip_prefix_cache)
         async for msg in stub.Generate(req, timeout=timeout, metadata=security.metadata()):
             if ttft is None:
                 ttft = (time.perf_counter() - t0) * 1e3
@@ -67,6 +68,7 @@ def sampling_message(temperature: float, top_p: float | None = None, top_k: int 
 def _timing(timing: pb.Timing) -> dict:
     out = {f.name: getattr(timing, f.name) for f in pb.Timing.DESCRIPTOR.fields}
     out["mode"] = Mode.from_proto(timing.mode).value
+    out["reuse_tier"] = pb.CacheTier.Name(timing.reuse_tier).removeprefix("CACHE_TIER_").lower()
     return out
 
 

@@ -67,6 +67,13 @@ class DecodeConfig:
     mixed_max_rows: int = flag(0, "with --mixed-prefill: also capture steps of 2, 4 .. x --prefill-chunk rows, up to "
                                "this; a step takes the largest size that the prompt tokens waiting fill (drains a "
                                "burst of prompts in fewer steps; those steps' ITL grows). 0: --prefill-chunk only")
+    prefix_cache: bool = flag(True, "keep a finished request's KV in its pool slot while no request needs the slot, "
+                              "and prefill only what a later prompt adds to a cached prefix (docs/prefix-cache.md)")
+    host_cache_gib: float = flag(0.0, "pinned host RAM for contexts evicted from the pool, GiB, copied back on a hit "
+                                 "when that beats recomputing them (measured at start); 0: off")
+    local_suffix_max_tokens: int = flag(1024, "disaggregated: a prompt whose cached prefix leaves at most this many "
+                                        "tokens to prefill is prefilled here after the prefix; a longer one goes "
+                                        "to the prefill worker whole (0: never reuse here)")
     admission_wait_s: float = flag(10.0, "longest wait for a free pool slot, s; then RESOURCE_EXHAUSTED")
     stream_buffer_tokens: int = flag(1024, "tokens a client may leave unread; then its request ends")
     max_receive_bytes: int = flag(64 << 30, "one transfer's receive buffer limit; larger caches: RESOURCE_EXHAUSTED")
@@ -122,6 +129,11 @@ class DecodeConfig:
             raise ValueError("--fail-scheduler-after-steps must be >= 0, or -1 (off)")
         check_options(max_batch=self.max_batch, prefill_chunk=self.prefill_chunk, mixed_prefill=self.mixed_prefill,
                       mixed_max_rows=self.mixed_max_rows)
+        if self.host_cache_gib < 0 or (self.host_cache_gib and not self.prefix_cache):
+            raise ValueError("--host-cache-gib must be >= 0, and holds what the prefix cache evicts: drop "
+                             "--no-prefix-cache, or --host-cache-gib")
+        if self.local_suffix_max_tokens < 0:
+            raise ValueError("--local-suffix-max-tokens must be >= 0 (0: a reused prefix only when colocated)")
         if self.admission_wait_s < 0:
             raise ValueError("--admission-wait-s must be >= 0")
         check_positive(self, "request_timeout_s", "handshake_timeout_s", "peer_timeout_s", "peer_keepalive_s",

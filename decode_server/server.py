@@ -20,12 +20,13 @@ from contextlib import aclosing
 from dataclasses import dataclass
 
 import grpc
+import numpy as np
 
 from decode_server.config import DecodeConfig
 from decode_server.peer.choice import choose_peer
 from decode_server.peer.pairing import DecodePairing
 from decode_server.peer.remote import PeerFailure, RequestError
-from decode_server.streams import Mailbox, TokenStream, acquire_slot
+from decode_server.streams import Mailbox, TokenStream, acquire_slot, slot_ready
 from kvtransfer.engine.engine import DecodeEngine
 from kvtransfer.engine.sampler import SamplingParams, sampling_params
 from kvtransfer.engine.scheduler import EngineFailed
@@ -46,6 +47,7 @@ SHUTDOWN_MESSAGE = f"{SHUTTING_DOWN}: --shutdown-grace-s passed before this requ
 END_STATUS = {EndCause.REQUEST_ENDED: grpc.StatusCode.CANCELLED, EndCause.SLOW_READER: grpc.StatusCode.RESOURCE_EXHAUSTED,
               EndCause.STEP_FAILED: grpc.StatusCode.INTERNAL, EndCause.SHUTDOWN: grpc.StatusCode.UNAVAILABLE,
               EndCause.ENGINE_FAILED: grpc.StatusCode.INTERNAL}
+TIERS = {"device": pb.CACHE_TIER_DEVICE, "host": pb.CACHE_TIER_HOST}
 
 
 @dataclass
@@ -71,6 +73,9 @@ class DecodeService(pbg.DecodeServicer):
         self.failed = ""  # set by fail_all: a thread the server depends on died; every request ends INTERNAL
         self.metrics.inflight.set_function(lambda: self.admit.count)
         self.metrics.pool_slots.set_function(engine.pool.used)
+        if engine.cache is not None:
+            self.metrics.cached_slots.set_function(engine.cache.cached_slots)
+            self.metrics.host_cache_bytes.set_function(engine.cache.host_bytes)
         self.metrics.running.set_function(engine.scheduler.active)
         if pairing is not None:
             m = self.metrics
@@ -136,7 +141,8 @@ class DecodeService(pbg.DecodeServicer):
         return pb.InfoResponse(model=os.path.basename(os.path.normpath(m.spec.name)), vocab_size=self.vocab,
                                context_length=m.model.config.max_position_embeddings,
                                max_seq_len=self.engine.pool.max_seq, max_new_tokens=c.max_new_tokens,
-                               max_prompt_tokens=c.max_prompt_tokens, eos_token_ids=sorted(self.engine.eos))
+                               max_prompt_tokens=c.max_prompt_tokens, eos_token_ids=sorted(self.engine.eos),
+                               prefix_block_tokens=self.engine.cache.block if self.engine.cache is not None else 0)
 
     async def Generate(self, request, context):
         with self.running.request(context) as r:  # counts the request's one outcome when it ends
@@ -184,15 +190,36 @@ class DecodeService(pbg.DecodeServicer):
     async def _admitted(self, request, context, r):
         deadline = time.perf_counter() + request_budget(context.time_remaining(), self.config.request_timeout_s)
         try:
-            lease = await acquire_slot(self.engine.pool, deadline, self.config.admission_wait_s)
+            lease = await acquire_slot(self.engine.pool, deadline, self.config.admission_wait_s,
+                                       self._take(request))
         except RequestError as e:
             await self._abort(context, e.code, e.message)
         try:
+            await slot_ready(lease)  # copies into or out of the slot (the prefix cache's) are done
             async with aclosing(self._generate(request, context, deadline, lease, r)) as tokens:
                 async for msg in tokens:
                     yield msg
         finally:
             lease.release()
+
+    def _take(self, request):
+        """How the request leases its slot: with the prefix cache, taking the longest cached prefix of its prompt
+        (none when the request skips the cache; when disaggregated, only if what is left to prefill is short
+        enough to prefill here, --local-suffix-max-tokens); without, any free slot."""
+        cache = self.engine.cache
+        if cache is None:
+            return None
+        here = self.config.colocated or request.mode == pb.MODE_COLOCATED
+        limit = None if here else self.config.local_suffix_max_tokens
+        reuse = not request.skip_prefix_cache and (here or limit > 0)
+
+        def take():
+            declined = cache.stats.host_recomputed
+            lease = cache.acquire(request.token_ids, reuse, limit)
+            if cache.stats.host_recomputed > declined:
+                self.metrics.host_decisions.labels("recompute").inc(cache.stats.host_recomputed - declined)
+            return lease
+        return take
 
     def end_for_shutdown(self, r) -> None:
         """The grace is over: a decoding request's sequence ends UNAVAILABLE at the next step; others are cancelled."""
@@ -209,7 +236,18 @@ class DecodeService(pbg.DecodeServicer):
         remotely unless colocated; the --on-failure policy when the peer fails."""
         want = request.return_logits_digest
         timing = pb.Timing()
-        if not (self.config.colocated or request.mode == pb.MODE_COLOCATED):
+        reuse = lease.reuse
+        if reuse is not None:  # a cached prefix is in the slot: prefill the rest here
+            timing.reused_tokens, timing.reuse_tier = reuse.length, TIERS[reuse.tier]
+            self.metrics.prefix_hits.labels(reuse.tier).inc()
+            self.metrics.prefix_tokens.labels(reuse.tier).inc(reuse.length)
+            if reuse.tier == "host":
+                timing.reload_bytes = reuse.bytes
+                self.metrics.reload_bytes.inc(reuse.bytes)
+                self.metrics.host_decisions.labels("reload").inc()
+            log.debug("request %d: %d of %d prompt tokens from the prefix cache (%s, %s)", rid, reuse.length,
+                      len(request.token_ids), reuse.tier, reuse.how)
+        elif not (self.config.colocated or request.mode == pb.MODE_COLOCATED):
             try:
                 peer = choose_peer(self.pairing)
                 wire = None if sampling is None else pb.Sampling(
@@ -236,7 +274,7 @@ class DecodeService(pbg.DecodeServicer):
                 timing.transfer_bytes = nbytes = self.engine.m.geometry.cache_bytes(len(request.token_ids))
                 self.metrics.moved(nbytes, r.t_ready - r.t_sent, Mode.from_proto(r.response.mode))
                 return Prefilled(r.response.first_token, r.response.first_logits_digest, timing, r.t_first, r.t_ready)
-        job = self.engine.prefill(list(request.token_ids), lease, want, sampling)
+        job = self.engine.prefill(list(request.token_ids), lease, want, sampling, reuse.length if reuse else 0)
         local = await self._within(context, job, deadline, "the prefill did not finish before the deadline")
         timing.prefill_ms = local.prefill_ms
         timing.mode = timing.mode or Mode.COLOCATED.proto
@@ -261,6 +299,8 @@ class DecodeService(pbg.DecodeServicer):
         # the tokens that end the request early (each is sent, as its last)
         stops = frozenset(request.stop_token_ids) | (self.engine.eos if request.stop_on_eos else frozenset())
         p = await self._prefill(request, context, rid, deadline, lease, sampling)
+        prompt = np.asarray(request.token_ids, dtype=np.int64)
+        lease.keep = prompt  # the prompt's KV is whole in the slot: cached when the request lets it go
         timing = p.timing
         cache_dig = (await self._within(context, self.engine.digest(lease.slot, n), deadline,
                                         "the cache digest did not finish before the deadline")
@@ -282,11 +322,13 @@ class DecodeService(pbg.DecodeServicer):
         seq = stream.seq = Sequence(rid, lease, n, p.first, steps, stream.sink, want, stops, sampling=sampling)
         r.seq = seq
         self.engine.scheduler.add(seq)
+        made = [p.first]  # the tokens delivered: a delivered token's predecessor has its KV in the slot
         try:
             while True:
                 item = await stream.next(deadline)
                 if isinstance(item, Ended):
                     await self._abort(context, END_STATUS[item.cause], item.reason)
+                made.append(item.token_id)
                 if item.index == 1:
                     timing.second_token_ms = (item.t - t_in) * 1e3
                 if item.last:
@@ -301,6 +343,7 @@ class DecodeService(pbg.DecodeServicer):
             await self._abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, "decoding did not finish before the deadline")
         finally:
             seq.stop("the request ended (client gone, deadline or error)")  # no-op once it finished
+            lease.keep = np.concatenate([prompt, np.asarray(made[:-1], dtype=np.int64)])
 
 
 def finish_reason(last: int, stops: frozenset[int]) -> int:

@@ -121,7 +121,8 @@ def plan_engine(config, loaded, receive_slots: int):
                      config.kv_pool_gib, config.gpu_memory_utilization, device_memory(loaded.device), workspace, cap)
     options = EngineOptions(max_batch=plan.slots, max_seq_len=plan.max_seq, cuda_graphs=config.cuda_graphs,
                             prefill_chunk=chunk, mixed_prefill=mixed, mixed_max_rows=config.mixed_max_rows,
-                            fail_scheduler_after_steps=config.fail_scheduler_after_steps)
+                            fail_scheduler_after_steps=config.fail_scheduler_after_steps,
+                            prefix_cache=config.prefix_cache, host_cache_gib=config.host_cache_gib)
     line = (f"engine defaults on {loaded.device}: dtype {loaded.spec.dtype}"
             f"{' (auto)' if config.dtype == 'auto' else ''}; prefill: {prefill_why}; KV pool {plan.slots} x "
             f"{plan.max_seq} tokens x {g.bytes_per_token} B = {plan.slots * plan.max_seq * g.bytes_per_token / GIB:.2f}"

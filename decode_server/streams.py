@@ -26,8 +26,9 @@ from kvtransfer.engine.sequence import EndCause, Ended, Sequence, Token
 ADMISSION_RECHECK_S = 0.05  # a waiting request also looks again this often (belt and braces; frees wake it)
 
 
-async def acquire_slot(pool: KVPool, deadline: float, wait_s: float) -> Lease:
-    """A slot of the pool, waiting at most `wait_s` and never past `deadline` (perf_counter).
+async def acquire_slot(pool: KVPool, deadline: float, wait_s: float, take=None) -> Lease:
+    """A slot of the pool, waiting at most `wait_s` and never past `deadline` (perf_counter). `take()` leases
+    one or raises PoolFull (default: pool.try_lease; the prefix cache's acquire, to take a cached prefix).
 
     Waiting costs nothing per tick: the pool wakes every waiter when a slot is freed (on any thread),
     instead of each waiter polling, which with many waiters meant thousands of loop wake-ups a second
@@ -48,7 +49,7 @@ async def acquire_slot(pool: KVPool, deadline: float, wait_s: float) -> Lease:
         while True:
             freed.clear()  # before looking: a slot freed after the look sets it again
             try:
-                return pool.try_lease()
+                return (take or pool.try_lease)()
             except PoolFull:
                 now = time.perf_counter()
                 left = give_up - now
@@ -122,3 +123,11 @@ class TokenStream:
         item = await asyncio.wait_for(self.queue.get(), max(deadline - time.perf_counter(), 0.001))
         self.read += 1
         return item
+
+
+async def slot_ready(lease: Lease, poll_s: float = 0.0005) -> None:
+    """Wait (without blocking the loop) for the copies queued into or out of the lease's slot (lease.ready:
+    a host-tier store of the context it held, a reused prefix copied or reloaded into it)."""
+    ev = lease.ready
+    while ev is not None and not ev.query():
+        await asyncio.sleep(poll_s)

@@ -23,6 +23,12 @@ class Transport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TRANSPORT_GRPC: _ClassVar[Transport]
     TRANSPORT_CUDA_IPC: _ClassVar[Transport]
 
+class CacheTier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CACHE_TIER_NONE: _ClassVar[CacheTier]
+    CACHE_TIER_DEVICE: _ClassVar[CacheTier]
+    CACHE_TIER_HOST: _ClassVar[CacheTier]
+
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
@@ -38,6 +44,9 @@ TRANSPORT_NCCL: Transport
 TRANSPORT_GLOO: Transport
 TRANSPORT_GRPC: Transport
 TRANSPORT_CUDA_IPC: Transport
+CACHE_TIER_NONE: CacheTier
+CACHE_TIER_DEVICE: CacheTier
+CACHE_TIER_HOST: CacheTier
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_STOP: FinishReason
@@ -55,7 +64,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("token_ids", "max_new_tokens", "mode", "return_logits_digest", "return_cache_digest", "stop_on_eos", "sampling", "stop_token_ids")
+    __slots__ = ("token_ids", "max_new_tokens", "mode", "return_logits_digest", "return_cache_digest", "stop_on_eos", "sampling", "stop_token_ids", "skip_prefix_cache")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +73,7 @@ class GenerateRequest(_message.Message):
     STOP_ON_EOS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SKIP_PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_new_tokens: int
     mode: Mode
@@ -72,14 +82,15 @@ class GenerateRequest(_message.Message):
     stop_on_eos: bool
     sampling: Sampling
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ..., return_logits_digest: _Optional[bool] = ..., return_cache_digest: _Optional[bool] = ..., stop_on_eos: _Optional[bool] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    skip_prefix_cache: bool
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ..., return_logits_digest: _Optional[bool] = ..., return_cache_digest: _Optional[bool] = ..., stop_on_eos: _Optional[bool] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., skip_prefix_cache: _Optional[bool] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model", "vocab_size", "context_length", "max_seq_len", "max_new_tokens", "max_prompt_tokens", "eos_token_ids")
+    __slots__ = ("model", "vocab_size", "context_length", "max_seq_len", "max_new_tokens", "max_prompt_tokens", "eos_token_ids", "prefix_block_tokens")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +98,7 @@ class InfoResponse(_message.Message):
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     context_length: int
@@ -94,10 +106,11 @@ class InfoResponse(_message.Message):
     max_new_tokens: int
     max_prompt_tokens: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    prefix_block_tokens: int
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., prefix_block_tokens: _Optional[int] = ...) -> None: ...
 
 class Timing(_message.Message):
-    __slots__ = ("prefill_ms", "cache_ready_ms", "first_token_ms", "second_token_ms", "transfer_bytes", "total_ms", "mode")
+    __slots__ = ("prefill_ms", "cache_ready_ms", "first_token_ms", "second_token_ms", "transfer_bytes", "total_ms", "mode", "reused_tokens", "reuse_tier", "reload_bytes")
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     CACHE_READY_MS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_MS_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +118,9 @@ class Timing(_message.Message):
     TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
     TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
+    REUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REUSE_TIER_FIELD_NUMBER: _ClassVar[int]
+    RELOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     prefill_ms: float
     cache_ready_ms: float
     first_token_ms: float
@@ -112,7 +128,10 @@ class Timing(_message.Message):
     transfer_bytes: float
     total_ms: float
     mode: Mode
-    def __init__(self, prefill_ms: _Optional[float] = ..., cache_ready_ms: _Optional[float] = ..., first_token_ms: _Optional[float] = ..., second_token_ms: _Optional[float] = ..., transfer_bytes: _Optional[float] = ..., total_ms: _Optional[float] = ..., mode: _Optional[_Union[Mode, str]] = ...) -> None: ...
+    reused_tokens: int
+    reuse_tier: CacheTier
+    reload_bytes: float
+    def __init__(self, prefill_ms: _Optional[float] = ..., cache_ready_ms: _Optional[float] = ..., first_token_ms: _Optional[float] = ..., second_token_ms: _Optional[float] = ..., transfer_bytes: _Optional[float] = ..., total_ms: _Optional[float] = ..., mode: _Optional[_Union[Mode, str]] = ..., reused_tokens: _Optional[int] = ..., reuse_tier: _Optional[_Union[CacheTier, str]] = ..., reload_bytes: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_id", "index", "logits_digest", "timing", "cache_digest", "finish_reason")

@@ -63,7 +63,8 @@ def stats(samples: list[dict], key: str) -> dict:
 
 
 async def _calls(addr: str, ids: list[int], n: int, mode: str, count: int, digest: bool) -> list[dict]:
-    return [await generate(addr, ids, n, mode, digest=digest, cache_digest=digest, timeout=600) for _ in range(count)]
+    return [await generate(addr, ids, n, mode, digest=digest, cache_digest=digest, timeout=600,
+                           skip_prefix_cache=True) for _ in range(count)]  # the prefill and the move, every time
 
 
 def _timed(addr: str, ids, cfg: TtftConfig, mode: str) -> list[dict]:

@@ -24,13 +24,15 @@ from kvtransfer.engine.chunk_attention import chunk_attention_on
 from kvtransfer.engine.graphs import Step
 from kvtransfer.engine.mixed import MixedPrefill
 from kvtransfer.engine.pool import KVPool, Lease
+from kvtransfer.engine.prefix_cache import PrefixCache
+from kvtransfer.engine.reload_rule import measure
 from kvtransfer.engine.runner import StepRunner
 from kvtransfer.engine.sampler import SamplingParams, first_token
 from kvtransfer.engine.scheduler import Job, Scheduler
 from kvtransfer.engine.sequence import LocalPrefill
 from kvtransfer.model.loaded import LoadedModel
-from kvtransfer.model.prefill import logits_digest, prefill
-from kvtransfer.model.streaming import cache_digest
+from kvtransfer.model.prefill import logits_digest, prefill, random_prompt
+from kvtransfer.model.streaming import StreamingCache, cache_digest
 
 log = logging.getLogger("kvtransfer.decode.engine")
 
@@ -65,8 +67,12 @@ class EngineOptions:
     # the rows of such a step, decode rows included (>= 2 x max_batch, check_options)
     mixed_max_rows: int = 0  # mixed: steps of 2, 4 .. x prefill_chunk rows too, up to this (0: prefill_chunk only)
     fail_scheduler_after_steps: int = -1  # fault injection: the scheduler thread dies after this many steps
+    prefix_cache: bool = False  # finished requests' KV stays in free slots for later prompts (prefix_cache.py)
+    host_cache_gib: float = 0.0  # with prefix_cache: a pinned host tier of this size for evicted slots (0: none)
 
     def __post_init__(self):
+        if self.host_cache_gib < 0 or (self.host_cache_gib and not self.prefix_cache):
+            raise ValueError("--host-cache-gib must be >= 0, and needs the prefix cache (drop --no-prefix-cache)")
         if self.max_batch < 1 or self.prefill_chunk < 0:
             raise ValueError(f"engine options not resolved: max_batch {self.max_batch}, prefill_chunk "
                              f"{self.prefill_chunk} (decode_server/sizing.py chooses them)")
@@ -83,6 +89,13 @@ class DecodeEngine:
         self.step = Step(self.runner, options.max_batch, options.cuda_graphs,
                          options.prefill_chunk if options.mixed_prefill else 0, options.mixed_max_rows)
         self.scheduler = Scheduler(self.step, loaded.device, on_step, on_fatal, options.fail_scheduler_after_steps)
+        self.cache = PrefixCache(self.pool, options.host_cache_gib) if options.prefix_cache else None
+        if self.cache is not None and self.cache.host is not None:
+            probe = min(512, options.max_seq_len - 1)
+            vocab = loaded.model.config.vocab_size
+            self.cache.speeds = measure(self.cache.host, lambda n: prefill(loaded.model, random_prompt(
+                vocab, n, device=loaded.device)), loaded.geometry.bytes_per_token, probe)
+            log.info("prefix cache: host tier %s", self.cache.speeds.describe())
         eos = getattr(loaded.model.config, "eos_token_id", None)
         self.eos = frozenset([eos] if isinstance(eos, int) else (eos or []))
         log.info("decode engine: batch <= %d, %d tokens per slot, step %s%s", options.max_batch, options.max_seq_len,
@@ -90,7 +103,7 @@ class DecodeEngine:
                  f", CUDA graphs for batch {','.join(map(str, self.step.buckets))}" if self.step.graphs else ", eager")
 
     def prefill_job(self, token_ids: list[int], lease: Lease, want_digest: bool,
-                    sampling: SamplingParams | None = None) -> Job:
+                    sampling: SamplingParams | None = None, start: int = 0) -> Job:
         """Prefill the prompt into the leased slot; returns LocalPrefill (its first token chosen by `sampling`, at
         position len(token_ids), as the prefill worker chooses it; None: greedy).
 
@@ -107,7 +120,7 @@ class DecodeEngine:
             ids = torch.tensor([token_ids], dtype=torch.long).to(self.m.device)  # (1, seq)
             sync(self.m.device)
             t0, c0 = time.perf_counter(), time.thread_time()
-            cache, start = None, 0
+            cache = past_cache(self.m.model.config, views, start) if start else None
 
             def land(i: int, k: torch.Tensor, v: torch.Tensor) -> None:  # k, v: (1, kv_heads, end, head_dim) so far
                 views[i][0][:, :, start:end].copy_(k[:, :, start:end])
@@ -126,16 +139,17 @@ class DecodeEngine:
         finally:
             lease.release()
 
-    def prefill(self, token_ids: list[int], lease: Lease, want_digest: bool, sampling: SamplingParams | None = None):
+    def prefill(self, token_ids: list[int], lease: Lease, want_digest: bool, sampling: SamplingParams | None = None,
+                start: int = 0):
         """Future -> LocalPrefill, run on the device thread between decode steps; with --mixed-prefill, in them
         (one chunk per step), unless the prompt fits one chunk and nothing decodes: then exactly the prefill
         worker's forward, so a request alone stays bit-identical to a disaggregated one. `sampling` chooses the
-        first token (None: greedy)."""
+        first token (None: greedy). `start`: prompt tokens already in the slot (a reused prefix)."""
         o = self.options
-        if o.mixed_prefill and (len(token_ids) > o.prefill_chunk or self.scheduler.active()):
+        if o.mixed_prefill and (start or len(token_ids) > o.prefill_chunk or self.scheduler.active()):
             ids = torch.tensor(token_ids, dtype=torch.long).to(self.m.device)  # (n,)
-            return self.scheduler.submit_mixed(MixedPrefill(ids, lease, want_digest, sampling=sampling))
-        return self.scheduler.submit(self.prefill_job(token_ids, lease, want_digest, sampling))
+            return self.scheduler.submit_mixed(MixedPrefill(ids, lease, want_digest, sampling=sampling, start=start))
+        return self.scheduler.submit(self.prefill_job(token_ids, lease, want_digest, sampling, start))
 
     def digest(self, slot: int, seq_len: int):
         """Future -> digest of the slot's cache, byte for byte as the transports' cache_digest of the same cache."""
@@ -143,3 +157,14 @@ class DecodeEngine:
 
     def close(self) -> None:
         self.scheduler.close()
+
+
+def past_cache(config, views: list[tuple[torch.Tensor, torch.Tensor]], n: int) -> StreamingCache:
+    """A cache holding the slot's positions 0..n - 1 (views: per layer (k, v), each (1, kv_heads, >= n, head_dim)),
+    for a prefill that continues after them: each layer's update concatenates onto copies, never into the pool."""
+    cache = StreamingCache(config=config)
+    for layer, (k, v) in zip(cache.layers, views):
+        k, v = k[:, :, :n], v[:, :, :n]  # (1, kv_heads, n, head_dim)
+        layer.lazy_initialization(k, v)
+        layer.keys, layer.values = k, v
+    return cache

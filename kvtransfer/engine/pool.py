@@ -10,6 +10,10 @@ A slot is leased, not owned: the request holds it until it ends, and the receive
 while a frame is landing in it, so a request that gives up while its cache is still arriving
 never lets a second request's cache be written over by the late frame.
 
+With a prefix cache (prefix_cache.py, the pool's `keeper`), a slot let go with `lease.keep` set (the tokens
+whose KV it holds) stays cached instead of free, and a lease taken when no slot is free takes back the least
+recently used cached one. `used()` counts leased slots only; cached ones are as good as free.
+
 Layout, one tensor: (layers, 2, slots + 1, kv_heads, max_seq, head_dim). The extra last slot is
 scratch: rows that pad a batch up to its CUDA-graph bucket point there.
 """
@@ -35,6 +39,10 @@ class Lease:
 
     def __init__(self, pool: "KVPool", slot: int):
         self.pool, self.slot, self._holders = pool, slot, 1
+        self.keep = None  # (n,) token ids whose KV the slot holds at positions 0..n - 1: cached when let go
+        self.ready = None  # torch.cuda.Event: copies into (or out of) the slot queued on a copy stream; wait for it
+        # before writing the slot (None: nothing queued)
+        self.reuse = None  # prefix_cache.Reuse: the prompt's prefix already in the slot once `ready` fired
 
     def hold(self) -> None:
         with self.pool._lock:
@@ -49,7 +57,11 @@ class Lease:
             self._holders -= 1
             if self._holders:
                 return
-            self.pool._free.append(self.slot)
+            if self.ready is not None:  # a copy into the slot may still read its source (rare: a request that
+                self.ready.synchronize()  # gave up before waiting for it)
+            keeper = self.pool.keeper
+            if keeper is None or self.keep is None or not keeper.keep(self.slot, self.keep):
+                self.pool._free.append(self.slot)
             listeners = list(self.pool._listeners)
         for wake in listeners:  # outside the lock: a listener may take a slot
             wake()
@@ -68,6 +80,7 @@ class KVPool:
         self._lock = threading.Lock()
         self._free = list(range(slots - 1, -1, -1))  # pop() hands out slot 0 first
         self._listeners: set = set()  # called (on the releasing thread) each time a slot is freed
+        self.keeper = None  # the prefix cache, when there is one (it sets itself here)
         log.info("KV pool: %d slots x %d tokens x %d B/token = %.2f GiB on %s (+1 scratch slot)", slots, max_seq,
                  g.bytes_per_token, self.capacity_bytes / 2**30, device)
 
@@ -76,11 +89,18 @@ class KVPool:
         return self.slots * self.max_seq * self.geometry.bytes_per_token
 
     def used(self) -> int:
+        """Slots leased to requests (cached slots are not)."""
         with self._lock:
-            return self.slots - len(self._free)
+            return self.slots - len(self._free) - (self.keeper.cached_slots_locked() if self.keeper else 0)
 
     def try_lease(self) -> Lease:
+        """A free slot, else (with a prefix cache) a cached one taken back; raises PoolFull."""
         with self._lock:
+            if self.keeper is not None:
+                slot, ready = self.keeper.take_slot()
+                lease = Lease(self, slot)
+                lease.ready = ready
+                return lease
             if not self._free:
                 raise PoolFull()
             return Lease(self, self._free.pop())

@@ -46,6 +46,18 @@ class Metrics:
         self.peer_up = Gauge("kvt_peer_up", "a pair's servers only: 1 while the peer is paired and its data plane "
                              "is up", registry=r)
         self._peer_up_exported = True
+        self.cached_slots = Gauge("kvt_prefix_cached_slots", "decode: free pool slots holding a finished request's "
+                                  "KV for reuse", registry=r)
+        self.host_cache_bytes = Gauge("kvt_prefix_host_bytes", "decode: host-tier bytes holding evicted contexts",
+                                      registry=r)
+        self.prefix_hits = Counter("kvt_prefix_hits", "decode: requests that reused a cached prefix, by tier",
+                                   ["tier"], registry=r)
+        self.prefix_tokens = Counter("kvt_prefix_reused_tokens", "decode: prompt tokens not prefilled (their KV "
+                                     "was cached), by tier", ["tier"], registry=r)
+        self.reload_bytes = Counter("kvt_prefix_reload_bytes", "decode: KV bytes copied back from the host tier",
+                                    registry=r)
+        self.host_decisions = Counter("kvt_prefix_host_decisions", "decode: host-tier hits by the break-even "
+                                      "rule's choice", ["decision"], registry=r)
         self.pool_slots = Gauge("kvt_kv_pool_slots_used", "decode: KV pool slots held by requests", registry=r)
         self.running = Gauge("kvt_decode_running", "decode: sequences in the running batch (or joining it)",
                              registry=r)

@@ -1,0 +1,224 @@
+"""The decode worker's prefix cache: a finished request's KV stays in its pool slot until the slot is needed,
+and a later prompt that starts with it prefills only the rest.
+
+Why in the pool's slots: a conversation's next turn is its last prompt, the answer and new text, and the slot
+that decoded the answer already holds the KV of all but the answer's last token. Keeping it costs nothing
+while slots are free; a slot is taken back (least recently used first) only when a request needs one.
+
+How a prompt takes a cached prefix (`acquire`, under the pool's lock, so two requests never take one slot):
+- the index (prefix_index.py) proposes the entries sharing the most whole blocks with the prompt, and each is
+  checked token for token; the reused length L is the verified common prefix, at most the prompt's length
+  less one (the last prompt token is always prefilled: its logits choose the first token);
+- a device entry wholly inside the prompt is claimed: its slot becomes the request's, nothing is copied;
+- a device entry longer than what the prompt shares (a shared system prompt, a branch) stays cached, and its
+  first L tokens are copied into a fresh slot with one device copy;
+- a host-tier entry (host_tier.py, --host-cache-gib) is copied back into a fresh slot when the break-even rule
+  (reload_rule.py, speeds measured at start) says a reload beats recomputing its L tokens;
+- a slot taken back from the cache goes to the host tier first when there is one (its copy queued before the
+  slot is handed on).
+All copies run on one copy stream; the lease's `ready` event follows the last of them, and its holder waits for
+it on the host before it writes the slot (decode_server waits before prefilling). The rest of the prompt is
+then prefilled after the reused positions (the chunk-after-past attention of chunked prefill).
+
+What it equals: a reused prefix's KV was made by another forward (a decode step's rows, or another prompt's
+prefill), so a request served from it equals the same request from scratch within chunked prefill's tolerance,
+not bit for bit. A cached context is only the tokens whose KV a delivered step wrote: the prompt and every
+generated token but the last.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvtransfer.engine.host_tier import HostEntry, HostTier
+from kvtransfer.engine.pool import KVPool, Lease, PoolFull
+from kvtransfer.engine.prefix_index import BLOCK_TOKENS, Entry, PrefixIndex
+from kvtransfer.engine.reload_rule import Speeds
+
+log = logging.getLogger("kvtransfer.decode.prefix_cache")
+
+DEVICE, HOST = "device", "host"
+
+
+@dataclass(frozen=True)
+class Reuse:
+    """What a request's slot holds of its prompt once the lease's `ready` event has fired."""
+
+    tier: str  # DEVICE or HOST
+    length: int  # prompt tokens 0..length - 1 are in the slot: prefill the rest
+    how: str  # "claimed" (the cached slot itself), "copied" (on the device) or "reloaded" (from the host tier)
+    bytes: int  # KV bytes copied for it (0 when claimed)
+
+
+@dataclass
+class Stats:
+    """Counts since start (the server exports them)."""
+
+    evicted_device: int = 0  # cached slots taken back for a request
+    evicted_host: int = 0  # host-tier entries dropped for room
+    stored_bytes: int = 0  # copied out to the host tier
+    host_recomputed: int = 0  # host hits the break-even rule sent to recompute
+
+
+class PrefixCache:
+    def __init__(self, pool: KVPool, host_gib: float = 0.0, block: int = BLOCK_TOKENS):
+        self.pool, self.geometry = pool, pool.geometry
+        self.index = PrefixIndex(block)
+        cuda = pool.device.type == "cuda"
+        self.stream = torch.cuda.Stream(pool.device) if cuda else None  # every copy in or out of a cached slot
+        self.host = HostTier(pool.geometry, pool.device, host_gib, self.stream) if host_gib > 0 else None
+        self._host_entries: dict[int, HostEntry] = {}
+        self._host_ids = iter(range(1, 1 << 62))
+        self.speeds: Speeds | None = None  # the break-even rule's speeds (measured by the engine at start)
+        self.stats = Stats()
+        pool.keeper = self
+
+    @property
+    def block(self) -> int:
+        return self.index.block
+
+    # --- counts (any thread) ---
+
+    def cached_slots(self) -> int:
+        with self.pool._lock:
+            return self.cached_slots_locked()
+
+    def cached_slots_locked(self) -> int:
+        return sum(1 for e in self.index.entries() if e.where[0] == DEVICE)
+
+    def host_bytes(self) -> int:
+        with self.pool._lock:
+            return self.host.used_bytes() if self.host is not None else 0
+
+    # --- the pool's hooks (its lock held) ---
+
+    def keep(self, slot: int, tokens: np.ndarray) -> bool:
+        """A released slot's KV covers `tokens`: cache it (False: too short to match, the slot is freed)."""
+        return self.index.add((DEVICE, slot), tokens) is not None
+
+    def take_slot(self) -> tuple[int, torch.cuda.Event | None]:
+        """A slot for a new lease: a free one, else the least recently used cached one (its context copied to the
+        host tier first, when there is one: the event follows that copy). Raises PoolFull."""
+        if self.pool._free:
+            return self.pool._free.pop(), None
+        e = self.index.oldest(lambda e: e.where[0] == DEVICE)
+        if e is None:
+            raise PoolFull()
+        self.index.remove(e.where)
+        self.stats.evicted_device += 1
+        slot = e.where[1]
+        return slot, self._store(slot, e.tokens) or self._mark()
+
+    def _mark(self) -> torch.cuda.Event | None:
+        """An event after every copy queued so far: a slot taken from the cache is written only after it, so a
+        copy still reading the slot (another request's prefix) is never overwritten under it."""
+        if self.stream is None:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(self.stream)
+        return ev
+
+    def _store(self, slot: int, tokens: np.ndarray) -> torch.cuda.Event | None:
+        if self.host is None or len(tokens) < self.block:
+            return None
+        while (entry := self.host.take(len(tokens))) is None:
+            old = self.index.oldest(lambda e: e.where[0] == HOST)
+            if old is None:  # longer than the whole tier
+                return None
+            self._drop_host(old)
+        hid = next(self._host_ids)
+        self._host_entries[hid] = entry
+        self.index.add((HOST, hid), tokens)
+        self.stats.stored_bytes += len(tokens) * self.geometry.bytes_per_token
+        return self.host.store(self.pool.kv[:, :, slot], entry)
+
+    def _drop_host(self, e: Entry) -> None:
+        self.index.remove(e.where)
+        self.host.give_back(self._host_entries.pop(e.where[1]))
+        self.stats.evicted_host += 1
+
+    # --- requests (the server's thread) ---
+
+    def acquire(self, tokens, reuse: bool = True, max_suffix: int | None = None) -> Lease:
+        """A lease on a slot for the prompt `tokens`, with `lease.reuse` set when a cached prefix was taken (then
+        only tokens[reuse.length:] need a prefill) and `lease.ready` when copies into the slot are queued.
+        `max_suffix`: take a prefix only when at most this many prompt tokens are left to prefill. Raises PoolFull."""
+        arr = np.asarray(tokens, dtype=np.int64)
+        with self.pool._lock:
+            choice = self._choose(arr, max_suffix) if reuse else None
+            if choice is None:
+                slot, ready = self.take_slot()
+                return self._lease(slot, ready, None)
+            m, n = choice
+            e = m.entry
+            if e.where[0] == DEVICE:
+                if m.length < e.length:  # the entry holds more than the prompt shares: copy, keep it for others
+                    e.pins += 1
+                    try:
+                        slot, ready = self.take_slot()
+                    except PoolFull:
+                        slot = None
+                    finally:
+                        e.pins -= 1
+                    if slot is not None:
+                        src = e.where[1]
+                        self.index.touch(e.where)
+                        ready = self._copy(src, slot, n, ready)
+                        return self._lease(slot, ready, Reuse(DEVICE, n, "copied", n * self.geometry.bytes_per_token))
+                self.index.remove(e.where)  # claimed: its slot is the request's now (after copies reading it)
+                return self._lease(e.where[1], self._mark(), Reuse(DEVICE, n, "claimed", 0))
+            e.pins += 1  # a host entry: not dropped while the slot is found
+            try:
+                slot, ready = self.take_slot()
+            finally:
+                e.pins -= 1
+            entry = self._host_entries[e.where[1]]
+            ready = self.host.load(entry, n, self.pool.kv[:, :, slot]) or ready
+            if m.length >= e.length:  # moved back whole: the slot is its copy now (a page given back is only written
+                self._drop_host(e)  # by a later store, after this load on the one copy stream)
+                self.stats.evicted_host -= 1  # not an eviction
+            else:
+                self.index.touch(e.where)
+            return self._lease(slot, ready, Reuse(HOST, n, "reloaded", n * self.geometry.bytes_per_token))
+
+    def _choose(self, arr: np.ndarray, max_suffix: int | None):
+        """The (match, reused length) to take, or None: the longest verified prefix, the device before the host
+        at equal length; a host hit only when the break-even rule says reload."""
+        matches = self.index.match(arr)
+        matches.sort(key=lambda m: (-min(m.length, len(arr) - 1), m.entry.where[0] != DEVICE))
+        for m in matches:
+            n = min(m.length, len(arr) - 1)
+            if n < self.block or (max_suffix is not None and len(arr) - n > max_suffix):
+                return None
+            if m.entry.where[0] == HOST and self.speeds is not None and not self.speeds.reload_pays(n):
+                self.stats.host_recomputed += 1
+                log.debug("host-tier hit of %d tokens: reload %.2f ms > recompute %.2f ms: recomputing", n,
+                          self.speeds.reload_s(n) * 1e3, self.speeds.recompute_s(n) * 1e3)
+                continue
+            if m.entry.where[0] == HOST and self.speeds is not None:
+                log.debug("host-tier hit of %d tokens: reload %.2f ms < recompute %.2f ms: reloading", n,
+                          self.speeds.reload_s(n) * 1e3, self.speeds.recompute_s(n) * 1e3)
+            return m, n
+        return None
+
+    def _copy(self, src: int, dst: int, n: int, after: torch.cuda.Event | None) -> torch.cuda.Event | None:
+        """One device copy of slot src's first n positions into slot dst, on the copy stream (after any store
+        queued out of dst)."""
+        kv = self.pool.kv  # (layers, 2, slots + 1, kv_heads, max_seq, head_dim)
+        if self.stream is None:
+            kv[:, :, dst, :, :n].copy_(kv[:, :, src, :, :n])
+            return None
+        with torch.cuda.stream(self.stream):
+            kv[:, :, dst, :, :n].copy_(kv[:, :, src, :, :n])
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+        return ev
+
+    def _lease(self, slot: int, ready, reuse: Reuse | None) -> Lease:
+        lease = Lease(self.pool, slot)
+        lease.ready, lease.reuse = ready, reuse
+        return lease
