@@ -1,10 +1,12 @@
-"""Bounded soak: 64 concurrent clients with mixed prompt lengths against a tiny pair on CPU.
+"""Bounded soak: 64 concurrent clients holding multi-turn conversations of mixed lengths against a tiny pair on
+CPU, with the prefix cache on and a small host tier, so that turns reuse cached prefixes (claimed, copied and
+reloaded from the host) while other requests evict them.
 
-Checks: no request lost (every one ends OK with the colocated reference's tokens; a
-RESOURCE_EXHAUSTED refusal would be counted apart, and none is expected at 64 clients
-under the default --max-inflight 64), and both servers' resident memory flat within 5%
-between the first and the last part of the run, after a warm-up. The decode worker runs
-all device work on one thread, so throughput is a few tens of requests per second here.
+Checks: no request lost (every one ends OK with the tokens of the same prompt prefilled from scratch, the
+colocated reference's; a RESOURCE_EXHAUSTED refusal would be counted apart, and none is expected at 64 clients
+under the default --max-inflight 64), both servers' resident memory flat within 5% between the first and the
+last part of the run, after a warm-up, and the pool and host tier within their sizes, every slot given back.
+The decode worker runs all device work on one thread, so throughput is a few tens of requests per second here.
 Length: 25 s by default; `KVT_SOAK_SECONDS=600 pytest tests/test_soak.py` for a long one
 (read here only).
 """
@@ -25,7 +27,9 @@ from support.enginekit import engine_generate
 from support.faultkit import Pair, assert_no_leaks, value
 
 CLIENTS = 64
-LENGTHS = [1, 6, 17, 33, 64, 130, 257, 500]
+LENGTHS = [1, 6, 17, 33, 64, 130, 257, 450]
+TURNS, USER = 3, 20  # each conversation: its first prompt, then twice the history + the answer + USER new tokens
+HOST_GIB = 0.002  # 2 MiB of host tier: 2,048 tiny tokens (8 pages), full within the warm-up
 MODES = [pb.MODE_AUTO, pb.MODE_LAYERWISE, pb.MODE_BULK, pb.MODE_COLOCATED]
 
 
@@ -91,13 +95,17 @@ async def clients(addr: str, pool: list, seconds: float) -> dict:
 def test_soak(tmp_path, tiny_fp32, record_property):
     seconds = float(os.environ.get("KVT_SOAK_SECONDS", "25"))
     pool = []
-    for k, n in enumerate(LENGTHS * 3):
+    for k, n in enumerate(LENGTHS * 2):
         ids = random_prompt(512, n, seed=1000 + k).view(-1).tolist()
         new = 2 + k % 5
-        tokens = engine_generate(tiny_fp32, ids, new)[0]
-        pool.append((ids, new, MODES[k % len(MODES)], tokens))
+        for turn in range(TURNS):  # a client sends a conversation's turns in order (its requests run in order)
+            tokens = engine_generate(tiny_fp32, ids, new)[0]
+            pool.append((ids, new, MODES[(k + turn) % len(MODES)], tokens))
+            ids = ids + tokens + random_prompt(512, USER, seed=2000 + 10 * k + turn).view(-1).tolist()
     # a cancelled call's handler may outlive it by a moment: room for that, so no refusal is expected
-    with Pair(tmp_path, "gloo", decode_args=["--max-batch", str(CLIENTS), "--max-inflight", str(2 * CLIENTS)]) as pair:
+    with Pair(tmp_path, "gloo", prefix_cache=True,
+              decode_args=["--max-batch", str(CLIENTS), "--max-inflight", str(2 * CLIENTS),
+                           "--host-cache-gib", str(HOST_GIB)]) as pair:
         pair.start()
         rss = RssSampler({"prefill": pair.prefill.proc.pid, "decode": pair.decode.proc.pid})
         t0 = time.monotonic()
@@ -116,8 +124,13 @@ def test_soak(tmp_path, tiny_fp32, record_property):
         d = pair.metrics("decode")
         assert value(d, "kvt_requests_total", outcome="OK") == stats["ok"] and stats["cancelled"] > 0
         assert_no_leaks(pair)  # includes every KV pool slot given back
+        d = pair.metrics("decode")
+        hits = {t: value(d, "kvt_prefix_hits_total", tier=t) for t in ("device", "host")}
+        assert hits["device"] > 0 and hits["host"] > 0, hits  # both tiers served turns
+        assert 0 < value(d, "kvt_prefix_cached_slots") <= CLIENTS
+        assert 0 < value(d, "kvt_prefix_host_bytes") <= HOST_GIB * 2**30
         figures = {"seconds": seconds, "clients": CLIENTS, "ok": stats["ok"], "cancelled": stats["cancelled"], "rps": round(stats["ok"] / seconds, 1),
                    "p50_ms": round(lat[len(lat) // 2], 1), "p99_ms": round(lat[int(len(lat) * 0.99)], 1),
-                   "rss_change": flat, "rss_mib": {k: round(v / 1024) for k, v in rss.samples[-1][1].items()}}
+                   "rss_change": flat, "prefix_hits": hits, "rss_mib": {k: round(v / 1024) for k, v in rss.samples[-1][1].items()}}
         record_property("soak", figures)
         print(f"SOAK {figures}")

@@ -11,6 +11,7 @@ failed (counted by gRPC status code), duration and request/output/total token th
 the keys of vLLM's result JSON (mean_ttft_ms, p99_itl_ms, request_throughput,
 output_throughput, ...), so a kvtransfer run reads beside a vLLM run. Beside them,
 sustained_output_throughput: the steady state between the opening burst and the tail (`sustained`).
+With `--multi-turn`: conversations whose turns resend their history, prefix cache off then on (serve_multiturn.py).
 Bounded by design: loopback addresses only, at most MAX_PROMPTS prompts, one wall-clock
 budget after which nothing new is sent and requests in flight end at their deadline.
 """
@@ -26,23 +27,19 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import aiohttp
-import grpc
 import numpy as np
 
 from bench.common import Job, Step
-from bench.measure import openai_stream
+from bench.measure import openai_stream, serve_figures
+from bench.measure.serve_doors import grpc_door, http_door
+from bench.measure.serve_figures import by_length, summary, sustained, ttft_and_itl
 from bench.measure.serve_metrics import BatchWatch
-from bench.measure.stats import summarize
 from decode_server.client import MODES
 from kvtransfer.model.spec import load_config
-from kvtransfer.rpc.modes import Mode
-from proto import kvtransfer_pb2 as pb
-from proto import kvtransfer_pb2_grpc as pbg
 
 MAX_PROMPTS = 100_000
 METRICS = ("ttft", "tpot", "itl", "e2el")
-PERCENTILES = (90, 99)
+PERCENTILES = serve_figures.PERCENTILES  # the pNN keys of every metric
 
 
 def is_loopback(addr: str) -> bool:
@@ -144,76 +141,6 @@ def make_prompts(cfg: ServeConfig) -> list[list[int]]:
     return [rng.integers(0, cfg.vocab_size, int(n)).tolist() for n in lens]
 
 
-def ttft_and_itl(done: list[dict]) -> tuple[list[float], list[float]]:
-    """Each request's first-token time, and every gap between two tokens, in s."""
-    return [r["times"][0] for r in done], [b - a for r in done for a, b in zip(r["times"], r["times"][1:])]
-
-
-def by_length(done: list[dict], long_from: int) -> dict:
-    """TTFT and ITL of the short and the long prompts apart: what a long prefill costs the others shows in the
-    short ones' ITL, hidden in a mixed p99."""
-    out = {}
-    for name, rows in (("short", [r for r in done if r["input_len"] < long_from]),
-                       ("long", [r for r in done if r["input_len"] >= long_from])):
-        ttft, itl = ttft_and_itl(rows)
-        out[name] = {"completed": len(rows), **summary(ttft, "ttft"), **summary(itl, "itl")}
-    return out
-
-
-async def one_request(stub, ids: list[int], cfg: ServeConfig, timeout: float, metadata) -> dict:
-    """Token arrival times of one Generate stream, or its failure as a status code name."""
-    req = pb.GenerateRequest(token_ids=ids, max_new_tokens=cfg.output_len, mode=MODES[cfg.mode])
-    out = dict(input_len=len(ids), times=[], code=None, error="", mode="")
-    t0 = out["start"] = time.perf_counter()
-    try:
-        async for msg in stub.Generate(req, timeout=timeout, metadata=metadata):
-            out["times"].append(time.perf_counter() - t0)
-            if msg.HasField("timing"):
-                out["mode"] = Mode.from_proto(msg.timing.mode).value
-    except grpc.aio.AioRpcError as e:
-        out["code"], out["error"] = e.code().name, e.details() or ""
-    if out["code"] is None and len(out["times"]) != cfg.output_len:
-        out["code"] = "INCOMPLETE"
-        out["error"] = f"stream ended after {len(out['times'])} of {cfg.output_len} tokens"
-    return out
-
-
-def summary(xs: list[float], name: str) -> dict:
-    """vLLM's keys: mean/median/std/pNN of one metric, in ms (None when nothing completed)."""
-    s = summarize(xs, scale=1e3, percentiles=PERCENTILES)
-    return {f"{k}_{name}_ms": s[k] for k in ("mean", "median", "std", *(f"p{p}" for p in PERCENTILES))}
-
-
-def grpc_door(cfg: ServeConfig, metadata):
-    """A request function for the gRPC door: send(ids, timeout) -> record; an async context manager."""
-    class Door:
-        async def __aenter__(self):
-            self.channel = grpc.aio.insecure_channel(cfg.addr)
-            stub = pbg.DecodeStub(self.channel)
-            return lambda ids, timeout: one_request(stub, ids, cfg, timeout, metadata)
-
-        async def __aexit__(self, *exc):
-            await self.channel.close()
-    return Door()
-
-
-def http_door(cfg: ServeConfig, metadata):
-    """The same for the OpenAI front (--api): one aiohttp session, unlimited connections (the semaphore limits)."""
-    headers = {k.title(): v for k, v in (metadata or ())}
-
-    class Door:
-        async def __aenter__(self):
-            self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                                 timeout=aiohttp.ClientTimeout(total=None))
-            model = await openai_stream.served_model(self.session, cfg.api.rstrip("/"), headers)
-            return lambda ids, timeout: openai_stream.one_request(self.session, cfg.api.rstrip("/"), model, ids,
-                                                                  cfg.output_len, timeout, headers)
-
-        async def __aexit__(self, *exc):
-            await self.session.close()
-    return Door()
-
-
 async def _run(cfg: ServeConfig, prompts: list[list[int]], step: Step, metadata, watch=None
                ) -> tuple[list[dict], float, list]:
     async with (http_door if cfg.api else grpc_door)(cfg, metadata) as send:
@@ -298,22 +225,6 @@ def run_serve(cfg: ServeConfig, step: Step = lambda _: None, metadata=None) -> d
     return result
 
 
-def sustained(sent: list[dict], concurrency: int) -> dict:
-    """Output tok/s over the run's middle, while every one of `concurrency` clients had a request in flight: from the
-    first re-send (the (c+1)-th send: the first completion, so the opening burst of c prompts at once is behind) to
-    the last send (after it, clients go idle one by one as the prompts run out). A finite run's whole-run figure
-    pays for that opening burst and that tail; this is the steady state between them. None when the window is
-    empty (num_prompts <= concurrency + 1), holds no token (the re-sends all came in one burst: requests that
-    finished in the same step), or there is no concurrency bound."""
-    starts = sorted(r["start"] for r in sent)
-    if not concurrency or len(starts) <= concurrency + 1:
-        return {"sustained_output_throughput": None, "sustained_window_s": None}
-    lo, hi = starts[concurrency], starts[-1]
-    tokens = sum(lo <= r["start"] + t < hi for r in sent if r["code"] is None for t in r["times"])
-    rate = tokens / (hi - lo) if hi > lo and tokens else None
-    return {"sustained_output_throughput": rate, "sustained_window_s": hi - lo}
-
-
 def total_steps(cfg: ServeConfig) -> int:
     return cfg.warmup + cfg.num_prompts
 
@@ -345,6 +256,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--auth-token", help="bearer token, when the server requires one (the API key, with --api)")
     p.add_argument("--auth-token-file")
     p.add_argument("--out", help="write result.json and report.md in this directory")
+    p.add_argument("--multi-turn", action="store_true", help="conversations instead: --num-prompts of them, each "
+                   "turn's prompt the previous prompt + its answer + --user-len new ids; run prefix cache off "
+                   "(skip_prefix_cache, the baseline) then on, compared (bench/runs/serve_multiturn.py)")
+    p.add_argument("--turns", type=int, default=argparse.SUPPRESS,  # absent unless given
+                   help="with --multi-turn: turns per conversation (default 6)")
+    p.add_argument("--user-len", type=int, default=argparse.SUPPRESS,
+                   help="with --multi-turn: new user tokens a later turn adds (default 256)")
 
 
 def config(args: argparse.Namespace) -> ServeConfig:
@@ -364,4 +282,7 @@ def job(args: argparse.Namespace) -> Job:
     except OSError as e:  # a usage error too: the flag names a file that cannot be read
         raise ValueError(str(e)) from None
     meta = (("authorization", f"Bearer {token}"),) if token else None  # kept out of the result
+    if args.multi_turn or "turns" in args or "user_len" in args:  # its own checks and run
+        from bench.runs import serve_multiturn  # here, not at the top: it imports this module
+        return serve_multiturn.job(args, cfg, meta)
     return Job(total_steps(cfg), lambda step: run_serve(cfg, step, meta))

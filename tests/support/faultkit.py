@@ -97,7 +97,11 @@ class Half:
 class Pair:
     """A prefill worker (optionally in a remote namespace) and a decode worker, each with /metrics."""
 
-    def __init__(self, tmp_path, transport="gloo", prefill_args=(), decode_args=(), remote: RemoteHost | None = None):
+    def __init__(self, tmp_path, transport="gloo", prefill_args=(), decode_args=(), remote: RemoteHost | None = None,
+                 prefix_cache: bool = False):
+        """prefix_cache False: the decode worker runs --no-prefix-cache, so every request crosses the link (what
+        the fault tests break); True: its default, the cache on."""
+        decode_args = [*decode_args, *([] if prefix_cache else ["--no-prefix-cache"])]
         p_host = remote.host.addr if remote else "127.0.0.1"
         d_host = remote.local_addr if remote else "127.0.0.1"
         self.addr, self.prefill_addr = f"127.0.0.1:{free_port()}", f"{p_host}:{free_port()}"
@@ -163,13 +167,18 @@ class Pair:
     def metrics(self, side: str) -> dict:
         """{(name, ((label, value), ...)): value} of one server's /metrics."""
         host = self.p_host if side == "prefill" else "127.0.0.1"
-        with urllib.request.urlopen(f"http://{host}:{self.metrics_ports[side]}/metrics", timeout=5) as r:
-            text = r.read().decode()
-        return {(s.name, tuple(sorted(s.labels.items()))): s.value
-                for fam in text_string_to_metric_families(text) for s in fam.samples}
+        return scrape(f"http://{host}:{self.metrics_ports[side]}/metrics")
 
     def wait_line(self, half: Half, text: str, timeout: float = 60) -> None:
         netns.wait_for_line(half.logs[-1], text, [half.proc], timeout)
+
+
+def scrape(url: str) -> dict:
+    """{(name, ((label, value), ...)): value} of a /metrics page."""
+    with urllib.request.urlopen(url, timeout=5) as r:
+        text = r.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
 def value(metrics: dict, name: str, **labels) -> float:

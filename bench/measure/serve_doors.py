@@ -1,0 +1,69 @@
+"""The two front doors `serve` sends its requests through: the decode server's gRPC Generate, and the OpenAI
+front's /v1/completions (`--api URL`, through bench/measure/openai_stream.py).
+
+Why apart from the run (bench/runs/serve.py, whose ServeConfig is the `cfg` here): the run schedules the load (warm-up, arrivals, concurrency, the
+time budget) and is the same for both doors; each door is `send(ids, timeout) -> record`, an async context
+manager that owns its channel or session, and both produce one record shape (input_len, start, token arrival
+times, failure code and message, the mode that ran), so the figures differ only by the door.
+"""
+
+from __future__ import annotations
+
+import time
+
+import aiohttp
+import grpc
+
+from bench.measure import openai_stream
+from decode_server.client import MODES
+from kvtransfer.rpc.modes import Mode
+from proto import kvtransfer_pb2 as pb
+from proto import kvtransfer_pb2_grpc as pbg
+
+
+async def one_request(stub, ids: list[int], cfg, timeout: float, metadata) -> dict:
+    """Token arrival times of one Generate stream, or its failure as a status code name."""
+    req = pb.GenerateRequest(token_ids=ids, max_new_tokens=cfg.output_len, mode=MODES[cfg.mode])
+    out = {"input_len": len(ids), "times": [], "code": None, "error": "", "mode": ""}
+    t0 = out["start"] = time.perf_counter()
+    try:
+        async for msg in stub.Generate(req, timeout=timeout, metadata=metadata):
+            out["times"].append(time.perf_counter() - t0)
+            if msg.HasField("timing"):
+                out["mode"] = Mode.from_proto(msg.timing.mode).value
+    except grpc.aio.AioRpcError as e:
+        out["code"], out["error"] = e.code().name, e.details() or ""
+    if out["code"] is None and len(out["times"]) != cfg.output_len:
+        out["code"] = "INCOMPLETE"
+        out["error"] = f"stream ended after {len(out['times'])} of {cfg.output_len} tokens"
+    return out
+
+
+def grpc_door(cfg, metadata):
+    """A request function for the gRPC door: send(ids, timeout) -> record; an async context manager."""
+    class Door:
+        async def __aenter__(self):
+            self.channel = grpc.aio.insecure_channel(cfg.addr)
+            stub = pbg.DecodeStub(self.channel)
+            return lambda ids, timeout: one_request(stub, ids, cfg, timeout, metadata)
+
+        async def __aexit__(self, *exc):
+            await self.channel.close()
+    return Door()
+
+
+def http_door(cfg, metadata):
+    """The same for the OpenAI front (--api): one aiohttp session, unlimited connections (the semaphore limits)."""
+    headers = {k.title(): v for k, v in (metadata or ())}
+
+    class Door:
+        async def __aenter__(self):
+            self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                                 timeout=aiohttp.ClientTimeout(total=None))
+            model = await openai_stream.served_model(self.session, cfg.api.rstrip("/"), headers)
+            return lambda ids, timeout: openai_stream.one_request(self.session, cfg.api.rstrip("/"), model, ids,
+                                                                  cfg.output_len, timeout, headers)
+
+        async def __aexit__(self, *exc):
+            await self.session.close()
+    return Door()
