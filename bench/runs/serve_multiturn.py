@@ -25,7 +25,7 @@ import grpc
 from bench.common import Job, Step
 from bench.measure.conversations import Load, conversation_rng, first_prompt, one_turn, run_pass, server_info
 from bench.measure.multiturn_stats import BUCKETS, headline, pass_figures
-from bench.runs.serve import MAX_PROMPTS, ServeConfig
+from bench.runs.serve_config import MAX_PROMPTS, ServeConfig
 from decode_server.client import MODES
 from kvtransfer.model.spec import load_config
 from proto import kvtransfer_pb2_grpc as pbg
