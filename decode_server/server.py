@@ -144,6 +144,25 @@ class DecodeService(pbg.DecodeServicer):
                                max_prompt_tokens=c.max_prompt_tokens, eos_token_ids=sorted(self.engine.eos),
                                prefix_block_tokens=self.engine.cache.block if self.engine.cache is not None else 0)
 
+    async def Load(self, request, context):
+        """Running and waiting requests and tokens, and the pool's free slots (a router places requests by it)."""
+        out = pb.LoadResponse()
+        for r in list(self.running.requests):
+            seq = r.seq
+            if seq is not None and not seq.over:
+                out.running_requests += 1
+                out.running_tokens += seq.length
+                out.remaining_tokens += max(seq.remaining, 0)
+            elif r.prompt_tokens:
+                out.waiting_requests += 1
+                out.waiting_tokens += r.prompt_tokens
+        pool, cache = self.engine.pool, self.engine.cache
+        out.free_slots = pool.slots - pool.used()
+        out.cached_slots = cache.cached_slots() if cache is not None else 0
+        out.serving = not (self.failed or self.running.draining) and (
+            self.pairing is None or self.pairing.up or self.config.on_failure == "recompute")
+        return out
+
     async def Generate(self, request, context):
         with self.running.request(context) as r:  # counts the request's one outcome when it ends
             try:
@@ -154,6 +173,7 @@ class DecodeService(pbg.DecodeServicer):
                 await self._validate(request, context)
                 if not self.admit.try_enter():
                     await self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, self.admit.refusal())
+                r.prompt_tokens = len(request.token_ids)
                 try:
                     async with aclosing(self._admitted(request, context, r)) as msgs:
                         async for msg in msgs:

@@ -85,6 +85,30 @@ class GenerateRequest(_message.Message):
     skip_prefix_cache: bool
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ..., return_logits_digest: _Optional[bool] = ..., return_cache_digest: _Optional[bool] = ..., stop_on_eos: _Optional[bool] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., skip_prefix_cache: _Optional[bool] = ...) -> None: ...
 
+class LoadRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LoadResponse(_message.Message):
+    __slots__ = ("running_requests", "running_tokens", "remaining_tokens", "waiting_requests", "waiting_tokens", "free_slots", "cached_slots", "serving")
+    RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REMAINING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FREE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    SERVING_FIELD_NUMBER: _ClassVar[int]
+    running_requests: int
+    running_tokens: int
+    remaining_tokens: int
+    waiting_requests: int
+    waiting_tokens: int
+    free_slots: int
+    cached_slots: int
+    serving: bool
+    def __init__(self, running_requests: _Optional[int] = ..., running_tokens: _Optional[int] = ..., remaining_tokens: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., waiting_tokens: _Optional[int] = ..., free_slots: _Optional[int] = ..., cached_slots: _Optional[int] = ..., serving: _Optional[bool] = ...) -> None: ...
+
 class InfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

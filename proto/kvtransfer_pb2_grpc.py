@@ -45,6 +45,11 @@ class DecodeStub:
                 request_serializer=proto_dot_kvtransfer__pb2.InfoRequest.SerializeToString,
                 response_deserializer=proto_dot_kvtransfer__pb2.InfoResponse.FromString,
                 _registered_method=True)
+        self.Load = channel.unary_unary(
+                '/kvtransfer.v1.Decode/Load',
+                request_serializer=proto_dot_kvtransfer__pb2.LoadRequest.SerializeToString,
+                response_deserializer=proto_dot_kvtransfer__pb2.LoadResponse.FromString,
+                _registered_method=True)
 
 
 class DecodeServicer:
@@ -65,6 +70,13 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Load(self, request, context):
+        """How loaded it is now (a router polls it to place requests on the least loaded worker).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -77,6 +89,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=proto_dot_kvtransfer__pb2.InfoRequest.FromString,
                     response_serializer=proto_dot_kvtransfer__pb2.InfoResponse.SerializeToString,
+            ),
+            'Load': grpc.unary_unary_rpc_method_handler(
+                    servicer.Load,
+                    request_deserializer=proto_dot_kvtransfer__pb2.LoadRequest.FromString,
+                    response_serializer=proto_dot_kvtransfer__pb2.LoadResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -134,6 +151,33 @@ class Decode:
             '/kvtransfer.v1.Decode/Info',
             proto_dot_kvtransfer__pb2.InfoRequest.SerializeToString,
             proto_dot_kvtransfer__pb2.InfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Load(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtransfer.v1.Decode/Load',
+            proto_dot_kvtransfer__pb2.LoadRequest.SerializeToString,
+            proto_dot_kvtransfer__pb2.LoadResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -102,3 +102,15 @@ def test_a_shared_opening_reuses_only_its_blocks(hosted):
     assert got["tokens"] == gen(hosted.addr, q, skip_prefix_cache=True)["tokens"]
     m = scrape(hosted.metrics_url)
     assert value(m, "kvt_kv_pool_slots_used") == 0 and value(m, "kvt_prefix_cached_slots") == 1
+
+
+def test_the_load_report_counts_cached_slots_as_free(hosted):
+    import grpc
+
+    from proto import kvtransfer_pb2 as pb
+    from proto import kvtransfer_pb2_grpc as pbg
+    gen(hosted.addr, user(30, 58))
+    with grpc.insecure_channel(hosted.addr) as ch:
+        load = pbg.DecodeStub(ch).Load(pb.LoadRequest(), timeout=10)
+    assert load.serving and (load.running_requests, load.waiting_requests, load.running_tokens) == (0, 0, 0)
+    assert (load.free_slots, load.cached_slots) == (1, 1)  # one slot, holding the last request's context

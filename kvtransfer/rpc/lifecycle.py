@@ -81,6 +81,7 @@ class Request:
     end_code: grpc.StatusCode | None = None  # ... or with this status and message (a fatal stop: INTERNAL)
     end_message: str = ""
     seq: object = field(default=None)  # the decode side's Sequence, once it runs in the batch
+    prompt_tokens: int = 0  # the decode side's prompt length, once admitted (its load report counts it waiting)
 
     @property
     def task(self) -> asyncio.Task | None:
