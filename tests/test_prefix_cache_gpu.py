@@ -32,9 +32,9 @@ def wait(ev) -> None:
 
 @pytest.fixture(scope="module")
 def eng():
-    model = load_model(ModelSpec("smollm2-135m", "bfloat16", 0), "cuda")
+    model = load_model(ModelSpec("smollm2-135m", "bfloat16", 0), "cuda:0")
     lm = LoadedModel(ModelSpec("smollm2-135m", "bfloat16"), model,
-                     CacheGeometry.from_config(model.config, torch.bfloat16), torch.device("cuda"))
+                     CacheGeometry.from_config(model.config, torch.bfloat16), torch.device("cuda:0"))
     e = DecodeEngine(lm, EngineOptions(max_batch=2, max_seq_len=2048, prefill_chunk=256, mixed_prefill=True,
                                        prefix_cache=True, host_cache_gib=0.25))
     yield e

@@ -18,10 +18,10 @@ else
     > $OUT/r/$name.decode.log 2>&1 & pids+=($!)
 fi
 t0=$(date +%s)
-python3 -c "from bench.measure.launch import wait_serving; wait_serving('$d', [], timeout=240)" \
+python3 -c "from bench.measure.launch import wait_serving; wait_serving('$d', [], timeout=200)" \
   || { echo "$name: never SERVING"; tail -20 $OUT/r/$name.*.log; }
 echo "$name: SERVING after $(( $(date +%s) - t0 )) s; $(grep -h 'engine defaults\|prefix cache:' $OUT/r/$name.decode.log | sed 's/.*INFO //' | tr '\n' ' ')"
-timeout 360 python3 -m bench.cli serve --multi-turn --addr $d --model qwen2.5-7b --num-prompts 64 --turns 6 \
+timeout 300 python3 -m bench.cli serve --multi-turn --addr $d --model qwen2.5-7b --num-prompts 64 --turns 6 \
   --input-len 2048 --user-len 256 --output-len 128 --concurrency 32 --warmup 2 --timeout 300 --out $OUT/r/$name \
   > $OUT/r/$name.bench.log 2>&1
 echo "$name: bench rc $?"
