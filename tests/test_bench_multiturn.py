@@ -242,6 +242,6 @@ def test_turns_without_multi_turn_is_a_usage_error(capsys):
 
 
 def test_length_buckets():
-    assert [length_bucket(n) for n in (0, 1023, 1024, 2047, 2048, 8191, 8192, 32767, 32768, 10**6)] == [
-        "<1k", "<1k", "1-2k", "1-2k", "2-4k", "4-8k", "8-16k", "16-32k", "32k+", "32k+"]
-    assert BUCKETS == ("<1k", "1-2k", "2-4k", "4-8k", "8-16k", "16-32k", "32k+")
+    assert [length_bucket(n) for n in (0, 1023, 1024, 2047, 2048, 3072, 4095, 8191, 8192, 32767, 32768, 10**6)] == [
+        "<1k", "<1k", "1-2k", "1-2k", "2-3k", "3-4k", "3-4k", "6-8k", "8-16k", "16-32k", "32k+", "32k+"]
+    assert BUCKETS == ("<1k", "1-2k", "2-3k", "3-4k", "4-6k", "6-8k", "8-16k", "16-32k", "32k+")

@@ -16,7 +16,7 @@ from collections import Counter
 from bench.measure.serve_figures import summary
 from bench.measure.stats import median
 
-LENGTH_EDGES = (1024, 2048, 4096, 8192, 16384, 32768)  # prompt tokens: the columns <1k, 1-2k, ..., 16-32k, 32k+
+LENGTH_EDGES = (1024, 2048, 3072, 4096, 6144, 8192, 16384, 32768)  # prompt tokens: columns <1k, 1-2k, .. 32k+
 TIERS = ("device", "host", "none")  # conversations.tier_name of CacheTier DEVICE, HOST, NONE
 
 
