@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("kvtransfer", "decode_server", "prefill_server", "api_server", "bench", "proto")
+PACKAGES = ("kvtransfer", "decode_server", "prefill_server", "api_server", "router", "bench", "proto")
 RPC = ("grpc", "grpc_health", "grpc_reflection", "google.protobuf", "proto")
 HTTP = ("fastapi", "starlette", "uvicorn", "aiohttp", "httpx")
 
@@ -93,7 +93,7 @@ def g():
 # (docs/architecture.md, "Folder layout"). Rooms of one rank do not import each other (rules below).
 RANKS = [(0, ("kvtransfer.geometry", "kvtransfer.determinism", "proto")), (1, ("kvtransfer.kernels",)),
          (2, ("kvtransfer.model",)), (3, ("kvtransfer.rpc",)), (4, ("kvtransfer.transport", "kvtransfer.engine")),
-         (5, ("prefill_server", "decode_server", "api_server")), (6, ("bench",))]
+         (5, ("prefill_server", "decode_server", "api_server", "router")), (6, ("bench",))]
 
 
 def rank(module: str) -> int | None:
@@ -141,6 +141,19 @@ API_BANNED = ("decode_server", "prefill_server", "bench", "kvtransfer.engine", "
 
 def test_the_http_front_speaks_to_the_decode_server_over_grpc_only(g):
     assert violations(g, ("api_server",), API_BANNED) == []
+
+
+# The router (docs/router.md) is a front too: gRPC to the decode workers, and of the engine only the prefix index's
+# block keys (numpy and hashlib), so a prompt's cached prefix is named by the keys the workers use.
+ROUTER_BANNED = ("decode_server", "prefill_server", "api_server", "bench", "kvtransfer.model",
+                 "kvtransfer.transport", "kvtransfer.kernels", "kvtransfer.rpc.main", "torch", "transformers")
+
+
+def test_the_router_speaks_to_the_workers_over_grpc_only(g):
+    assert violations(g, ("router",), ROUTER_BANNED) == []
+    engine = {d for m in g if _within(m, "router") for d in reach(g, m) if _within(d, "kvtransfer.engine")}
+    assert engine <= {"kvtransfer.engine", "kvtransfer.engine.prefix_index"}, engine
+    assert violations(g, ("decode_server", "prefill_server", "api_server", "kvtransfer"), ("router",)) == []
 
 
 def test_nothing_imports_the_bench_command_line(g):
@@ -214,3 +227,6 @@ def test_the_checks_see_a_planted_import():
     g = graph()
     g["api_server.config"] = g["api_server.config"] | {"kvtransfer.rpc.main"}  # which imports torch
     assert violations(g, ("api_server",), API_BANNED) != []
+    g = graph()
+    g["router.placement"] = g["router.placement"] | {"kvtransfer.engine.scheduler"}  # torch, through the engine
+    assert violations(g, ("router",), ROUTER_BANNED) != []

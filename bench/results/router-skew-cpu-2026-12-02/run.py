@@ -2,8 +2,9 @@
 
 Two colocated `tiny` decode workers (float32, prefix cache off), one kvtransfer-router of each policy in front of
 them; the skewed burst of bench/measure/router_skew.py (4 requests generating 300 tokens on alternating arrival
-positions among 28 generating 4, 32-token prompts) goes through each router in turn, --repeats times, while both
-workers' Load.running_tokens is sampled every 20 ms. Writes result.json beside this file (or --out) and prints it.
+positions among 28 generating 4, 200-token prompts) goes through each router in turn, --repeats times, while both
+workers' Load (running and remaining tokens) is sampled every 20 ms. Writes result.json beside this file (or
+--out) and prints it.
 
     .venv/bin/python bench/results/router-skew-cpu-2026-12-02/run.py
 """
@@ -36,6 +37,7 @@ from bench.measure.router_skew import (  # noqa: E402
 )
 
 POLICIES = ("round_robin", "least_loaded")
+FIGURES = ("running_tokens", "footprint_tokens")
 
 
 def main() -> int:
@@ -69,12 +71,14 @@ def main() -> int:
                 print(policy, json.dumps(runs[policy][-1]), flush=True)
     finally:
         stop(procs)
-    summary = {p: {k: round(statistics.median(r["figures"][k] for r in rs), 3)
-                   for k in ("median", "mean", "within_tolerance")} for p, rs in runs.items()}
+    summary = {p: {fig: {k: round(statistics.median(r["figures"][fig][k] for r in rs), 3)
+                         for k in ("median", "mean", "within_tolerance")} for fig in FIGURES}
+               for p, rs in runs.items()}
     result = {
         "what": "two colocated tiny decode workers behind kvtransfer-router; per 20 ms sample while either runs, "
-                "|a - b| / mean(a, b) of the workers' Load.running_tokens; per run its median, mean, 90th percentile "
-                f"and the share of samples within {TOLERANCE}; summary: the median over runs of each",
+                "|a - b| / mean(a, b) of the workers' Load.running_tokens (running_tokens) and of running_tokens + "
+                "remaining_tokens (footprint_tokens); per run its median, mean, 90th percentile and the share of "
+                f"samples within {TOLERANCE}; summary: the median over the runs of each",
         "workload": {"longs": LONGS, "long_new_tokens": LONG_NEW, "shorts": SHORTS, "short_new_tokens": SHORT_NEW,
                      "prompt_tokens": PROMPT, "long_positions": "0, 2, 4, 6 of the arrival order, 5 ms apart"},
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
@@ -82,7 +86,8 @@ def main() -> int:
         "tolerance": TOLERANCE,
         "summary": summary,
         "runs": runs,
-        "ok": summary["least_loaded"]["median"] <= TOLERANCE < summary["round_robin"]["median"],
+        "ok": all(summary["least_loaded"][f]["median"] <= TOLERANCE < summary["round_robin"][f]["median"]
+                  for f in FIGURES),
     }
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

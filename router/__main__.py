@@ -1,0 +1,98 @@
+"""`kvtransfer-router`: serve the Decode service in front of several decode workers (docs/router.md).
+
+Why not kvtransfer.rpc.main's run_main: that frame imports torch (for the device thread the workers need), and the
+router must stay a light process that never loads torch, a model or the engine (tests/test_layout.py checks it),
+so it would not compete with a worker for the GIL or the memory. The frame here is the same otherwise: flags ->
+config (one line and exit 2 on a bad one), logging, one uvloop loop, SIGTERM/SIGINT -> a graceful stop and exit 0,
+a setting that only shows at start-up (a port in use, a token file) -> one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+
+from grpc_health.v1 import health_pb2
+
+from kvtransfer.rpc.lifecycle import Stop, shut_down
+from kvtransfer.rpc.security import ClientSecurity, resolve_token
+from kvtransfer.rpc.server import build_server, new_health
+from kvtransfer.rpc.stacks import enable_stack_dumps
+from proto import kvtransfer_pb2 as pb
+from router.affinity import Affinity
+from router.config import RouterConfig, from_args
+from router.metrics import RouterMetrics
+from router.placement import Placement
+from router.server import RouterService
+from router.workers import WorkerSet
+
+log = logging.getLogger("kvtransfer.router")
+
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+DECODE_SERVICE = pb.DESCRIPTOR.services_by_name["Decode"].full_name
+
+
+async def serve(config: RouterConfig) -> None:
+    stop = Stop()
+    token = resolve_token(config.auth_token, config.auth_token_file)
+    security = ClientSecurity(auth_token=resolve_token(config.worker_auth_token, config.worker_auth_token_file,
+                                                       "--worker-auth-token-file"))
+    metrics = RouterMetrics()
+    if config.metrics_port:
+        log.info("metrics on http://%s:%d/metrics", config.metrics_addr,
+                 metrics.serve(config.metrics_port, config.metrics_addr))
+    workers = WorkerSet(config.worker, security, config.max_message_bytes, config.load_poll_s,
+                        config.load_timeout_s, metrics)
+    affinity = Affinity(config.affinity_max_keys) if config.prefix_affinity else None
+    placement = Placement(workers, config.policy, metrics, affinity, config.affinity_slack_tokens)
+    service = RouterService(workers, placement, metrics, security, config.request_timeout_s)
+    health = new_health()
+    server, port, service.health = build_server(pb.DESCRIPTOR.services_by_name["Decode"], service, config.listen,
+                                                config.max_message_bytes, token, None, health)
+
+    async def follow_workers() -> None:  # SERVING while at least one worker is healthy
+        status = SERVING if workers.healthy() and not stop.event.is_set() else NOT_SERVING
+        for name in ("", DECODE_SERVICE):
+            await health.set(name, status)
+        if status == NOT_SERVING and not stop.event.is_set():
+            log.warning("no healthy worker: NOT_SERVING (%s)", workers.describe())
+
+    await follow_workers()
+    workers.on_change = follow_workers
+    workers.open()
+    workers.start()
+    await server.start()
+    log.info("router on port %d over %s (%s), policy %s%s", port,
+             f"{len(config.worker)} decode worker{'s' if len(config.worker) > 1 else ''}", ", ".join(config.worker),
+             config.policy, ", token required" if token else "")
+    await stop.event.wait()
+    await shut_down(server, health, service.running, stop, config.shutdown_grace_s, log, "router")
+    await workers.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = from_args(argv)
+    enable_stack_dumps()  # kill -USR1 PID: every thread's stack in the log
+    logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    log.info("config %s", config.one_line())
+    try:
+        import uvloop
+        loop = uvloop.new_event_loop()
+    except ImportError:  # pragma: no cover - uvloop is a declared dependency
+        loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    code = 0
+    try:
+        loop.run_until_complete(serve(config))
+    except KeyboardInterrupt:
+        pass
+    except ValueError as e:
+        log.error("cannot start: %s", e)
+        code = 2
+    logging.shutdown()
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,369 @@
+"""kvtransfer-router (issue #28, part 3) in real processes on CPU: two colocated `tiny` decode workers behind the
+router, driven by many clients at once.
+
+What each test shows: a 64-client load answered with the tokens the engine makes alone, spread over both workers,
+every response naming its worker; bad input coming back as the worker said it, not retried; no healthy worker
+refused at once; the OpenAI front working over the router; a skewed load (a few long generations among many
+short ones) kept within +-25 % by least_loaded where round robin stacks it (figures printed, and written as JSON);
+a worker killed mid-load failing only its own streams (the ones not started yet retried elsewhere), nothing
+hanging, the worker rejoining after its restart; a conversation's next turn sent back to the worker whose prefix
+cache holds it, unless that worker is too loaded.
+
+Why one fleet for most tests: each process start costs seconds of a shared CPU; the workers (prefix cache off, so
+every answer is the engine's alone) and the least_loaded router are started once per module, and the kill test,
+which restarts a worker, runs last of those that use them. The affinity test starts its own workers (prefix cache
+on). Every call has a deadline; waits poll with one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from bench.measure.launch import free_port, stop, wait_serving
+from bench.measure.router_skew import TOLERANCE, run_skew, until_idle
+from proto import kvtransfer_pb2 as pb
+from proto import kvtransfer_pb2_grpc as pbg
+from support.apifront import api_front, request
+from support.enginekit import engine_generate
+from support.faultkit import Half, scrape
+
+S = grpc.StatusCode
+KEY = "kvt-worker"
+DEADLINE_S = 30.0
+START_S = 120.0
+WORKER_ARGS = ["--colocated", "--model", "tiny", "--dtype", "float32", "--log-level", "INFO", "--max-inflight", "128"]
+SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+@dataclass
+class Fleet:
+    workers: list[Half]
+    addrs: list[str]
+    router: Half
+    router_addr: str
+    metrics_port: int
+
+    def log_text(self, tail: int = 3000) -> str:
+        return "\n".join(f"--- {h.logs[-1]}\n{h.log_text()[-tail:]}" for h in [*self.workers, self.router])
+
+    def metrics(self) -> dict:
+        return scrape(f"http://127.0.0.1:{self.metrics_port}/metrics")
+
+
+def worker(log_dir, prefix_cache: bool = False) -> tuple[Half, str]:
+    addr = f"127.0.0.1:{free_port()}"
+    h = Half("decode_server", [*WORKER_ARGS, "--listen", addr, *([] if prefix_cache else ["--no-prefix-cache"])],
+             str(log_dir))
+    h.start()
+    return h, addr
+
+
+def router(log_dir, workers: list[str], *args) -> tuple[Half, str, int]:
+    addr, mport = f"127.0.0.1:{free_port()}", free_port()
+    h = Half("router", ["--listen", addr, "--metrics-port", str(mport), "--log-level", "INFO",
+                        *[a for w in workers for a in ("--worker", w)], *args], str(log_dir))
+    h.start()
+    return h, addr, mport
+
+
+def total(m: dict, name: str, **labels) -> float:
+    """The sum of `name`'s samples whose labels include `labels`."""
+    return sum(v for (n, ls), v in m.items() if n == name and set(labels.items()) <= set(ls))
+
+
+def health(addr: str) -> int | None:
+    try:
+        with grpc.insecure_channel(addr) as ch:
+            return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2).status
+    except grpc.RpcError:
+        return None
+
+
+@dataclass
+class Outcome:
+    tokens: list[int]
+    code: grpc.StatusCode
+    details: str
+    initial: str | None  # kvt-worker, initial metadata
+    trailing: str | None  # kvt-worker, trailing metadata
+    seconds: float
+    timing: pb.Timing | None
+
+
+async def call(stub, ids: list[int], n: int, timeout: float = DEADLINE_S) -> Outcome:
+    t0 = time.monotonic()
+    c = stub.Generate(pb.GenerateRequest(token_ids=ids, max_new_tokens=n), timeout=timeout)
+    tokens, timing, code, details = [], None, S.OK, ""
+    try:
+        async for m in c:
+            tokens.append(m.token_id)
+            if m.HasField("timing"):
+                timing = m.timing
+    except grpc.aio.AioRpcError as e:
+        code, details = e.code(), e.details()
+    initial = dict(await c.initial_metadata() or ()).get(KEY)
+    trailing = dict(await c.trailing_metadata() or ()).get(KEY)
+    return Outcome(tokens, code, details, initial, trailing, time.monotonic() - t0, timing)
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 512) for _ in range(length)]
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("router")
+    halves, addrs = zip(*[worker(log_dir) for _ in range(2)], strict=True)
+    r, raddr, mport = router(log_dir, list(addrs))
+    f = Fleet(list(halves), list(addrs), r, raddr, mport)
+    try:
+        for h, a in zip(halves, addrs, strict=True):
+            wait_serving(a, [h.proc], START_S)
+        wait_serving(raddr, [r.proc], 30)
+        yield f
+    except Exception as e:
+        raise RuntimeError(f"{e}\n{f.log_text()}") from e
+    finally:
+        stop([h.proc for h in [*f.workers, f.router]])
+
+
+@pytest.fixture(scope="module")
+def pool(tiny_fp32) -> list[tuple[list[int], int, list[int]]]:
+    """32 (prompt, max_new_tokens, the engine's tokens for it alone), prompts of 8..132 tokens."""
+    out = []
+    for i in range(32):
+        ids, n = prompt(100 + i, 8 + 4 * i), 4 + i % 13
+        out.append((ids, n, engine_generate(tiny_fp32, ids, n)[0]))
+    return out
+
+
+def test_a_64_client_load_is_spread_and_every_answer_is_right_and_named(fleet, pool):
+    async def load():
+        async with grpc.aio.insecure_channel(fleet.router_addr) as ch:
+            stub = pbg.DecodeStub(ch)
+
+            async def client(c: int) -> list[tuple[Outcome, list[int]]]:
+                got = []
+                for k in range(2):
+                    ids, n, want = pool[(2 * c + k) % len(pool)]
+                    got.append((await call(stub, ids, n), want))
+                return got
+            got = [x for xs in await asyncio.gather(*[client(c) for c in range(64)]) for x in xs]
+            return got, await stub.Load(pb.LoadRequest(), timeout=5), await stub.Info(pb.InfoRequest(), timeout=5)
+
+    got, load, info = asyncio.run(load())
+    bad = [(o.code.name, o.details) for o, want in got if o.code != S.OK or o.tokens != want]
+    assert not bad, f"{len(bad)} of {len(got)} wrong, e.g. {bad[:3]}\n{fleet.log_text()}"
+    assert all(o.initial == o.trailing and o.initial in fleet.addrs for o, _ in got), {o.initial for o, _ in got}
+    per_worker = {a: sum(o.initial == a for o, _ in got) for a in fleet.addrs}
+    assert min(per_worker.values()) >= 32, per_worker  # both workers served a fair share of the 128
+    m = fleet.metrics()
+    assert {a: total(m, "kvt_router_routed_total", worker=a) for a in fleet.addrs} == per_worker
+    assert total(m, "kvt_router_failed_total") == 0 and total(m, "kvt_router_requests_total", outcome="OK") >= 128
+    assert load.serving and info.model == "tiny" and info.vocab_size == 512 and info.prefix_block_tokens == 0
+
+
+def test_bad_input_comes_back_as_the_worker_said_it_and_is_not_retried(fleet):
+    req = pb.GenerateRequest(token_ids=[5, 6, 10**6], max_new_tokens=3)
+
+    async def both():
+        async with grpc.aio.insecure_channel(fleet.addrs[0]) as w, grpc.aio.insecure_channel(fleet.router_addr) as r:
+            direct = await call(pbg.DecodeStub(w), list(req.token_ids), 3)
+            return direct, await call(pbg.DecodeStub(r), list(req.token_ids), 3)
+
+    before = fleet.metrics()
+    direct, routed = asyncio.run(both())
+    after = fleet.metrics()
+    assert direct.code == S.INVALID_ARGUMENT and "outside the vocabulary" in direct.details
+    assert (routed.code, routed.details) == (direct.code, direct.details)
+    assert routed.trailing in fleet.addrs and routed.initial is None and routed.tokens == []
+    for name in ("kvt_router_routed_total", "kvt_router_failed_total"):  # one attempt, on one worker
+        assert total(after, name) - total(before, name) == 1, name
+    assert total(after, "kvt_router_retried_total") == total(before, "kvt_router_retried_total")
+
+
+def test_no_healthy_worker_is_refused_at_once_saying_so(tmp_path):
+    dead = f"127.0.0.1:{free_port()}"  # nothing listens there
+    r, addr, _ = router(tmp_path, [dead])
+    try:
+        deadline = time.monotonic() + 30
+        while health(addr) is None and time.monotonic() < deadline:
+            assert r.proc.poll() is None, r.log_text()
+            time.sleep(0.1)
+        assert health(addr) == health_pb2.HealthCheckResponse.NOT_SERVING
+
+        async def one():
+            async with grpc.aio.insecure_channel(addr) as ch:
+                return await call(pbg.DecodeStub(ch), [1, 2, 3], 2, timeout=10)
+        got = asyncio.run(one())
+        assert got.code == S.UNAVAILABLE and "no healthy decode worker" in got.details and dead in got.details
+        assert got.seconds < 5
+    finally:
+        stop([r.proc])
+
+
+def test_the_openai_front_works_over_the_router(fleet, pool, tmp_path):
+    ids, n, want = pool[3]
+    with api_front(str(tmp_path / "api.log"), fleet.router_addr) as url:
+        status, body = request("POST", f"{url}/v1/completions", {
+            "model": "tiny", "prompt": ids, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}, timeout=60)
+    assert status == 200, body
+    assert body["choices"][0]["token_ids"] == want
+
+
+def test_a_skewed_load_stays_balanced_with_least_loaded_where_round_robin_stacks_it(fleet, tmp_path,
+                                                                                    record_property):
+    rr, rr_addr, _ = router(tmp_path, fleet.addrs, "--policy", "round_robin")
+    try:
+        wait_serving(rr_addr, [rr.proc], 30)
+        runs = {}
+        for name, addr in (("round_robin", rr_addr), ("least_loaded", fleet.router_addr)):
+            asyncio.run(until_idle(addr))
+            runs[name] = asyncio.run(run_skew(addr, fleet.addrs))
+    finally:
+        stop([rr.proc])
+    figures = {name: {"figures": r["figures"], "placed": r["placed"], "seconds": r["seconds"]}
+               for name, r in runs.items()}
+    (tmp_path / "router-skew.json").write_text(json.dumps(figures, indent=1))
+    record_property("router_skew", figures)
+    print(f"ROUTER_SKEW {json.dumps(figures)}")
+    for name, r in runs.items():
+        assert r["codes"] == ["OK"], (name, r["codes"])
+    rr, ll = runs["round_robin"]["figures"], runs["least_loaded"]["figures"]
+    assert sorted(p["long"] for p in runs["least_loaded"]["placed"].values()) == [2, 2], figures
+    # what placement decides: within +-25 % with least_loaded, far outside with round robin
+    assert ll["footprint_tokens"]["median"] <= TOLERANCE < 2 * TOLERANCE < rr["footprint_tokens"]["median"], figures
+    # the KV held now also grows at each worker's speed, which a loaded CI machine makes unequal (a worker sharing
+    # its core with another test's servers): a looser bound here; the committed idle-machine run holds it to
+    # +-25 % (bench/results/router-skew-cpu-2026-12-02)
+    assert ll["running_tokens"]["median"] <= 2 * TOLERANCE < 4 * TOLERANCE < rr["running_tokens"]["median"], figures
+
+
+def test_a_killed_worker_fails_only_its_own_streams_nothing_hangs_and_it_rejoins(fleet, pool):
+    victim, vaddr = fleet.workers[1], fleet.addrs[1]
+    before = fleet.metrics()
+    served_after_kill = []
+
+    async def load():
+        results: list[tuple[Outcome, list[int]]] = []
+        killed = asyncio.Event()
+        end = [float("inf")]
+        async with grpc.aio.insecure_channel(fleet.router_addr) as ch, grpc.aio.insecure_channel(vaddr) as vch:
+            stub = pbg.DecodeStub(ch)
+
+            async def client(c: int) -> None:
+                i = c
+                while time.monotonic() < end[0]:
+                    ids, n, want = pool[i % len(pool)]
+                    i += 7
+                    results.append((await call(stub, ids, n), want))
+
+            async def killer() -> None:
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline:  # the victim holds running streams and waiting requests
+                    load = await pbg.DecodeStub(vch).Load(pb.LoadRequest(), timeout=5)
+                    if load.running_requests >= 4 and load.waiting_requests >= 1:
+                        break
+                    await asyncio.sleep(0.02)
+                await asyncio.to_thread(victim.kill)
+                killed.set()
+                end[0] = time.monotonic() + 2.0
+                served_after_kill.append(await asyncio.to_thread(health, fleet.router_addr))
+            await asyncio.gather(killer(), *[client(c) for c in range(64)])
+        return results
+
+    results = asyncio.run(load())
+    fails = [o for o, _ in results if o.code != S.OK]
+    oks = [(o, want) for o, want in results if o.code == S.OK]
+    assert not [o for o in results if o[0].seconds >= DEADLINE_S - 1 or o[0].code == S.DEADLINE_EXCEEDED]  # no hang
+    wrong = [o.tokens for o, want in oks if o.tokens != want]
+    assert not wrong, f"{len(wrong)} wrong answers\n{fleet.log_text()}"
+    assert all(o.initial == o.trailing and o.initial in fleet.addrs for o, _ in oks)
+    # only streams the victim had started fail, each saying which worker failed; nothing failed before a token
+    # (those were retried on the survivor)
+    odd = [(o.code.name, o.details, o.initial, len(o.tokens)) for o in fails
+           if not (o.code == S.UNAVAILABLE and o.initial == o.trailing == vaddr and o.tokens
+                   and f"decode worker {vaddr} failed after {len(o.tokens)} tokens" in o.details)]
+    assert not odd, f"{odd[:5]}\n{fleet.log_text()}"
+    after = fleet.metrics()
+    retried = total(after, "kvt_router_retried_total", worker=vaddr) - total(before, "kvt_router_retried_total",
+                                                                              worker=vaddr)
+    assert fails and retried >= 1, (len(fails), retried)  # the kill caught streams and waiting requests
+    assert served_after_kill == [SERVING] and health(fleet.router_addr) == SERVING
+    assert total(after, "kvt_router_worker_up", worker=vaddr) == 0
+
+    victim.start()  # the same address
+    wait_serving(vaddr, [victim.proc], START_S)
+    t_up = time.monotonic()
+
+    async def until_routed_to_victim() -> float:
+        async with grpc.aio.insecure_channel(fleet.router_addr) as ch:
+            stub = pbg.DecodeStub(ch)
+            while time.monotonic() - t_up < 10:
+                got = await call(stub, [7, 8, 9], 2, timeout=10)
+                assert got.code == S.OK, got
+                if got.initial == vaddr:
+                    return time.monotonic() - t_up
+                await asyncio.sleep(0.05)
+        raise AssertionError(f"the restarted worker got no request within 10 s\n{fleet.log_text()}")
+    rejoined_s = asyncio.run(until_routed_to_victim())
+    print(f"ROUTER_KILL {len(results)} requests, {len(fails)} failed mid-stream, {retried:.0f} retried, "
+          f"rejoined {rejoined_s:.2f} s after serving")
+
+
+def test_a_conversation_goes_back_to_the_worker_holding_its_prefix_unless_too_loaded(tmp_path):
+    halves, addrs = zip(*[worker(tmp_path, prefix_cache=True) for _ in range(2)], strict=True)
+    r, raddr, mport = router(tmp_path, list(addrs), "--affinity-slack-tokens", "1000")
+    everyone = [*halves, r]
+    try:
+        for h, a in zip(halves, addrs, strict=True):
+            wait_serving(a, [h.proc], START_S)
+        wait_serving(raddr, [r.proc], 30)
+
+        async def conversation(seed: int, background_prompt: int) -> tuple[Outcome, Outcome]:
+            """Turn 1, then a long request straight to turn 1's worker (so the router sees it busier than the
+            other by its footprint), then turn 2 through the router."""
+            async with grpc.aio.insecure_channel(raddr) as ch:
+                stub = pbg.DecodeStub(ch)
+                ids = prompt(seed, 40)
+                first = await call(stub, ids, 8)
+                assert first.code == S.OK and first.initial in addrs, first
+                async with grpc.aio.insecure_channel(first.initial) as wch:
+                    bg = pbg.DecodeStub(wch).Generate(pb.GenerateRequest(
+                        token_ids=prompt(seed + 1, background_prompt), max_new_tokens=600), timeout=DEADLINE_S)
+                    await bg.read()  # its first token: it runs
+                    deadline = time.monotonic() + 10
+                    while (await stub.Load(pb.LoadRequest(), timeout=5)).running_requests < 1:  # the router saw it
+                        assert time.monotonic() < deadline, "the router's load view never showed the request"
+                        await asyncio.sleep(0.05)
+                    second = await call(stub, ids + first.tokens + prompt(seed + 2, 12), 8)
+                    bg.cancel()
+            return first, second
+
+        # 40 + 600 tokens (< the 1000 slack) on turn 1's worker: turn 2 still goes there, and reuses its cache
+        first, second = asyncio.run(conversation(1, 40))
+        assert second.code == S.OK and second.initial == first.initial, (first.initial, second.initial)
+        assert second.timing.reused_tokens >= 40 and second.timing.reuse_tier == pb.CACHE_TIER_DEVICE, second.timing
+        m = scrape(f"http://127.0.0.1:{mport}/metrics")
+        assert total(m, "kvt_router_affinity_hits_total", worker=first.initial) == 1
+        asyncio.run(until_idle(raddr))
+        # 1000 + 600 on it (over the slack): turn 2 goes to the other worker, which prefills it whole
+        first, second = asyncio.run(conversation(5, 1000))
+        assert second.code == S.OK and second.initial in addrs and second.initial != first.initial
+        assert second.timing.reused_tokens == 0
+        m = scrape(f"http://127.0.0.1:{mport}/metrics")
+        assert total(m, "kvt_router_affinity_skipped_total", worker=first.initial) == 1
+    except Exception as e:
+        raise AssertionError(f"{e}\n" + "\n".join(h.log_text()[-3000:] for h in everyone)) from e
+    finally:
+        stop([h.proc for h in everyone])
