@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import os
 import time
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -26,15 +25,18 @@ from decode_server.config import DecodeConfig
 from decode_server.peer.choice import choose_peer
 from decode_server.peer.pairing import DecodePairing
 from decode_server.peer.remote import PeerFailure, RequestError
+from decode_server.reports import info_response, load_response
+from decode_server.reuse import count_reuse, slot_taker
 from decode_server.streams import Mailbox, TokenStream, acquire_slot, slot_ready
+from decode_server.validate import request_problem
 from kvtransfer.engine.engine import DecodeEngine
 from kvtransfer.engine.sampler import SamplingParams, sampling_params
 from kvtransfer.engine.scheduler import EngineFailed
 from kvtransfer.engine.sequence import EndCause, Ended, Sequence
 from kvtransfer.rpc.lifecycle import SHUTTING_DOWN, RunningRequests, end_by_cancel, request_budget
-from kvtransfer.rpc.limits import ConcurrencyLimit, prompt_problem, sampling_problem
+from kvtransfer.rpc.limits import ConcurrencyLimit
 from kvtransfer.rpc.metrics import Metrics
-from kvtransfer.rpc.modes import REQUEST_MODES, Mode
+from kvtransfer.rpc.modes import Mode
 from kvtransfer.rpc.security import server_credentials
 from kvtransfer.rpc.server import build_server
 from proto import kvtransfer_pb2 as pb
@@ -42,12 +44,10 @@ from proto import kvtransfer_pb2_grpc as pbg
 
 log = logging.getLogger("kvtransfer.decode")
 
-KNOWN_MODES = {m.proto for m in REQUEST_MODES}
 SHUTDOWN_MESSAGE = f"{SHUTTING_DOWN}: --shutdown-grace-s passed before this request finished; retry elsewhere"
 END_STATUS = {EndCause.REQUEST_ENDED: grpc.StatusCode.CANCELLED, EndCause.SLOW_READER: grpc.StatusCode.RESOURCE_EXHAUSTED,
               EndCause.STEP_FAILED: grpc.StatusCode.INTERNAL, EndCause.SHUTDOWN: grpc.StatusCode.UNAVAILABLE,
               EndCause.ENGINE_FAILED: grpc.StatusCode.INTERNAL}
-TIERS = {"device": pb.CACHE_TIER_DEVICE, "host": pb.CACHE_TIER_HOST}
 
 
 @dataclass
@@ -100,68 +100,19 @@ class DecodeService(pbg.DecodeServicer):
         await context.abort(code, message)  # counted once, by RunningRequests.request
 
     async def _validate(self, request, context) -> None:
-        n, c, new = len(request.token_ids), self.config, request.max_new_tokens
-        context_len = self.engine.m.model.config.max_position_embeddings
-        # the limits the prefill server enforces too (kvtransfer/rpc/limits.py), then this server's own
-        problem = prompt_problem(request.token_ids, c.max_prompt_tokens, context_len, self.vocab)
-        if problem is None:
-            sm = request.sampling  # all defaults when absent: greedy
-            problem = sampling_problem(sm.temperature, sm.top_p if sm.HasField("top_p") else None, sm.top_k,
-                                       request.stop_token_ids, self.vocab)
-        code = None
-        if problem is not None:
-            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, problem)
-        if not 1 <= new <= c.max_new_tokens:
-            problem = f"max_new_tokens is {new}; use 1..{c.max_new_tokens} (--max-new-tokens)"
-        elif n + new > min(context_len, slot := self.engine.pool.max_seq):  # advise the bound that binds
-            if slot >= context_len:
-                problem = (f"prompt ({n}) + max_new_tokens ({new}) exceeds the model's context of {context_len} "
-                           f"tokens; ask for at most {context_len - n} new tokens")
-            elif n >= slot:
-                problem = (f"prompt ({n}) leaves no room to generate in this server's KV slot of {slot} tokens "
-                           f"(--max-seq-len); send at most {slot - 1} prompt tokens or raise --max-seq-len")
-            else:
-                problem = (f"prompt ({n}) + max_new_tokens ({new}) = {n + new} tokens exceeds this server's KV slot "
-                           f"of {slot} tokens (--max-seq-len); ask for at most {slot - n} new tokens or raise "
-                           "--max-seq-len")
-        elif request.mode not in KNOWN_MODES:
-            problem = f"unknown mode {request.mode}; use AUTO, LAYERWISE, BULK or COLOCATED"
-        elif request.mode != pb.MODE_COLOCATED and not c.colocated:
-            if self.pairing is None:
-                problem, code = "no prefill peer configured", grpc.StatusCode.FAILED_PRECONDITION
-            elif (size := self.engine.m.geometry.cache_bytes(n)) > c.max_receive_bytes:
-                problem, code = (f"a {n}-token cache is {size} bytes, over this server's --max-receive-bytes "
-                                 f"{c.max_receive_bytes}; send a shorter prompt"), grpc.StatusCode.RESOURCE_EXHAUSTED
-        if problem is not None:
-            await self._abort(context, code or grpc.StatusCode.INVALID_ARGUMENT, problem)
+        refusal = request_problem(request, self.config, self.engine, self.vocab, self.pairing is not None)
+        if refusal is not None:
+            await self._abort(context, *refusal)
 
     async def Info(self, request, context):
         """The served model's name and the limits a request must keep (clients ask once)."""
-        m, c = self.engine.m, self.config
-        return pb.InfoResponse(model=os.path.basename(os.path.normpath(m.spec.name)), vocab_size=self.vocab,
-                               context_length=m.model.config.max_position_embeddings,
-                               max_seq_len=self.engine.pool.max_seq, max_new_tokens=c.max_new_tokens,
-                               max_prompt_tokens=c.max_prompt_tokens, eos_token_ids=sorted(self.engine.eos),
-                               prefix_block_tokens=self.engine.cache.block if self.engine.cache is not None else 0)
+        return info_response(self.engine, self.config, self.vocab)
 
     async def Load(self, request, context):
         """Running and waiting requests and tokens, and the pool's free slots (a router places requests by it)."""
-        out = pb.LoadResponse()
-        for r in list(self.running.requests):
-            seq = r.seq
-            if seq is not None and not seq.over:
-                out.running_requests += 1
-                out.running_tokens += seq.length
-                out.remaining_tokens += max(seq.remaining, 0)
-            elif r.prompt_tokens:
-                out.waiting_requests += 1
-                out.waiting_tokens += r.prompt_tokens
-        pool, cache = self.engine.pool, self.engine.cache
-        out.free_slots = pool.slots - pool.used()
-        out.cached_slots = cache.cached_slots() if cache is not None else 0
-        out.serving = not (self.failed or self.running.draining) and (
+        serving = not (self.failed or self.running.draining) and (
             self.pairing is None or self.pairing.up or self.config.on_failure == "recompute")
-        return out
+        return load_response(self.running.requests, self.engine, serving)
 
     async def Generate(self, request, context):
         with self.running.request(context) as r:  # counts the request's one outcome when it ends
@@ -223,23 +174,7 @@ class DecodeService(pbg.DecodeServicer):
             lease.release()
 
     def _take(self, request):
-        """How the request leases its slot: with the prefix cache, taking the longest cached prefix of its prompt
-        (none when the request skips the cache; when disaggregated, only if what is left to prefill is short
-        enough to prefill here, --local-suffix-max-tokens); without, any free slot."""
-        cache = self.engine.cache
-        if cache is None:
-            return None
-        here = self.config.colocated or request.mode == pb.MODE_COLOCATED
-        limit = None if here else self.config.local_suffix_max_tokens
-        reuse = not request.skip_prefix_cache and (here or limit > 0)
-
-        def take():
-            declined = cache.stats.host_recomputed
-            lease = cache.acquire(request.token_ids, reuse, limit)
-            if cache.stats.host_recomputed > declined:
-                self.metrics.host_decisions.labels("recompute").inc(cache.stats.host_recomputed - declined)
-            return lease
-        return take
+        return slot_taker(self.engine.cache, self.config, request, self.metrics)
 
     def end_for_shutdown(self, r) -> None:
         """The grace is over: a decoding request's sequence ends UNAVAILABLE at the next step; others are cancelled."""
@@ -258,13 +193,7 @@ class DecodeService(pbg.DecodeServicer):
         timing = pb.Timing()
         reuse = lease.reuse
         if reuse is not None:  # a cached prefix is in the slot: prefill the rest here
-            timing.reused_tokens, timing.reuse_tier = reuse.length, TIERS[reuse.tier]
-            self.metrics.prefix_hits.labels(reuse.tier).inc()
-            self.metrics.prefix_tokens.labels(reuse.tier).inc(reuse.length)
-            if reuse.tier == "host":
-                timing.reload_bytes = reuse.bytes
-                self.metrics.reload_bytes.inc(reuse.bytes)
-                self.metrics.host_decisions.labels("reload").inc()
+            count_reuse(reuse, timing, self.metrics)
             log.debug("request %d: %d of %d prompt tokens from the prefix cache (%s, %s)", rid, reuse.length,
                       len(request.token_ids), reuse.tier, reuse.how)
         elif not (self.config.colocated or request.mode == pb.MODE_COLOCATED):

@@ -1,0 +1,40 @@
+"""What the decode server says about itself: Info (the model and the limits a request must keep) and Load (how
+busy it is now).
+
+Why apart from the servicer: both are read by other programs (the OpenAI front asks Info once; a router polls Load
+to place requests), so their fields are a contract of their own, built here from the engine's state.
+"""
+
+from __future__ import annotations
+
+import os
+
+from proto import kvtransfer_pb2 as pb
+
+
+def info_response(engine, config, vocab: int) -> pb.InfoResponse:
+    m = engine.m
+    return pb.InfoResponse(model=os.path.basename(os.path.normpath(m.spec.name)), vocab_size=vocab,
+                           context_length=m.model.config.max_position_embeddings,
+                           max_seq_len=engine.pool.max_seq, max_new_tokens=config.max_new_tokens,
+                           max_prompt_tokens=config.max_prompt_tokens, eos_token_ids=sorted(engine.eos),
+                           prefix_block_tokens=engine.cache.block if engine.cache is not None else 0)
+
+
+def load_response(requests, engine, serving: bool) -> pb.LoadResponse:
+    """`requests`: the server's running requests (kvtransfer.rpc.lifecycle.Request): decoding ones count their
+    context and the tokens left to make, admitted ones not decoding yet their prompt."""
+    out = pb.LoadResponse(serving=serving)
+    for r in list(requests):
+        seq = r.seq
+        if seq is not None and not seq.over:
+            out.running_requests += 1
+            out.running_tokens += seq.length  # (tokens) the KV it holds
+            out.remaining_tokens += max(seq.remaining, 0)
+        elif r.prompt_tokens:
+            out.waiting_requests += 1
+            out.waiting_tokens += r.prompt_tokens
+    pool, cache = engine.pool, engine.cache
+    out.free_slots = pool.slots - pool.used()  # cached slots count: they are taken back on demand
+    out.cached_slots = cache.cached_slots() if cache is not None else 0
+    return out
