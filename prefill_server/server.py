@@ -15,9 +15,9 @@ import grpc
 
 from kvtransfer.engine.sampler import sampling_params
 from kvtransfer.rpc.compat import mismatch
+from kvtransfer.rpc.device_thread import gpu_executor
 from kvtransfer.rpc.lifecycle import SHUTTING_DOWN, RunningRequests
 from kvtransfer.rpc.limits import ConcurrencyLimit, prompt_problem, request_id_problem, sampling_problem
-from kvtransfer.rpc.main import gpu_executor
 from kvtransfer.rpc.metrics import Metrics
 from kvtransfer.rpc.modes import Mode
 from kvtransfer.rpc.security import server_credentials

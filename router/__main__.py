@@ -1,24 +1,21 @@
 """`kvtransfer-router`: serve the Decode service in front of several decode workers (docs/router.md).
 
-Why not kvtransfer.rpc.main's run_main: that frame imports torch (for the device thread the workers need), and the
-router must stay a light process that never loads torch, a model or the engine (tests/test_layout.py checks it),
-so it would not compete with a worker for the GIL or the memory. The frame here is the same otherwise: flags ->
-config (one line and exit 2 on a bad one), logging, one uvloop loop, SIGTERM/SIGINT -> a graceful stop and exit 0,
-a setting that only shows at start-up (a port in use, a token file) -> one line and exit 2.
+It runs in the servers' frame (kvtransfer.rpc.main's run_main: flags -> config, one line and exit 2 on a bad one,
+logging, one uvloop loop, SIGTERM/SIGINT -> a graceful stop and exit 0) and stays a light process that never loads
+torch, a model or the engine (tests/test_layout.py checks it), so it does not compete with a worker for the GIL or
+the memory.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import sys
 
 from grpc_health.v1 import health_pb2
 
 from kvtransfer.rpc.lifecycle import Stop, shut_down
+from kvtransfer.rpc.main import run_main
 from kvtransfer.rpc.security import ClientSecurity, resolve_token
 from kvtransfer.rpc.server import build_server, new_health
-from kvtransfer.rpc.stacks import enable_stack_dumps
 from proto import kvtransfer_pb2 as pb
 from router.affinity import Affinity
 from router.config import RouterConfig, from_args
@@ -72,26 +69,7 @@ async def serve(config: RouterConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = from_args(argv)
-    enable_stack_dumps()  # kill -USR1 PID: every thread's stack in the log
-    logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    log.info("config %s", config.one_line())
-    try:
-        import uvloop
-        loop = uvloop.new_event_loop()
-    except ImportError:  # pragma: no cover - uvloop is a declared dependency
-        loop = asyncio.new_event_loop()
-    asyncio.set_event_loop(loop)
-    code = 0
-    try:
-        loop.run_until_complete(serve(config))
-    except KeyboardInterrupt:
-        pass
-    except ValueError as e:
-        log.error("cannot start: %s", e)
-        code = 2
-    logging.shutdown()
-    sys.exit(code)
+    run_main(RouterConfig, argv, "kvtransfer router", serve, log, "kvtransfer-router", parse=from_args)
 
 
 if __name__ == "__main__":

@@ -9,18 +9,15 @@
 
 from __future__ import annotations
 
-import queue
-
-import numpy as np
 import pytest
 import torch
 
 from kvtransfer.engine.engine import DecodeEngine, EngineOptions
-from kvtransfer.engine.sequence import Ended, Sequence
 from kvtransfer.geometry import CacheGeometry
 from kvtransfer.model.loaded import LoadedModel
 from kvtransfer.model.prefill import random_prompt
 from kvtransfer.model.spec import ModelSpec, load_model
+from support.enginekit import serve_turn
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -61,23 +58,8 @@ def test_store_load_and_device_copy_are_byte_exact(eng):
 
 
 def turn(e: DecodeEngine, prompt: list[int], new: int, reuse: bool = True):
-    lease = e.cache.acquire(prompt, reuse)
-    wait(lease.ready)
-    start = lease.reuse.length if lease.reuse else 0
-    first = e.prefill(prompt, lease, False, None, start).result(timeout=120).first
-    q: queue.Queue = queue.Queue()
-    lease.hold()
-    e.scheduler.add(Sequence(0, lease, len(prompt), first, new - 1, q.put))
-    toks = [first]
-    while True:
-        t = q.get(timeout=120)
-        assert not isinstance(t, Ended), t
-        toks.append(t.token_id)
-        if t.last:
-            break
-    lease.keep = np.asarray(prompt + toks[:-1])
-    lease.release()
-    return toks, lease.reuse
+    """(tokens, the Reuse taken or None) of one request through the prefix cache."""
+    return serve_turn(e, prompt, new, reuse)[:2]
 
 
 def test_the_next_turn_from_the_device_and_from_the_host(eng):

@@ -9,19 +9,16 @@ margin exceeds it. Both prefill paths are covered: between steps (whole / chunke
 
 from __future__ import annotations
 
-import queue
-
-import numpy as np
 import pytest
 import torch
+from test_chunked_prefill import CHUNK_TOL
 
 from kvtransfer.engine.engine import DecodeEngine, EngineOptions
-from kvtransfer.engine.sequence import Ended, Sequence
 from kvtransfer.geometry import CacheGeometry
 from kvtransfer.model.loaded import LoadedModel
 from kvtransfer.model.prefill import prefill, random_prompt
 from kvtransfer.model.spec import ModelSpec, load_model
-from test_chunked_prefill import CHUNK_TOL
+from support.enginekit import serve_turn
 
 
 @pytest.fixture(scope="module")
@@ -36,25 +33,9 @@ def engine(model, **kw) -> DecodeEngine:
 
 
 def turn(e: DecodeEngine, prompt: list[int], new: int, reuse: bool = True):
-    """One request as the decode server runs it: lease (taking a cached prefix), prefill the rest, decode, keep.
-    Returns (tokens, reused tokens, the slot's cache of the prompt)."""
-    lease = e.cache.acquire(prompt, reuse)
-    start = lease.reuse.length if lease.reuse else 0
-    first = e.prefill(prompt, lease, False, None, start).result(timeout=60).first
-    cache = [(k.clone(), v.clone()) for k, v in e.pool.views(lease.slot, len(prompt))]
-    q: queue.Queue = queue.Queue()
-    lease.hold()
-    e.scheduler.add(Sequence(0, lease, len(prompt), first, new - 1, q.put))
-    toks = [first]
-    while True:
-        t = q.get(timeout=60)
-        assert not isinstance(t, Ended), t
-        toks.append(t.token_id)
-        if t.last:
-            break
-    lease.keep = np.asarray(prompt + toks[:-1])
-    lease.release()
-    return toks, start, cache
+    """(tokens, reused tokens, the slot's cache of the prompt) of one request through the prefix cache."""
+    toks, taken, cache = serve_turn(e, prompt, new, reuse)
+    return toks, taken.length if taken else 0, cache
 
 
 def margin(model, ids: list[int]) -> float:

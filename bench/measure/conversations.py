@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from kvtransfer.rpc.modes import Mode
+from bench.measure.serve_doors import stream_record
 from proto import kvtransfer_pb2 as pb
 
 
@@ -69,22 +69,10 @@ async def one_turn(stub, ids: list[int], load: Load, timeout: float, metadata) -
     message's Timing says about reuse, or its failure as a status code name (INCOMPLETE: a short stream)."""
     req = pb.GenerateRequest(token_ids=ids, max_new_tokens=load.output_len, mode=load.mode, stop_on_eos=False,
                              skip_prefix_cache=load.skip_prefix_cache)
-    out = {"input_len": len(ids), "times": [], "tokens": [], "code": None, "error": "", "mode": "",
-           "reused_tokens": 0, "reuse_tier": "none", "reload_bytes": 0.0}
-    t0 = out["start"] = time.perf_counter()
-    try:
-        async for msg in stub.Generate(req, timeout=timeout, metadata=metadata):
-            out["times"].append(time.perf_counter() - t0)
-            out["tokens"].append(msg.token_id)
-            if msg.HasField("timing"):
-                t = msg.timing
-                out.update(mode=Mode.from_proto(t.mode).value, reused_tokens=t.reused_tokens,
-                           reuse_tier=tier_name(t.reuse_tier), reload_bytes=t.reload_bytes)
-    except grpc.aio.AioRpcError as e:
-        out["code"], out["error"] = e.code().name, e.details() or ""
-    if out["code"] is None and len(out["times"]) != load.output_len:
-        out["code"] = "INCOMPLETE"
-        out["error"] = f"stream ended after {len(out['times'])} of {load.output_len} tokens"
+    out = await stream_record(stub, req, timeout, metadata)
+    t = out.pop("timing")
+    out.update(reused_tokens=t.reused_tokens if t else 0, reuse_tier=tier_name(t.reuse_tier) if t else "none",
+               reload_bytes=t.reload_bytes if t else 0.0)
     return out
 
 

@@ -24,18 +24,28 @@ from proto import kvtransfer_pb2_grpc as pbg
 async def one_request(stub, ids: list[int], cfg, timeout: float, metadata) -> dict:
     """Token arrival times of one Generate stream, or its failure as a status code name."""
     req = pb.GenerateRequest(token_ids=ids, max_new_tokens=cfg.output_len, mode=MODES[cfg.mode])
-    out = {"input_len": len(ids), "times": [], "code": None, "error": "", "mode": ""}
+    return await stream_record(stub, req, timeout, metadata)
+
+
+async def stream_record(stub, req: pb.GenerateRequest, timeout: float, metadata) -> dict:
+    """One Generate stream as a record: input_len, start, each token's id and arrival time (s after the send), the
+    mode that ran and the last message's Timing (`timing`, None on failure), or the failure as a status code name
+    (INCOMPLETE: fewer tokens than max_new_tokens)."""
+    out = {"input_len": len(req.token_ids), "times": [], "tokens": [], "code": None, "error": "", "mode": "",
+           "timing": None}
     t0 = out["start"] = time.perf_counter()
     try:
         async for msg in stub.Generate(req, timeout=timeout, metadata=metadata):
             out["times"].append(time.perf_counter() - t0)
+            out["tokens"].append(msg.token_id)
             if msg.HasField("timing"):
+                out["timing"] = msg.timing
                 out["mode"] = Mode.from_proto(msg.timing.mode).value
     except grpc.aio.AioRpcError as e:
         out["code"], out["error"] = e.code().name, e.details() or ""
-    if out["code"] is None and len(out["times"]) != cfg.output_len:
+    if out["code"] is None and len(out["times"]) != req.max_new_tokens:
         out["code"] = "INCOMPLETE"
-        out["error"] = f"stream ended after {len(out['times'])} of {cfg.output_len} tokens"
+        out["error"] = f"stream ended after {len(out['times'])} of {req.max_new_tokens} tokens"
     return out
 
 

@@ -1,22 +1,15 @@
 """A server process's frame: flags -> config, logging, one event loop, the device's worker thread, the exit code.
 
-Why shared: both servers start, log, run and end the same way; a setting that only shows at start-up exits 2
-with one line saying which, and a fatal failure exits 70 (kvtransfer.rpc.lifecycle).
+Why shared: every server (the two workers, the router) starts, logs, runs and ends the same way; a setting that
+only shows at start-up exits 2 with one line saying which, and a fatal failure exits 70 (kvtransfer.rpc.lifecycle).
+No torch here (the device's thread is kvtransfer/rpc/device_thread.py), so a front that must not load it (the
+router) runs in this frame too.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from concurrent.futures import ThreadPoolExecutor
-
-import torch
-
-
-def gpu_executor(device: torch.device, name: str) -> ThreadPoolExecutor:
-    """One thread owns the device's compute: requests are serialized, CUDA context set once."""
-    init = (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None
-    return ThreadPoolExecutor(max_workers=1, thread_name_prefix=name, initializer=init)
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -32,8 +25,11 @@ def configure_logging(level: str = "INFO") -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
 
 
-def run_main(config_cls, argv, description: str, serve, logger: logging.Logger, prog: str | None = None) -> None:
+def run_main(config_cls, argv, description: str, serve, logger: logging.Logger, prog: str | None = None,
+             parse=None) -> None:
     """A server's `main`: flags -> config (validated), logging, one uvloop loop running `serve(config)`.
+    `parse(argv)`: the config from the flags, when configargs' one-flag-per-field does not fit (the router's
+    repeated --worker); else `config_cls`'s flags.
 
     A setting that only shows at start-up (device, certificate, token file, port) exits 2
     with one line saying which. `serve` returns after a SIGTERM/SIGINT (kvtransfer.rpc.lifecycle): exit 0.
@@ -49,7 +45,7 @@ def run_main(config_cls, argv, description: str, serve, logger: logging.Logger, 
     from kvtransfer.rpc.configargs import from_args
     from kvtransfer.rpc.lifecycle import EXIT_FATAL, FatalStop
     from kvtransfer.rpc.stacks import enable_stack_dumps
-    config = from_args(config_cls, argv, description, prog)
+    config = parse(argv) if parse is not None else from_args(config_cls, argv, description, prog)
     enable_stack_dumps()  # kill -USR1 PID: every thread's stack in the log
     configure_logging(config.log_level)
     logger.info("config %s", config.one_line())

@@ -48,3 +48,30 @@ def engine_generate(model, ids: list[int], max_new_tokens: int) -> tuple[list[in
     else:
         lease.release()
     return tokens, digests
+
+
+def serve_turn(e: DecodeEngine, prompt: list[int], new: int, reuse: bool = True, timeout: float = 120.0):
+    """One request as the decode server runs it with its prefix cache: lease (taking a cached prefix), wait for the
+    slot's copies, prefill the rest, decode `new` tokens greedily, keep the slot's context for later prompts.
+    Returns (tokens, the Reuse taken or None, the slot's cache of the prompt as prefilled: per layer (k, v))."""
+    import numpy as np
+    lease = e.cache.acquire(prompt, reuse)
+    if lease.ready is not None:
+        lease.ready.synchronize()
+    start = lease.reuse.length if lease.reuse else 0
+    first = e.prefill(prompt, lease, False, None, start).result(timeout=timeout).first
+    cache = [(k.clone(), v.clone()) for k, v in e.pool.views(lease.slot, len(prompt))]
+    q: queue.Queue = queue.Queue()
+    lease.hold()
+    e.scheduler.add(Sequence(0, lease, len(prompt), first, new - 1, q.put))
+    toks = [first]
+    while True:
+        t = q.get(timeout=timeout)
+        assert not isinstance(t, Ended), t
+        toks.append(t.token_id)
+        if t.last:
+            break
+    lease.keep = np.asarray(prompt + toks[:-1])
+    lease.release()
+    return toks, lease.reuse, cache
+
