@@ -144,6 +144,6 @@ def test_split_hashes_the_uniform_as_sampler_uniform():
 
 
 def test_programs_per_row_follow_the_batch():
-    """About two programs per SM in all (132 SMs off CUDA), 1 to 32 a row."""
+    """A power of two at or below 4 x SMs / n up to 32 rows, 2 x SMs / n past (132 SMs off CUDA), 1 to 32 a row."""
     cpu = torch.device("cpu")
-    assert [programs_for(n, cpu) for n in (1, 8, 9, 32, 64, 264, 1000)] == [32, 32, 30, 9, 5, 1, 1]
+    assert [programs_for(n, cpu) for n in (1, 8, 9, 32, 33, 64, 128, 264, 1000)] == [32, 32, 32, 16, 8, 4, 2, 1, 1]

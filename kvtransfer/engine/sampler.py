@@ -20,14 +20,16 @@ The one uniform u of a row is a counter-based hash of (seed, position) alone (`u
 seed, its position-th output). "position" is the number of tokens before the drawn one: the prompt's length for
 the first token, and for a decode row whose input token sits at index `length` of its slot, length + 1.
 
-Two implementations of that one definition: on CUDA with triton, one kernel launch per call
-(kvtransfer/kernels/triton_sample.py: no sort, the threshold found by a search over the row's values, the uniform
-hashed in the kernel); elsewhere (CPU, CUDA without triton) `sample_ref` in torch (a sort finds the thresholds;
-sums in float64). Each is deterministic and row-wise, so given its logits a row's token depends on nothing else
-in its batch (the logits themselves do, within the batching tolerance: docs/architecture.md, "Exactness and
-determinism"): a seeded request's draw is a function of (seed, position, logits) alone, colocated or
-disaggregated. The two sum in different orders, so they give the same token except where a mass sum lands within
-float rounding of a threshold (top_p * Z) or of the target (u x kept mass).
+Two implementations of that one definition: on CUDA with triton, a fixed sequence of six launches
+(kvtransfer/kernels/triton_sample_split.py: no sort, each row cut over several programs, the threshold found by a
+search over the row's values, the masses summed exactly in int64 fixed point, the uniform hashed in the kernel);
+elsewhere (CPU, CUDA without triton) `sample_ref` in torch (a sort finds the thresholds; sums in float64). Each is
+deterministic and row-wise, so given its logits a row's token depends on nothing else in its batch, nor on how
+many programs its row was cut into (the logits themselves do depend on the batch, within the batching tolerance:
+docs/architecture.md, "Exactness and determinism"): a seeded request's draw is a function of (seed, position,
+logits) alone, colocated or disaggregated. The two sum differently, so they give the same token except where a
+mass sum lands within rounding (about vocab x 2^-40 of the row's mass) of a threshold (top_p * Z) or of the
+target (u x kept mass).
 
 On CUDA the decode step's draw is `Sampler`: `sample` captured as one CUDA graph per batch bucket over static
 input buffers (the logits copied in, the per-row parameters copied from the host), replayed after the step when
@@ -130,9 +132,9 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
     `triton_available` (CUDA and an importable triton), else `sample_ref`; True/False force one (True on CPU
     tensors: the Triton interpreter, in tests)."""
     if triton_available(logits.device) if use_triton is None else use_triton:
-        from kvtransfer.kernels.triton_sample import sample_triton
+        from kvtransfer.kernels.triton_sample_split import sample_triton_split
 
-        return sample_triton(last_dim_unit(logits), temperature, top_p, top_k, seed, position)
+        return sample_triton_split(last_dim_unit(logits), temperature, top_p, top_k, seed, position)
     return sample_ref(logits, temperature, top_p, top_k, seed, position)
 
 

@@ -2,16 +2,14 @@
 
 Why: triton_sample.py runs one program per row, so a row's passes run on one SM and its time does not shrink
 with the batch: at batch 1 one SM works while the rest idle. Here each row is cut into P segments, one program
-each (grid (n, P)), P picked from the batch so that the launch fills the GPU about twice over:
-ceil(2 x SMs / n), clamped to [1, 32] (`programs_for`). The definition is the same (kvtransfer/engine/sampler.py:
-thresholds by value with ties kept, one inverse-CDF draw in id order with the uniform of (seed, position)), and
-so is the search: keys (a value's bits as a signed integer in value order, triton_sample's `_key`), a bracket
-[lo, hi) with pred(lo) true and pred(hi) false, pred(v) = (count(l >= v) >= k) or (mass(l >= v) >= top_p x Z),
+each (grid (n, P)), P picked from the batch so that the launch fills the GPU a few times over (`programs_for`).
+The definition is the same (kvtransfer/engine/sampler.py: thresholds by value with ties kept, one inverse-CDF
+draw in id order with the uniform of (seed, position)), and so is the search: keys (a value's bits as a signed
+integer in value order, triton_sample's `_key`), a bracket [lo, hi) with pred(lo) true and pred(hi) false, pred(v) = (count(l >= v) >= k) or (mass(l >= v) >= top_p x Z),
 tau = lo once hi = lo + 1.
 
-Status: a candidate, not yet the step's draw (sampler.py calls triton_sample.py's `sample_triton`): it replaces it
-once its cost inside the decode step is measured against greedy (`kvtransfer-bench decode --temperature 1
---top-p 0.9`).
+This is the draw `sampler.sample` runs on CUDA (the step's, a prompt's first token's, the prefill worker's);
+triton_sample.py keeps the search helpers it shares.
 
 Batch invariance. A row must draw the same token whatever P is and whatever else is in its batch (a prompt's
 first token is drawn alone on one server and inside a batch on another). So every sum that crosses programs is
@@ -68,10 +66,10 @@ from kvtransfer.kernels.triton_sample import _INF_BITS, _elem_key, _key, _mixed_
 BLOCK = 512  # values per step of a round's pass over a segment (8 int64 accumulators a value)
 STREAM_BLOCK = 2048  # values per step of the light passes (range, compact, draw)
 LIST_BLOCK = 128  # listed values per step of a list round ((RL, LIST_BLOCK) accumulators: no spills)
-NUM_WARPS = 8
+NUM_WARPS = 4  # at or below 8's time at every batch measured, a fifth less at 32 and 64
 SEARCH_WARPS = 4  # the list search is a chain of small reductions: fewer warps, shorter ones
 CAP = 4096  # a bracket holding more values than this after round 1 gets round 2
-TARGET_WAVES = 2  # programs per SM that P aims at
+SMALL_BATCH = 32  # up to this many rows, P aims at 4 programs per SM; past it at 2 (`programs_for`)
 MAX_PROGRAMS = 32  # per row
 ALIGN = 16  # a segment's length is a multiple of this many values
 MAX_STEPS = 1000  # steps of `block` per segment: the packed per-lane counts and masses stay below bit 63
@@ -603,10 +601,15 @@ def _draw_kernel(X, Temp, Seed, Pos, RI, RS, KSEG, KCNT, TAU, Out,
     tl.store(Out + row, tok)
 
 
-def programs_for(n: int, device: torch.device, waves: int = TARGET_WAVES) -> int:
-    """Programs per row for a batch of n rows: about `waves` x SMs in all, 1 to MAX_PROGRAMS a row."""
+def programs_for(n: int, device: torch.device) -> int:
+    """Programs per row for a batch of n rows: the power of two at or below w x SMs / n (w = 4 up to SMALL_BATCH
+    rows, 2 past it), 1 to MAX_PROGRAMS. Measured on an H200 (132 SMs, vocab 152,064, the split draw captured:
+    bench/results/sample-split-h200-2026-12-02/): the fastest P was 32 at 1 and 8 rows, 16 at 32 and 4 at 64; more
+    programs than that add reductions and list rounds per row without filling the GPU more."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-    return max(1, min(MAX_PROGRAMS, triton.cdiv(waves * sms, max(n, 1))))
+    waves = 4 if n <= SMALL_BATCH else 2
+    per_row = max(1, waves * sms // max(n, 1))
+    return min(MAX_PROGRAMS, 1 << (per_row.bit_length() - 1))
 
 
 def sample_triton_split(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
