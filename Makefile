@@ -39,12 +39,12 @@ MAIN_TESTS = $(BIN)/python -m pytest -m "not gpu and not gpu2 and not churn" -q 
 # start is mostly its imports (~8 s here), which another test file's servers beside it would stretch.
 test: $(STAMP)
 	@log=$$(mktemp); \
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_kernels_interp.py tests/test_sample_split_interp.py > $$log 2>&1 & \
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_kernels_interp.py tests/test_sample_interp.py > $$log 2>&1 & \
 	interp=$$!; \
-	echo '$(MAIN_TESTS)  (and TRITON_INTERPRET=1 tests/test_kernels_interp.py tests/test_sample_split_interp.py beside it)'; \
+	echo '$(MAIN_TESTS)  (and TRITON_INTERPRET=1 tests/test_kernels_interp.py tests/test_sample_interp.py beside it)'; \
 	$(MAIN_TESTS); main=$$?; \
 	wait $$interp; kernels=$$?; \
-	echo 'TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests/test_kernels_interp.py tests/test_sample_split_interp.py:'; cat $$log; rm -f $$log; \
+	echo 'TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests/test_kernels_interp.py tests/test_sample_interp.py:'; cat $$log; rm -f $$log; \
 	test $$main -eq 0 -a $$kernels -eq 0
 	$(BIN)/python -m pytest -m churn -q -s tests/test_churn.py
 

@@ -21,7 +21,7 @@ seed, its position-th output). "position" is the number of tokens before the dra
 the first token, and for a decode row whose input token sits at index `length` of its slot, length + 1.
 
 Two implementations of that one definition: on CUDA with triton, a fixed sequence of six launches
-(kvtransfer/kernels/triton_sample_split.py: no sort, each row cut over several programs, the threshold found by a
+(kvtransfer/kernels/triton_sample.py: no sort, each row cut over several programs, the threshold found by a
 search over the row's values, the masses summed exactly in int64 fixed point, the uniform hashed in the kernel);
 elsewhere (CPU, CUDA without triton) `sample_ref` in torch (a sort finds the thresholds; sums in float64). Each is
 deterministic and row-wise, so given its logits a row's token depends on nothing else in its batch, nor on how
@@ -132,9 +132,9 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
     `triton_available` (CUDA and an importable triton), else `sample_ref`; True/False force one (True on CPU
     tensors: the Triton interpreter, in tests)."""
     if triton_available(logits.device) if use_triton is None else use_triton:
-        from kvtransfer.kernels.triton_sample_split import sample_triton_split
+        from kvtransfer.kernels.triton_sample import sample_triton
 
-        return sample_triton_split(last_dim_unit(logits), temperature, top_p, top_k, seed, position)
+        return sample_triton(last_dim_unit(logits), temperature, top_p, top_k, seed, position)
     return sample_ref(logits, temperature, top_p, top_k, seed, position)
 
 

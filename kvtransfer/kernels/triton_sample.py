@@ -1,41 +1,58 @@
-"""Triton per-row sampling: temperature, top-k and nucleus thresholds and one inverse-CDF draw, without a sort.
+"""Triton per-row sampling: temperature, top-k and nucleus thresholds and one inverse-CDF draw, with no sort,
+each row cut over several programs.
 
-Why: the decode step's draw (kvtransfer/engine/sampler.py, which states the definition) used to sort every row;
-at a 152k vocabulary that sort cost a large share of a decode step. Here one program takes one row and finds the
-kept set's threshold by a search over the row's values instead: a few streaming passes over the row, the rest
-over the few candidates.
+Why: a sort of every row (152k logits) cost a large share of a decode step, and one program a row leaves all but
+a few SMs idle at small batches. Here each row is cut into P segments, one program each (grid (n, P)), P picked
+from the batch so that the launch fills the GPU a few times over (`programs_for`). The definition is
+kvtransfer/engine/sampler.py's: thresholds by value with ties kept, one inverse-CDF draw in id order with the
+uniform of (seed, position). The threshold tau = max(tau_k, tau_p) is the largest value v with pred(v) =
+(count(l >= v) >= k) or (mass(l >= v) >= top_p x Z): both sides are monotone in v, so one search finds the larger
+threshold directly. It keeps a bracket [lo, hi) with pred(lo) true and pred(hi) false, over value keys
+(triton_keys.py), and tau = lo once hi = lo + 1. This is the draw `sampler.sample` runs on CUDA: the step's, a
+prompt's first token's, the prefill worker's.
 
-The threshold tau = max(tau_k, tau_p) is the largest value v with pred(v) = (count(l >= v) >= k) or
-(mass(l >= v) >= top_p * Z): both sides are monotone in v, so one search finds the larger threshold directly.
-The search keeps a bracket [lo, hi) with pred(lo) true and pred(hi) false, in "keys": a value's bits in the
-logits' dtype as a signed integer in value order (sign-magnitude to two's complement; -0.0 and +0.0 share key 0),
-16 bits for bf16/fp16, 32 for fp32. A round evaluates pred at R pivots at once (an (R, BLOCK) compare, count and
-mass accumulated per lane and reduced once per pass) and keeps the sub-bracket where pred turns; the bracket is
-closed when hi = lo + 1, and then tau = lo, exactly. Per row, in one program:
+Batch invariance. A row must draw the same token whatever P is and whatever else is in its batch (a prompt's
+first token is drawn alone on one server and inside a batch on another). So every sum that crosses programs is
+exact: a token's weight w = exp2((l - M) x log2(e) / t) in [0, 1] is taken in fixed point, W = floor(w x 2^40)
+as int64, and counts and masses are int64 sums, the same in any order and any partition. Maxima are order-free;
+the draw compares integer running sums with floor(u x kept mass). Nothing float is computed twice: M, m and
+c = log2(e) / t are stored once by round 1 and read back by the later launches (so every launch weighs with the
+same bits), and every pivot goes through memory before it is used (`_pin`: a tensor may be recomputed for each
+layout it is used in, and a float step need not give the same bits twice; a pivot counted at one key and
+narrowed at another would break the search). The one thing that does depend on P, a float estimate of the
+row's mean and spread that places the first pivots, moves where the search looks, never what it finds.
 
-1. the max M (a greedy row: its argmax, NaN the max and ties to the lowest id as torch's, and nothing more);
-2. Z = sum w, with pred at the ladder M - t * (16, 8, 4, 2) (no pivots when neither threshold is on: all kept);
-3. rarely, rounds over the row (R = 4, keys split evenly) while the bracket holds more than half the row;
-4. the list: every aligned group of 16 bytes of the row holding a candidate, stored whole (values and group
-   index, in id order: a prefix sum over groups places them, never timing). The candidates are every value
-   >= lo when at most half the row is (the draw then runs over the list too), else the bracket's, the values
-   >= hi entering the rounds as their count and mass;
-5. rounds over the list (R = 8: 3 bits of the key a round) until the bracket closes;
-6. the draw: target = u x mass(l >= tau), then a running sum of the kept weights in id order (block prefix sums
-   and a carry) until it passes the target, over the list or the row (stopping there); past the end (float
-   rounding), the last kept id.
+Resolution: 2^-40 a token. A weight loses less than 2^-40 to the floor, so a row's sums are off by less than
+vocab x 2^-40 (1.4e-7 at a 152k vocabulary) against Z >= 1 (the max weighs 1), about float32's own rounding of
+w; tokens 27.7 x t below the max weigh 0 (under 2^-40 each, under vocab x 2^-40 of the mass together). The int64
+sums hold up to 2^23 tokens a row (vocab x 2^40 < 2^63). The torch reference sums float32 weights in float64,
+so the two draw the same token except where a mass lands within that rounding of top_p x Z or of the target,
+as with any float sum in another order.
 
-Traffic per row of V values of b bytes: passes 1, 2 and 4 read the row (3 V b; from L2 at decode batch sizes,
-the logits just written), 4 writes the groups holding candidates, and 5-6 read them (a few hundred to a few
-thousand values for common settings). With neither threshold: 1, 2 and a draw over the row (half of it on
-average). Pass 2 carries the exp and R compares per value, pass 4 a scan per group of 16 bytes; both are bound
-by instruction issue on one SM, so a row's time does not grow with the batch until the rows outnumber the SMs.
-Nothing depends on the batch: a row gives the same token alone or in any batch.
+A fixed sequence of six launches, no host sync and no data-dependent host control flow (capturable in a CUDA
+graph); a row with nothing to do in a launch skips it. Per row of V values in segments of S = V / P:
+1. range (n, P): per segment the max and min, the count, sum and sum of squares of the finite values, the count
+   of non-NaN ones; for a greedy row only its argmax (NaN the max, ties to the lowest id, as torch's).
+2. round 1 (n, P): M (the segments' max; program 0 stores the row's constants), then per segment Z_s = sum W
+   and, when a threshold is on, the count and mass at R = 8 pivots: rungs M - t x (2, 5, 10), where a peaked
+   row's thresholds fall, and 5 around the threshold of a Gaussian body of the row's mean and spread (for top_p
+   its exponentially tilted quantile, for top_k its quantile), where a flat row's fall.
+3. round 2 (n, P): each program reduces round 1's partials to the bracket; a row whose bracket still holds more
+   than `cap` values counts 8 more pivots spread evenly over its values (a flat row: tau deep in the body).
+4. compact (n, P): the values in [lo, hi), each segment's in id order at its offset in the row's list (a prefix
+   sum of the per-segment counts at lo and hi, from the partials); program 0 stores the bracket.
+5. search (n, P): each program closes the bracket over the list, the same steps in each (so no launch is
+   needed to share the result): rounds of 16 pivots (half spread over the values, half over the keys, as in
+   mixed_pivots), each also moving lo and hi onto the smallest and largest values present (nothing lies
+   between, so their counts and masses are unchanged). Then its segment's kept mass and count: those at hi
+   (partials) plus its slice of the list at or above tau.
+6. draw (n,): target = floor(u x K), K the kept mass (the segments' sum); the segment where their running sum
+   passes the target; in it, block sums, then one block's running sum (int64) to the first id past the target.
+   Past the end (K = 0, or u x K rounding up to K): the last kept id.
 
-The uniform is computed here as `sampler.uniform` does (SplitMix64 in uint64, its top 53 bits), so a captured
-draw is this one launch. Sums are float32 (per-lane partials, then a tree); the torch reference sums in another
-order (float64), so the two agree except where a mass lands within float rounding of a threshold or of the
-target. w = exp2((l - M) * log2(e) / t), the factor capped at the largest float32 (t -> 0 keeps w finite).
+Round passes carry an exp2 and 8 compare-and-adds a value (count and mass packed in one int64 accumulator per
+lane and pivot, the count from bit 50), range and compact a compare or two. A peaked row does passes 1, 2 and
+4; a flat row also 3. The rest (reductions over P partials, the list's rounds, one segment's scan) is small.
 """
 
 from __future__ import annotations
@@ -44,364 +61,604 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK = 4096  # row values per step of a pass over the row (halved for fp32: 8 KB a step either way)
-LIST_BLOCK = 1024  # listed values per step of a pass over the compacted list
-ROW_PIVOTS = 4  # pivots per round over the row (the ladder's rungs)
-LIST_PIVOTS = 8  # pivots per round over the list
-NUM_WARPS = 16
-MAX_ROUNDS = 64  # per loop, a bound only: a round splits the key range 5 or 9 ways
-_INF_BITS = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00, torch.float32: 0x7F800000}  # +inf: NaNs are above
+from kvtransfer.kernels.triton_keys import INF_BITS, elem_key, mixed_pivots, to_key, to_value, uniform
+
+BLOCK = 512  # values per step of a round's pass over a segment (8 int64 accumulators a value)
+STREAM_BLOCK = 2048  # values per step of the light passes (range, compact, draw)
+LIST_BLOCK = 128  # listed values per step of a list round ((RL, LIST_BLOCK) accumulators: no spills)
+NUM_WARPS = 4  # at or below 8's time at every batch measured, a fifth less at 32 and 64
+SEARCH_WARPS = 4  # the list search is a chain of small reductions: fewer warps, shorter ones
+CAP = 4096  # a bracket holding more values than this after round 1 gets round 2
+SMALL_BATCH = 32  # up to this many rows, P aims at 4 programs per SM; past it at 2 (`programs_for`)
+MAX_PROGRAMS = 32  # per row
+ALIGN = 16  # a segment's length is a multiple of this many values
+MAX_STEPS = 1000  # steps of `block` per segment: the packed per-lane counts and masses stay below bit 63
+R = 8  # pivots per row round
+RL = 16  # pivots per list round
+MAX_ROUNDS = 64  # list rounds, a bound only: each one narrows the bracket
+
+_CNT = tl.constexpr(1 << 50)  # a count of one in the packed accumulators
+_MASS = tl.constexpr((1 << 50) - 1)  # their mass bits
+_BIG = tl.constexpr(1 << 62)  # a count or mass bar past reach: that threshold is off
 
 
 @triton.jit
-def _key(v, BITS: tl.constexpr, DT: tl.constexpr):
-    """float32 values (exact in DT) -> int64 keys in value order: DT's bits, sign-magnitude to two's complement."""
-    if BITS == 16:
-        b = v.to(DT).to(tl.int16, bitcast=True).to(tl.int64)
-        k = tl.where(b < 0, -(b & 0x7FFF), b)
-    else:
-        b = v.to(tl.int32, bitcast=True).to(tl.int64)
-        k = tl.where(b < 0, -(b & 0x7FFFFFFF), b)
-    return k
+def _weight(x, M, c):
+    """float32 values -> int64 fixed-point weights floor(exp2((x - M) * c) * 2**40); the one place they are made,
+    so every launch computes the same bits."""
+    return (tl.exp2((x - M) * c) * 1099511627776.0).to(tl.int64)
 
 
 @triton.jit
-def _value(k, BITS: tl.constexpr, DT: tl.constexpr):
-    """int64 keys -> their float32 values (the inverse of _key)."""
-    if BITS == 16:
-        v = tl.where(k < 0, -k - 32768, k).to(tl.int16).to(DT, bitcast=True).to(tl.float32)
-    else:
-        v = tl.where(k < 0, -k - 2147483647 - 1, k).to(tl.int32).to(tl.float32, bitcast=True)
-    return v
+def _pin(ptr, keys, R: tl.constexpr):
+    """keys (R,) int64 through memory: stored, then read back. A computed tensor may be recomputed for each layout
+    it is used in, and float steps need not give the same bits twice (a constant folded exactly in one copy, a
+    division approximated in another): a pivot counted at one key and narrowed at another would break the
+    search. Read back, every use sees the stored bits."""
+    j = tl.arange(0, R)
+    tl.store(ptr + j, keys)
+    tl.debug_barrier()
+    return tl.load(ptr + j)
 
 
 @triton.jit
-def _elem_key(x, BITS: tl.constexpr, INF_KEY: tl.constexpr):
-    """A block of DT values -> int32 keys, NaN (either sign: torch's bf16 NaN is 0xFFFF) the largest, as torch's
-    argmax takes it. The NaN test is on the bits: a magnitude past infinity's."""
-    if BITS == 16:
-        b = x.to(tl.int16, bitcast=True).to(tl.int32)
-        mag = b & 0x7FFF
-    else:
-        b = x.to(tl.int32, bitcast=True)
-        mag = b & 0x7FFFFFFF
-    return tl.where(mag > INF_KEY, 2147483647, tl.where(b < 0, -mag, b))
+def _quantile(q):
+    """The standard normal's quantile at q in (0, 1) (Abramowitz-Stegun 26.2.23, |error| < 5e-4): only where to
+    look, so a rough one does."""
+    a = tl.minimum(q, 1.0 - q)
+    s = tl.sqrt(-2.0 * tl.log(tl.maximum(a, 1e-30)))
+    z = s - (2.515517 + 0.802853 * s + 0.010328 * s * s) / (1.0 + 1.432788 * s + 0.189269 * s * s
+                                                            + 0.001308 * s * s * s)
+    return tl.where(q < 0.5, -z, z)
 
 
 @triton.jit
-def _mix(z):
-    """SplitMix64's finalizer on uint64 (products wrap mod 2**64)."""
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EB
-    return z ^ (z >> 31)
+def _clamp_keys(k, lo, hi, BITS: tl.constexpr, DT: tl.constexpr):
+    """Keys into (lo, hi) and above -inf's key (a lane past a segment's end loads -inf: it must pass no pivot)."""
+    k = tl.minimum(tl.maximum(k, lo + 1), hi - 1)
+    return tl.maximum(k, to_key(tl.full([], float("-inf"), tl.float32), BITS, DT) + 1)
 
 
 @triton.jit
-def _uniform(seed, position):
-    """int64 seed and position -> float64 in [0, 1): bit for bit `sampler.uniform`."""
-    s = seed.to(tl.uint64, bitcast=True)
-    p = position.to(tl.uint64, bitcast=True)
-    z = _mix(_mix(s) + (p + 1) * 0x9E3779B97F4A7C15)
-    return (z >> 11).to(tl.float64) * 1.1102230246251565e-16  # 2**-53
+def _first_pivots(lo, hi, M, t, mu, sd, top_p, kq, p_on, k_on, R: tl.constexpr, BITS: tl.constexpr,
+                  DT: tl.constexpr):
+    """Round 1's R = 8 keys in (lo, hi): rungs M - t x (2, 5, 10), where a peaked row's thresholds fall, and
+    v + sd x (-0.4, -0.15, 0.1, 0.35, 0.6) around v, the estimate of a Gaussian body N(mu, sd^2): for top_p its
+    tilted quantile mu + sd^2 / t - sd x z(top_p) (weights exp(l / t) tilt the body to N(mu + sd^2 / t, sd^2)),
+    for top_k its quantile mu + sd x z(1 - k / finite count), the larger when both are on."""
+    tl.static_assert(R == 8)
+    j = tl.arange(0, R)
+    rung = tl.where(j == 0, 2.0, tl.where(j == 1, 5.0, 10.0))
+    v_p = mu + sd * sd / t - sd * _quantile(top_p)
+    v_k = mu + sd * _quantile(1.0 - kq)
+    est = tl.where(p_on & k_on, tl.maximum(v_p, v_k), tl.where(p_on, v_p, v_k))
+    v = tl.where(j < 3, M - t * rung, est + sd * ((j - 3).to(tl.float32) * 0.25 - 0.4))
+    by_key = lo + ((hi - lo) * (j + 1).to(tl.int64)) // (R + 1)
+    finite = tl.abs(v) < float("inf")  # false for NaN (sd of a row with infinities, say): spread by key
+    k = tl.where(finite, to_key(tl.minimum(tl.maximum(tl.where(finite, v, 0.0), -3.0e38), 3.0e38), BITS, DT),
+                 by_key)
+    return _clamp_keys(k, lo, hi, BITS, DT)
 
 
 @triton.jit
-def _argmax(xs, vocab, BITS: tl.constexpr, INF_KEY: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.arange(0, BLOCK)
-    best = tl.full([BLOCK], -2147483647 - 1, tl.int32)  # below every key
-    at_id = tl.zeros([BLOCK], tl.int32)
-    for start in range(0, vocab, BLOCK):
-        idx = start + offs
-        ok = idx < vocab
-        k = tl.where(ok, _elem_key(tl.load(xs + idx, mask=ok, other=0.0), BITS, INF_KEY), -2147483647 - 1)
-        up = k > best  # strictly: a lane keeps its first id among equal keys
-        best = tl.where(up, k, best)
-        at_id = tl.where(up, idx, at_id)
-    top = tl.max(best, 0)
-    return tl.min(tl.where(best == top, at_id, vocab), 0).to(tl.int64)
+def _even_pivots(lo, hi, R: tl.constexpr, BITS: tl.constexpr, DT: tl.constexpr):
+    """R keys spread evenly over the values of (lo, hi) (over the keys where an end is not finite)."""
+    j = tl.arange(0, R)
+    f = (j + 1).to(tl.float32) / (R + 1)
+    v = to_value(lo, BITS, DT) * (1.0 - f) + to_value(hi, BITS, DT) * f
+    by_key = lo + ((hi - lo) * (j + 1).to(tl.int64)) // (R + 1)
+    finite = tl.abs(v) < float("inf")
+    k = tl.where(finite, to_key(tl.where(finite, v, 0.0), BITS, DT), by_key)
+    return _clamp_keys(k, lo, hi, BITS, DT)
 
 
 @triton.jit
-def _row_range(xs, vocab, BLOCK: tl.constexpr):
-    """The row's max and min as float32. Lanes past the end load the row's first value: no masks in the loop."""
-    offs = tl.arange(0, BLOCK)
-    first = tl.load(xs)
-    mx = tl.full([BLOCK], float("-inf"), tl.float32)
-    mn = tl.full([BLOCK], float("inf"), tl.float32)
-    nxt = tl.load(xs + offs, mask=offs < vocab, other=first)
-    for start in range(0, vocab, BLOCK):
-        x = nxt.to(tl.float32)
-        idx = start + BLOCK + offs
-        nxt = tl.load(xs + idx, mask=idx < vocab, other=first)  # the next block's load in flight
-        mx = tl.maximum(mx, x)
-        mn = tl.minimum(mn, x)
-    return tl.max(mx, 0), tl.min(mn, 0)
-
-
-@triton.jit
-def _row_round(xs, vocab, M, c, pv, R: tl.constexpr, PIVOTS: tl.constexpr, BLOCK: tl.constexpr):
-    """Over the row: Z = sum w, and per pivot (R,) count(l >= pv) and mass(l >= pv) (zeros without PIVOTS).
-    The row is read as (1, BLOCK) so the (R, BLOCK) compares share its layout (no shuffle through shared
-    memory)."""
-    offs = tl.arange(0, BLOCK)[None, :]  # (1, BLOCK)
-    piv = pv[:, None]  # (R, 1)
-    acc_z = tl.zeros([1, BLOCK], tl.float32)
-    acc_c = tl.zeros([R, BLOCK], tl.int32)
-    acc_m = tl.zeros([R, BLOCK], tl.float32)
-    nxt = tl.load(xs + offs, mask=offs < vocab, other=0.0)
-    for start in range(0, vocab, BLOCK):
-        raw = nxt
-        ok = start + offs < vocab
-        idx = start + BLOCK + offs
-        nxt = tl.load(xs + idx, mask=idx < vocab, other=0.0)  # the next block's load in flight
-        x = raw.to(tl.float32)
-        w = tl.where(ok, tl.exp2((x - M) * c), 0.0)  # (1, BLOCK)
-        acc_z += w
-        if PIVOTS:
-            ge = (x >= piv) & ok  # (R, BLOCK)
-            acc_c += ge.to(tl.int32)
-            acc_m += tl.where(ge, w, 0.0)
-    return tl.sum(tl.sum(acc_z, 1), 0), tl.sum(acc_c, 1), tl.sum(acc_m, 1)
-
-
-@triton.jit
-def _list_round(lv, n, hi_c, M, c, pv, R: tl.constexpr, LBLOCK: tl.constexpr):
-    """Over the list's first n values: per pivot (R,) count and mass of the values in [pv, hi_c) (2-D as in
-    _row_round; the list's other values, below the candidates or NaN padding, never count)."""
-    offs = tl.arange(0, LBLOCK)[None, :]  # (1, LBLOCK)
-    piv = pv[:, None]  # (R, 1)
-    acc_c = tl.zeros([R, LBLOCK], tl.int32)
-    acc_m = tl.zeros([R, LBLOCK], tl.float32)
-    for start in range(0, n, LBLOCK):
-        idx = start + offs
-        x = tl.load(lv + idx, mask=idx < n, other=float("nan")).to(tl.float32)
-        w = tl.exp2((x - M) * c)
-        ge = (x >= piv) & (x < hi_c)  # (R, LBLOCK)
-        acc_c += ge.to(tl.int32)
-        acc_m += tl.where(ge, w, 0.0)
-    return tl.sum(acc_c, 1), tl.sum(acc_m, 1)
-
-
-@triton.jit
-def _narrow(lo, hi, c_lo, w_lo, c_hi, w_hi, pk, cnt, mass, k, pz):
-    """The bracket after pred at pivots pk (R,) int64 keys, with their counts and masses: the highest true pivot
-    is the new lo, the lowest false one the new hi, each with its count and mass (at lo: the kept set's size and
-    mass if lo is tau). k and pz are the thresholds' bars, past reach when off."""
-    pred = (cnt.to(tl.int64) >= k) | (mass >= pz)  # (R,)
-    new_lo = tl.max(tl.where(pred, pk, lo), 0)
-    new_hi = tl.min(tl.where(pred, hi, pk), 0)
+def _narrow(lo, hi, c_lo, s_lo, c_hi, s_hi, src_lo, src_hi, pk, cnt, mss, k, pz, src0, R: tl.constexpr):
+    """The bracket after pred at pivots pk (R,) with their exact counts and masses (R,) int64: the highest true
+    pivot is the new lo, the lowest false one the new hi (where inside the bracket), each with its count, mass and
+    source (src0 + the pivot's index: where its per-segment partials lie; repeated keys share counts, so any copy
+    does)."""
+    j = tl.arange(0, R)
+    pred = (cnt >= k) | (mss >= pz)  # (R,)
+    new_lo = tl.maximum(tl.max(tl.where(pred, pk, lo), 0), lo)  # pivots may lie outside [lo, hi) (list rounds)
+    new_hi = tl.minimum(tl.min(tl.where(pred, hi, pk), 0), hi)
     at = pred & (pk == new_lo)
     moved = tl.max(at.to(tl.int32), 0) > 0
-    c_lo = tl.where(moved, tl.max(tl.where(at, cnt.to(tl.int64), 0), 0), c_lo)
-    w_lo = tl.where(moved, tl.max(tl.where(at, mass, 0.0), 0), w_lo)
-    at = (pk == new_hi) & (cnt.to(tl.int64) < k) & (mass < pz)  # not pred
+    c_lo = tl.where(moved, tl.max(tl.where(at, cnt, -1), 0), c_lo)
+    s_lo = tl.where(moved, tl.max(tl.where(at, mss, -1), 0), s_lo)
+    src_lo = tl.where(moved, src0 + tl.max(tl.where(at, j, -1), 0), src_lo)
+    at = (pk == new_hi) & ~pred
     moved = tl.max(at.to(tl.int32), 0) > 0
-    c_hi = tl.where(moved, tl.max(tl.where(at, cnt.to(tl.int64), 0), 0), c_hi)
-    w_hi = tl.where(moved, tl.max(tl.where(at, mass, 0.0), 0), w_hi)
-    return new_lo, new_hi, c_lo, w_lo, c_hi, w_hi
+    c_hi = tl.where(moved, tl.max(tl.where(at, cnt, -1), 0), c_hi)
+    s_hi = tl.where(moved, tl.max(tl.where(at, mss, -1), 0), s_hi)
+    src_hi = tl.where(moved, src0 + tl.max(tl.where(at, j, -1), 0), src_hi)
+    return new_lo, new_hi, c_lo, s_lo, c_hi, s_hi, src_lo, src_hi
 
 
 @triton.jit
-def _pivots(lo, hi, R: tl.constexpr):
-    """R keys spread evenly over (lo, hi) (some may repeat or equal lo when the bracket is narrow; one is inside
-    whenever hi - lo >= 2)."""
-    j = tl.arange(0, R).to(tl.int64)
-    return lo + ((hi - lo) * (j + 1)) // (R + 1)
+def _row_range(RF, RI, row, P, PB: tl.constexpr):
+    """Round 1's inputs from the range partials RF (n, P, 4) float32 [max, min, sum, sum of squares] and RI
+    (n, P, 4) int32 [finite count, non-NaN count, argmax key, argmax id]: M, m (of the non-NaN values), the
+    non-NaN count, and the finite values' count, mean and spread."""
+    pi = tl.arange(0, PB)
+    pm = pi < P
+    base = (row * P + pi) * 4  # (PB,)
+    M = tl.max(tl.load(RF + base, mask=pm, other=float("-inf")), 0)
+    m = tl.min(tl.load(RF + base + 1, mask=pm, other=float("inf")), 0)
+    nok = tl.sum(tl.load(RI + base + 1, mask=pm, other=0).to(tl.int64), 0)
+    nf = tl.sum(tl.load(RI + base, mask=pm, other=0), 0).to(tl.float32)
+    s1 = tl.sum(tl.load(RF + base + 2, mask=pm, other=0.0), 0)
+    s2 = tl.sum(tl.load(RF + base + 3, mask=pm, other=0.0), 0)
+    mu = s1 / nf
+    sd = tl.sqrt(tl.maximum(s2 / nf - mu * mu, 0.0))
+    return M, m, nok, nf, mu, sd
 
 
 @triton.jit
-def _mixed_pivots(lo, hi, R: tl.constexpr, BITS: tl.constexpr, DT: tl.constexpr):
-    """R keys in (lo, hi): half spread evenly over the values, half over the keys. Over the values, a crowded
-    bracket's population shrinks fast (keys crowd near 0, where a logit body has few values); over the keys, it
-    closes in a bounded number of rounds whatever the data. (_narrow needs no order among pivots.)"""
-    j = tl.arange(0, R)
-    half = j < R // 2
-    f = ((j % (R // 2)) + 1).to(tl.float32) / (R // 2 + 1)
-    lo_v, hi_v = _value(lo, BITS, DT), _value(hi, BITS, DT)
-    v = lo_v * (1.0 - f) + hi_v * f  # no overflow at the float range's ends
-    by_key = lo + ((hi - lo) * ((j % (R // 2)) + 1).to(tl.int64)) // (R // 2 + 1)
-    finite = tl.abs(v) < float("inf")  # false for NaN too: an infinite end (a row with -inf logits)
-    k = tl.where(half & finite, _key(tl.where(finite, v, 0.0), BITS, DT), by_key)
-    return tl.minimum(tl.maximum(k, lo + 1), hi - 1)
+def _row_setup(Temp, TopP, TopK, RF, RI, row, s_t, s_p, s_k, vocab, P, PB: tl.constexpr):
+    """Round 1's view of a sampled row: t, top_p, top_k, M and m, the weights' reference Mw (0 for a row without a
+    finite max: all its weights 0) and c = log2(e) / t (capped: t -> 0 keeps weights finite), which thresholds
+    are on (and whether any is: not for a row with no value but NaN), and _row_range's counts, mean and
+    spread. Later launches read M, m, Mw, c back (_row_consts) rather than recompute them."""
+    t = tl.load(Temp + row * s_t).to(tl.float32)
+    top_p = tl.load(TopP + row * s_p).to(tl.float32)
+    top_k = tl.load(TopK + row * s_k).to(tl.int64)
+    M, m, nok, nf, mu, sd = _row_range(RF, RI, row, P, PB)
+    Mw = tl.where(M > float("-inf"), M, 0.0)
+    c = tl.minimum(1.4426950408889634 / t, 3.4028234663852886e38)
+    k_on = (top_k > 0) & (top_k < vocab)
+    p_on = top_p < 1.0
+    on = (k_on | p_on) & (m <= M)  # m > M: no value that is not NaN (nothing to search)
+    return t, top_p, top_k, M, m, Mw, c, k_on, p_on, on, nok, nf, mu, sd
 
 
 @triton.jit
-def _compact(xs, vocab, lo_v, hi_v, lv, lg, BLOCK: tl.constexpr, G: tl.constexpr):
-    """Lists, in id order, every aligned group of G ids with a value in [lo_v, hi_v): its G values (as stored,
-    NaN past the row's end) into lv and its index into lg. Returns the number of groups. Whole groups, so each
-    thread's G values (one 16-byte load) are stored as loaded: one scan of BLOCK / G flags per block, and no
-    scatter of single values."""
-    rows = tl.arange(0, BLOCK // G)  # (BLOCK / G,)
-    cols = tl.arange(0, G)[None, :]  # (1, G)
-    offs = rows[:, None] * G + cols  # (BLOCK / G, G)
-    ng = tl.zeros([], tl.int32)
-    nxt = tl.load(xs + offs, mask=offs < vocab, other=float("nan"))
-    for start in range(0, vocab, BLOCK):
-        raw = nxt
-        idx = start + BLOCK + offs
-        nxt = tl.load(xs + idx, mask=idx < vocab, other=float("nan"))  # the next block's load in flight
-        x = raw.to(tl.float32)
-        flag = tl.max(((x >= lo_v) & (x < hi_v)).to(tl.int32), 1)  # (BLOCK / G,): the group has a candidate
-        slot = ng + tl.cumsum(flag, 0) - 1
-        tl.store(lv + slot[:, None] * G + cols, raw, mask=(flag[:, None] > 0) & (cols < G))
-        tl.store(lg + slot, start // G + rows, mask=flag > 0)
-        ng += tl.sum(flag, 0)
-    return ng
+def _row_consts(RS, row):
+    """What round 1 stored of a sampled row in RS (n, 8) float32: M, m, Mw, c, the non-NaN count and whether a
+    threshold is on. Read back rather than recomputed, so every launch weighs with the same bits."""
+    base = RS + row * 8
+    on = tl.load(base + 5) != 0
+    return (tl.load(base), tl.load(base + 1), tl.load(base + 2), tl.load(base + 3), tl.load(base + 4).to(tl.int64),
+            on)
 
 
 @triton.jit
-def _draw_row(xs, vocab, M, c, tau, tgt, BLOCK: tl.constexpr):
-    """The first id of the row (in id order) whose running kept mass passes tgt; -1 and the last kept id."""
+def _round_sums(CNT, MSS, row, rnd, P, PB: tl.constexpr, R: tl.constexpr):
+    """A round's per-pivot totals (R,) int64 from its per-segment partials CNT, MSS (n, 2, P, R)."""
+    pi = tl.arange(0, PB)[:, None]
+    j = tl.arange(0, R)[None, :]
+    at = ((row * 2 + rnd) * P + pi) * R + j  # (PB, R)
+    ok = (pi < P) & (j < R)
+    return tl.sum(tl.load(CNT + at, mask=ok, other=0), 0), tl.sum(tl.load(MSS + at, mask=ok, other=0), 0)
+
+
+@triton.jit
+def _bracket(TopP, TopK, RS, ZS, PIV, CNT, MSS, row, s_p, s_k, vocab, P, cap,
+             UPTO: tl.constexpr, BITS: tl.constexpr, DT: tl.constexpr, PB: tl.constexpr, R: tl.constexpr):
+    """A sampled row's bracket after round 1 (UPTO 1) or after round 2 where that ran (UPTO 2), recomputed from
+    the exact partials (every program of every launch gets the same): lo, hi, the counts and masses at them,
+    their sources (-1: the row's first lo, whose partials are the non-NaN counts and Z_s; -2: above M, zeros;
+    else round x R + pivot), the weights' Mw and c as round 1 stored them, the bars k and pz, and whether a
+    threshold is on."""
+    top_p = tl.load(TopP + row * s_p).to(tl.float32)
+    top_k = tl.load(TopK + row * s_k).to(tl.int64)
+    M, m, Mw, c, nok, on = _row_consts(RS, row)
+    k = tl.where((top_k > 0) & (top_k < vocab), top_k, _BIG)
+    p_on = top_p < 1.0
+    pi = tl.arange(0, PB)
+    z = tl.sum(tl.load(ZS + row * P + pi, mask=pi < P, other=0), 0)
+    prod = top_p.to(tl.float64) * z.to(tl.float64)
+    pz = prod.to(tl.int64)
+    pz = tl.minimum(pz + (pz.to(tl.float64) < prod).to(tl.int64), z)  # ceil(top_p x Z): mass >= it <=> >= top_p Z
+    pz = tl.where(p_on, pz, _BIG)
+    lo = to_key(m, BITS, DT)
+    hi = tl.where(on, to_key(M, BITS, DT) + 1, lo + 1)  # off (or nothing to search): tau = m, every value kept
+    c_lo, s_lo, c_hi, s_hi = nok, z, nok * 0, z * 0
+    src_lo, src_hi = (lo * 0 - 1).to(tl.int32), (lo * 0 - 2).to(tl.int32)
+    if on:
+        cnt, mss = _round_sums(CNT, MSS, row, 0, P, PB, R)
+        pk = tl.load(PIV + row * 2 * P * R + tl.arange(0, R))  # program 0's copy (all programs' are equal)
+        lo, hi, c_lo, s_lo, c_hi, s_hi, src_lo, src_hi = _narrow(lo, hi, c_lo, s_lo, c_hi, s_hi, src_lo, src_hi,
+                                                                 pk, cnt, mss, k, pz, 0, R)
+        if UPTO == 2:  # noqa: SIM102 (a compile-time test, then a run-time one)
+            if (c_lo - c_hi > cap) & (hi - lo > 1):  # exactly round 2's own test
+                cnt, mss = _round_sums(CNT, MSS, row, 1, P, PB, R)
+                pk = tl.load(PIV + (row * 2 + 1) * P * R + tl.arange(0, R))
+                lo, hi, c_lo, s_lo, c_hi, s_hi, src_lo, src_hi = _narrow(lo, hi, c_lo, s_lo, c_hi, s_hi, src_lo,
+                                                                         src_hi, pk, cnt, mss, k, pz, R, R)
+    return lo, hi, c_lo, s_lo, c_hi, s_hi, src_lo, src_hi, Mw, c, k, pz, on
+
+
+@triton.jit
+def _seg_at(RI, ZS, CNT, MSS, row, P, src, PB: tl.constexpr, R: tl.constexpr):
+    """Per-segment count and mass (PB,) int64 at or above a bracket end, from its source (see _bracket)."""
+    pi = tl.arange(0, PB)
+    pm = pi < P
+    piv = src >= 0
+    at = ((row * 2 + src // R) * P + pi) * R + src % R
+    cnt = tl.load(CNT + at, mask=pm & piv, other=0)
+    mss = tl.load(MSS + at, mask=pm & piv, other=0)
+    first = src == -1
+    cnt = tl.where(first, tl.load(RI + (row * P + pi) * 4 + 1, mask=pm, other=0).to(tl.int64), cnt)
+    mss = tl.where(first, tl.load(ZS + row * P + pi, mask=pm, other=0), mss)
+    return cnt, mss
+
+
+@triton.jit
+def _range_kernel(X, Temp, RF, RI, stride_x, s_t, vocab, seg,
+                  BITS: tl.constexpr, INF_KEY: tl.constexpr, BLOCK: tl.constexpr):
+    # grid (n, P): X (n, vocab); RF (n, P, 4) float32 [max, min, sum, sum of squares], RI (n, P, 4) int32
+    # [finite count, non-NaN count, argmax key, argmax id] of the segment [p x seg, (p + 1) x seg)
+    row = tl.program_id(0).to(tl.int64)
+    p = tl.program_id(1)
+    P = tl.num_programs(1)
+    xs = X + row * stride_x
+    start = p * seg
+    end = tl.minimum(start + seg, vocab)
     offs = tl.arange(0, BLOCK)
-    carry = tl.zeros([], tl.float32)
-    tok = tl.full([], -1, tl.int32)
-    last = tl.full([], -1, tl.int32)
-    start = tl.zeros([], tl.int32)
-    nxt = tl.load(xs + offs, mask=offs < vocab, other=float("-inf"))
-    while (tok < 0) & (start < vocab):
+    out = (row * P + p) * 4
+    if tl.load(Temp + row * s_t) == 0:
+        best = tl.full([BLOCK], -2147483647 - 1, tl.int32)  # below every key
+        at_id = tl.zeros([BLOCK], tl.int32)
+        for s in range(start, end, BLOCK):
+            idx = s + offs
+            ok = idx < end
+            key = tl.where(ok, elem_key(tl.load(xs + idx, mask=ok, other=0.0), BITS, INF_KEY), -2147483647 - 1)
+            up = key > best  # strictly: a lane keeps its first id among equal keys
+            best = tl.where(up, key, best)
+            at_id = tl.where(up, idx, at_id)
+        top = tl.max(best, 0)
+        tl.store(RI + out + 2, top)
+        tl.store(RI + out + 3, tl.min(tl.where(best == top, at_id, 2147483647), 0))
+    else:
+        mx = tl.full([BLOCK], float("-inf"), tl.float32)
+        mn = tl.full([BLOCK], float("inf"), tl.float32)
+        s1 = tl.zeros([BLOCK], tl.float32)
+        s2 = tl.zeros([BLOCK], tl.float32)
+        nf = tl.zeros([BLOCK], tl.int32)
+        nok = tl.zeros([BLOCK], tl.int32)
+        nxt = tl.load(xs + start + offs, mask=start + offs < end, other=float("nan"))
+        for s in range(start, end, BLOCK):
+            x = nxt.to(tl.float32)
+            idx = s + BLOCK + offs
+            nxt = tl.load(xs + idx, mask=idx < end, other=float("nan"))  # the next block's load in flight
+            num = x == x  # noqa: PLR0124 (not NaN; past the segment's end loads NaN)
+            fin = tl.abs(x) < float("inf")
+            mx = tl.maximum(mx, tl.where(num, x, float("-inf")))
+            mn = tl.minimum(mn, tl.where(num, x, float("inf")))
+            xf = tl.where(fin, x, 0.0)
+            s1 += xf
+            s2 += xf * xf
+            nf += fin.to(tl.int32)
+            nok += num.to(tl.int32)
+        tl.store(RF + out, tl.max(mx, 0))
+        tl.store(RF + out + 1, tl.min(mn, 0))
+        tl.store(RF + out + 2, tl.sum(s1, 0))
+        tl.store(RF + out + 3, tl.sum(s2, 0))
+        tl.store(RI + out, tl.sum(nf, 0))
+        tl.store(RI + out + 1, tl.sum(nok, 0))
+
+
+@triton.jit
+def _seg_round(xs, start, end, Mw, c, pk, R: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr,
+               DT: tl.constexpr):
+    """Over one segment: Z_s = sum W, and per pivot (R,) the count and mass of the values >= it. The segment is
+    read as (1, BLOCK) so the (R, BLOCK) compares share its layout; each lane and pivot accumulates count x 2^50
+    + mass in one int64 (under MAX_STEPS steps neither field overflows), split once at the end."""
+    offs = tl.arange(0, BLOCK)[None, :]  # (1, BLOCK)
+    piv = to_value(pk, BITS, DT)[:, None]  # (R, 1): above -inf, so lanes past the end (-inf) pass none
+    acc_z = tl.zeros([1, BLOCK], tl.int64)
+    acc = tl.zeros([R, BLOCK], tl.int64)
+    nxt = tl.load(xs + start + offs, mask=start + offs < end, other=float("-inf"))
+    for s in range(start, end, BLOCK):
         x = nxt.to(tl.float32)
-        ids = start + offs
-        idx = start + BLOCK + offs
-        nxt = tl.load(xs + idx, mask=idx < vocab, other=float("-inf"))
-        kept = (ids < vocab) & (x >= tau)
-        w = tl.where(kept, tl.exp2((x - M) * c), 0.0)
-        run = tl.cumsum(w, 0) + carry  # (BLOCK,) non-decreasing
-        first = tl.min(tl.where(kept & (run > tgt), ids, 2147483647), 0)
-        tok = tl.where(first < 2147483647, first, tok)
-        last = tl.maximum(last, tl.max(tl.where(kept, ids, -1), 0))
-        carry = tl.max(run, 0)
-        start += BLOCK
-    return tok, last
+        idx = s + BLOCK + offs
+        nxt = tl.load(xs + idx, mask=idx < end, other=float("-inf"))  # the next block's load in flight
+        w = _weight(x, Mw, c)  # (1, BLOCK)
+        acc_z += w
+        acc += tl.where(x >= piv, w + _CNT, 0)
+    cnt = tl.sum(acc >> 50, 1)
+    mss = tl.sum(acc & _MASS, 1)
+    return tl.sum(tl.sum(acc_z, 1), 0), cnt, mss
 
 
 @triton.jit
-def _draw_list(lv, lg, n, M, c, tau, tgt, LBLOCK: tl.constexpr, G: tl.constexpr):
-    """_draw_row over the list's first n values (groups ascending; the id of value j is lg[j // G] * G + j % G)."""
-    offs = tl.arange(0, LBLOCK)
-    carry = tl.zeros([], tl.float32)
-    tok = tl.full([], -1, tl.int32)
-    last = tl.full([], -1, tl.int32)
-    start = tl.zeros([], tl.int32)
-    while (tok < 0) & (start < n):
-        j = start + offs
-        ok = j < n
-        x = tl.load(lv + j, mask=ok, other=float("nan")).to(tl.float32)
-        ids = tl.load(lg + j // G, mask=ok, other=0) * G + j % G
-        kept = x >= tau  # NaN padding never
-        w = tl.where(kept, tl.exp2((x - M) * c), 0.0)
-        run = tl.cumsum(w, 0) + carry
-        first = tl.min(tl.where(kept & (run > tgt), ids, 2147483647), 0)
-        tok = tl.where(first < 2147483647, first, tok)
-        last = tl.maximum(last, tl.max(tl.where(kept, ids, -1), 0))
-        carry = tl.max(run, 0)
-        start += LBLOCK
-    return tok, last
+def _seg_z(xs, start, end, Mw, c, BLOCK: tl.constexpr):
+    """Over one segment: Z_s = sum W (a row with no threshold: its kept mass)."""
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], tl.int64)
+    for s in range(start, end, BLOCK):
+        idx = s + offs
+        acc += _weight(tl.load(xs + idx, mask=idx < end, other=float("-inf")).to(tl.float32), Mw, c)
+    return tl.sum(acc, 0)
 
 
 @triton.jit
-def _sample_kernel(
-    X, Temp, TopP, TopK, Seed, Pos, Out, ListV, ListG,
-    stride_x, s_t, s_p, s_k, s_s, s_q, stride_lv, stride_lg,
-    vocab, cap,
-    BITS: tl.constexpr, INF_KEY: tl.constexpr, BLOCK: tl.constexpr, LBLOCK: tl.constexpr, G: tl.constexpr,
-    RP: tl.constexpr, RL: tl.constexpr, MAX_ROUNDS: tl.constexpr,
-):
-    # grid (n,): one program per row of X (n, vocab); Out (n,) int64; scratch per row: ListV (n, >= vocab) in
-    # X's dtype, ListG (n, >= vocab / G) int32.
+def _round_kernel(X, Temp, TopP, TopK, RF, RI, RS, ZS, PIV, CNT, MSS,
+                  stride_x, s_t, s_p, s_k, vocab, seg, cap,
+                  ROUND: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr, PB: tl.constexpr,
+                  R: tl.constexpr):
+    # grid (n, P); round 1 writes RS (n, 8) float32 (program 0: the row's constants), ZS (n, P) int64 and, with a
+    # threshold on, its pivots PIV[:, 0] (n, P, R) int64
+    # keys (each program's copy, all equal) and CNT, MSS[:, 0] (n, P, R) int64; round 2, where the bracket holds
+    # more than cap values, PIV, CNT, MSS[:, 1]
     DT: tl.constexpr = X.dtype.element_ty
     row = tl.program_id(0).to(tl.int64)
+    p = tl.program_id(1)
+    P = tl.num_programs(1)
     xs = X + row * stride_x
-    t = tl.load(Temp + row * s_t).to(tl.float32)
-    if t == 0.0:
-        tok = _argmax(xs, vocab, BITS, INF_KEY, BLOCK)
-    else:
-        top_p = tl.load(TopP + row * s_p).to(tl.float32)
-        top_k = tl.load(TopK + row * s_k).to(tl.int64)
-        lv = ListV + row * stride_lv
-        lg = ListG + row * stride_lg
-        M, m = _row_range(xs, vocab, BLOCK)
-        c = tl.minimum(1.4426950408889634 / t, 3.4028234663852886e38)
-        k_on = (top_k > 0) & (top_k < vocab)
-        p_on = top_p < 1.0
-        k = tl.where(k_on, top_k, 1 << 62)  # count(l >= v) >= k: never when off
-        lo = _key(m, BITS, DT)  # int64: pred(min) holds (everything counts)
-        hi = _key(M, BITS, DT) + 1  # nothing is above M
-        c_lo = lo * 0 + vocab
-        c_hi = lo * 0
-        w_hi = tl.zeros([], tl.float32)
-        # round 1: Z and the ladder M - t * (16, 8, 4, 2), ascending
-        rung = tl.arange(0, RP)
-        ladder = tl.maximum(M - t * tl.exp2((RP - rung).to(tl.float32)), m)  # below the min: the min
-        pk = tl.minimum(tl.maximum(_key(ladder, BITS, DT), lo), hi - 1)
-        if k_on | p_on:
-            z, cnt, mass = _row_round(xs, vocab, M, c, _value(pk, BITS, DT), RP, True, BLOCK)
-            pz = tl.where(p_on, top_p * z, float("inf"))
-            lo, hi, c_lo, w_lo, c_hi, w_hi = _narrow(lo, hi, c_lo, z, c_hi, w_hi, pk, cnt, mass, k, pz)
-        else:  # every token kept: tau = the min, the bracket closed at once
-            z, cnt, mass = _row_round(xs, vocab, M, c, _value(pk, BITS, DT), RP, False, BLOCK)
-            pz = top_p * z
-            hi = lo + 1
-            w_lo = z
-        rounds = 0
-        while (c_lo - c_hi > cap) & (hi - lo > 1) & (rounds < MAX_ROUNDS):  # a crowded bracket: a deep threshold
-            rk = _mixed_pivots(lo, hi, RP, BITS, DT)
-            _, r_cnt, r_mass = _row_round(xs, vocab, M, c, _value(rk, BITS, DT), RP, True, BLOCK)
-            lo, hi, c_lo, w_lo, c_hi, w_hi = _narrow(lo, hi, c_lo, w_lo, c_hi, w_hi, rk, r_cnt, r_mass, k, pz)
-            rounds += 1
-        # the list: every value >= lo when they fit (the draw then runs over it too), else the bracket's values
-        # (the values >= hi then enter the rounds as their count and mass, and the draw runs over the row)
-        whole = c_lo <= cap
-        n = tl.zeros([], tl.int32)
-        if whole | (hi - lo > 1):
-            c_off = tl.where(whole, 0, c_hi)
-            w_off = tl.where(whole, 0.0, w_hi)
-            hi_c = tl.where(whole, float("inf"), _value(hi, BITS, DT))
-            n = _compact(xs, vocab, _value(lo, BITS, DT), hi_c, lv, lg, BLOCK, G) * G
+    start = p * seg
+    end = tl.minimum(start + seg, vocab)
+    if tl.load(Temp + row * s_t) != 0:
+        if ROUND == 1:
+            t, top_p, top_k, M, m, Mw, c, k_on, p_on, on, nok, nf, mu, sd = _row_setup(
+                Temp, TopP, TopK, RF, RI, row, s_t, s_p, s_k, vocab, P, PB)
+            if p == 0:
+                tl.store(RS + row * 8 + tl.arange(0, 8),
+                         tl.where(tl.arange(0, 8) == 0, M, tl.where(tl.arange(0, 8) == 1, m,
+                                  tl.where(tl.arange(0, 8) == 2, Mw, tl.where(tl.arange(0, 8) == 3, c,
+                                           tl.where(tl.arange(0, 8) == 4, nok.to(tl.float32), on.to(tl.float32)))))))
+            if on:
+                lo = to_key(m, BITS, DT)
+                pk = _first_pivots(lo, to_key(M, BITS, DT) + 1, M, t, mu, sd, top_p, top_k.to(tl.float32) / nf, p_on,
+                                   k_on, R, BITS, DT)
+                pk = _pin(PIV + (row * 2 * P + p) * R, pk, R)
+                z, cnt, mss = _seg_round(xs, start, end, Mw, c, pk, R, BLOCK, BITS, DT)
+                at = (row * 2 * P + p) * R + tl.arange(0, R)
+                tl.store(CNT + at, cnt)
+                tl.store(MSS + at, mss)
+            else:
+                z = _seg_z(xs, start, end, Mw, c, BLOCK)
+            tl.store(ZS + row * P + p, z)
+        else:
+            lo, hi, c_lo, _s_lo, c_hi, _s_hi, _src_lo, _src_hi, Mw, c, _k, _pz, on = _bracket(
+                TopP, TopK, RS, ZS, PIV, CNT, MSS, row, s_p, s_k, vocab, P, cap, 1, BITS, DT, PB, R)
+            if on & (c_lo - c_hi > cap) & (hi - lo > 1):
+                pk = _pin(PIV + ((row * 2 + 1) * P + p) * R, _even_pivots(lo, hi, R, BITS, DT), R)
+                z, cnt, mss = _seg_round(xs, start, end, Mw, c, pk, R, BLOCK, BITS, DT)
+                at = ((row * 2 + 1) * P + p) * R + tl.arange(0, R)
+                tl.store(CNT + at, cnt)
+                tl.store(MSS + at, mss)
+
+
+@triton.jit
+def _list_place(RI, ZS, CNT, MSS, row, p, P, src_lo, src_hi, PB: tl.constexpr, R: tl.constexpr):
+    """Where segment p's values in [lo, hi) go in the row's list: (its offset, its count, the list's length)."""
+    pi = tl.arange(0, PB)
+    c_lo, _m_lo = _seg_at(RI, ZS, CNT, MSS, row, P, src_lo, PB, R)
+    c_hi, _m_hi = _seg_at(RI, ZS, CNT, MSS, row, P, src_hi, PB, R)
+    cand = c_lo - c_hi  # (PB,)
+    off = tl.sum(tl.where(pi < p, cand, 0), 0)
+    return off, tl.sum(tl.where(pi == p, cand, 0), 0), tl.sum(cand, 0)
+
+
+@triton.jit
+def _compact_kernel(X, Temp, TopP, TopK, RI, RS, ZS, PIV, CNT, MSS, LV, ST,
+                    stride_x, s_t, s_p, s_k, stride_l, vocab, seg, cap,
+                    BITS: tl.constexpr, BLOCK: tl.constexpr, PB: tl.constexpr, R: tl.constexpr):
+    # grid (n, P): an open bracket's values in [lo, hi), each segment's in id order at its offset, into
+    # LV (n, >= vocab) in X's dtype; program 0 stores the final bracket in ST (n, 10) int64 [lo, hi, c_lo, s_lo,
+    # c_hi, s_hi, src_lo, src_hi, k, pz]
+    DT: tl.constexpr = X.dtype.element_ty
+    row = tl.program_id(0).to(tl.int64)
+    p = tl.program_id(1)
+    P = tl.num_programs(1)
+    if tl.load(Temp + row * s_t) != 0:
+        lo, hi, c_lo, s_lo, c_hi, s_hi, src_lo, src_hi, _mw, _c, k, pz, _on = _bracket(
+            TopP, TopK, RS, ZS, PIV, CNT, MSS, row, s_p, s_k, vocab, P, cap, 2, BITS, DT, PB, R)
+        if p == 0:
+            f = tl.arange(0, 16)
+            st = tl.where(f == 0, lo, tl.where(f == 1, hi, tl.where(f == 2, c_lo, tl.where(f == 3, s_lo, tl.where(
+                f == 4, c_hi, tl.where(f == 5, s_hi, tl.where(f == 6, src_lo.to(tl.int64), tl.where(
+                    f == 7, src_hi.to(tl.int64), tl.where(f == 8, k, pz)))))))))
+            tl.store(ST + row * 10 + f, st, mask=f < 10)
+        if hi - lo > 1:
+            off, _mine, _n = _list_place(RI, ZS, CNT, MSS, row, p, P, src_lo, src_hi, PB, R)
+            lo_v, hi_v = to_value(lo, BITS, DT), to_value(hi, BITS, DT)
+            xs = X + row * stride_x
+            lv = LV + row * stride_l
+            offs = tl.arange(0, BLOCK)
+            start = p * seg
+            end = tl.minimum(start + seg, vocab)
+            nxt = tl.load(xs + start + offs, mask=start + offs < end, other=float("nan"))
+            for s in range(start, end, BLOCK):
+                raw = nxt
+                idx = s + BLOCK + offs
+                nxt = tl.load(xs + idx, mask=idx < end, other=float("nan"))  # the next block's load in flight
+                x = raw.to(tl.float32)
+                flag = ((x >= lo_v) & (x < hi_v)).to(tl.int32)  # NaN (past the end too): never
+                got = tl.sum(flag, 0)
+                if got > 0:
+                    tl.store(lv + off + tl.cumsum(flag, 0) - 1, raw, mask=flag > 0)
+                off += got
+
+
+@triton.jit
+def _search_kernel(Temp, RI, RS, ZS, CNT, MSS, LV, ST, LPIV, KSEG, KCNT, TAU,
+                   s_t, stride_l,
+                   BITS: tl.constexpr, LBLOCK: tl.constexpr, PB: tl.constexpr, R: tl.constexpr,
+                   RL: tl.constexpr, MAX_ROUNDS: tl.constexpr):
+    # grid (n, P): each program closes its row's bracket over the list (the same steps in each; LPIV (n, P, RL)
+    # int64 holds its pivots), then writes its segment's kept count and mass KCNT, KSEG (n, P) int64 (at or above
+    # tau); program 0 writes TAU (n,) int64
+    DT: tl.constexpr = LV.dtype.element_ty
+    row = tl.program_id(0).to(tl.int64)
+    p = tl.program_id(1)
+    P = tl.num_programs(1)
+    if tl.load(Temp + row * s_t) != 0:
+        st = ST + row * 10
+        lo, hi, c_lo, s_lo, c_hi, s_hi = (tl.load(st), tl.load(st + 1), tl.load(st + 2), tl.load(st + 3),
+                                          tl.load(st + 4), tl.load(st + 5))
+        src_lo, src_hi = tl.load(st + 6).to(tl.int32), tl.load(st + 7).to(tl.int32)
+        k, pz = tl.load(st + 8), tl.load(st + 9)
+        _M, _m, Mw, c, _nok, _on = _row_consts(RS, row)
+        pi = tl.arange(0, PB)
+        if hi - lo > 1:
+            off, mine, n = _list_place(RI, ZS, CNT, MSS, row, p, P, src_lo, src_hi, PB, R)
+            seg_c, seg_m = _seg_at(RI, ZS, CNT, MSS, row, P, src_hi, PB, R)
+            kcnt = tl.sum(tl.where(pi == p, seg_c, 0), 0)  # this segment's values >= hi
+            kseg = tl.sum(tl.where(pi == p, seg_m, 0), 0)
+            c_off, s_off = c_hi, s_hi  # the list holds [lo, hi): the values >= hi enter as their count and mass
+            lv = LV + row * stride_l
+            offs = tl.arange(0, LBLOCK)[None, :]  # (1, LBLOCK)
             rounds = 0
             while (hi - lo > 1) & (rounds < MAX_ROUNDS):
-                lk = _pivots(lo, hi, RL)
-                l_cnt, l_mass = _list_round(lv, n, hi_c, M, c, _value(lk, BITS, DT), RL, LBLOCK)
-                lo, hi, c_lo, w_lo, c_hi, w_hi = _narrow(lo, hi, c_lo, w_lo, c_hi, w_hi, lk, l_cnt + c_off,
-                                                         l_mass + w_off, k, pz)
+                pk = _pin(LPIV + (row * P + p) * RL, mixed_pivots(lo, hi, RL, BITS, DT), RL)
+                piv = to_value(pk, BITS, DT)[:, None]  # (RL, 1)
+                lo_v, hi_v = to_value(lo, BITS, DT), to_value(hi, BITS, DT)
+                acc_c = tl.zeros([RL, LBLOCK], tl.int32)
+                acc_m = tl.zeros([RL, LBLOCK], tl.int64)
+                least = tl.full([1, LBLOCK], _BIG, tl.int64)  # the smallest and largest keys in [lo, hi)
+                most = tl.full([1, LBLOCK], -_BIG, tl.int64)
+                for s in range(0, n, LBLOCK):
+                    j = s + offs
+                    x = tl.load(lv + j, mask=j < n, other=float("-inf")).to(tl.float32)
+                    ge = x >= piv  # (RL, LBLOCK); -inf past the end: below every pivot
+                    acc_c += ge.to(tl.int32)
+                    acc_m += tl.where(ge, _weight(x, Mw, c), 0)
+                    inb = (x >= lo_v) & (x < hi_v)
+                    kx = to_key(x, BITS, DT)
+                    least = tl.minimum(least, tl.where(inb, kx, _BIG))
+                    most = tl.maximum(most, tl.where(inb, kx, -_BIG))
+                cnt = tl.sum(acc_c, 1).to(tl.int64) + c_off
+                mss = tl.sum(acc_m, 1) + s_off
+                # the ends onto the values: no value lies in [lo, least) or above most below hi, so the count and
+                # mass at least are lo's (pred true) and above most hi's (pred false)
+                least = tl.min(tl.min(least, 1), 0)
+                most = tl.max(tl.max(most, 1), 0)
+                lo = tl.where(least < _BIG, least, lo)
+                hi = tl.where(most > -_BIG, most + 1, hi)
+                lo, hi, c_lo, s_lo, c_hi, s_hi, src_lo, src_hi = _narrow(lo, hi, c_lo, s_lo, c_hi, s_hi, src_lo,
+                                                                         src_hi, pk, cnt, mss, k, pz, 0, RL)
                 rounds += 1
-        tau = _value(lo, BITS, DT)
-        # target = u * kept mass in float64, compared as float32: run > target <=> run > (target rounded down)
-        target = _uniform(tl.load(Seed + row * s_s), tl.load(Pos + row * s_q)) * w_lo.to(tl.float64)
-        tgt = target.to(tl.float32)
-        tgt = tl.where(tgt.to(tl.float64) > target, (tgt.to(tl.int32, bitcast=True) - 1).to(tl.float32, bitcast=True),
-                       tgt)
-        if whole:
-            found, last = _draw_list(lv, lg, n, M, c, tau, tgt, LBLOCK, G)
-        else:
-            found, last = _draw_row(xs, vocab, M, c, tau, tgt, BLOCK)
-        tok = tl.maximum(tl.where(found >= 0, found, last), 0).to(tl.int64)
+            tau_v = to_value(lo, BITS, DT)
+            o1 = tl.arange(0, LBLOCK)
+            for s in range(off, off + mine, LBLOCK):  # this segment's slice of the list, at or above tau
+                j = s + o1
+                x = tl.load(lv + j, mask=j < off + mine, other=float("-inf")).to(tl.float32)
+                kept = (j < off + mine) & (x >= tau_v)
+                kcnt += tl.sum(kept.to(tl.int64), 0)
+                kseg += tl.sum(tl.where(kept, _weight(x, Mw, c), 0), 0)
+        else:  # closed by the row rounds (or no threshold): tau = lo, its per-segment partials
+            seg_c, seg_m = _seg_at(RI, ZS, CNT, MSS, row, P, src_lo, PB, R)
+            kcnt = tl.sum(tl.where(pi == p, seg_c, 0), 0)
+            kseg = tl.sum(tl.where(pi == p, seg_m, 0), 0)
+        tl.store(KCNT + row * P + p, kcnt)
+        tl.store(KSEG + row * P + p, kseg)
+        if p == 0:
+            tl.store(TAU + row, lo)
+
+
+@triton.jit
+def _draw_kernel(X, Temp, Seed, Pos, RI, RS, KSEG, KCNT, TAU, Out,
+                 stride_x, s_t, s_s, s_q, vocab, seg, P,
+                 BITS: tl.constexpr, BLOCK: tl.constexpr, PB: tl.constexpr):
+    # grid (n,): Out (n,) int64, the token
+    DT: tl.constexpr = X.dtype.element_ty
+    row = tl.program_id(0).to(tl.int64)
+    pi = tl.arange(0, PB)
+    pm = pi < P
+    if tl.load(Temp + row * s_t) == 0:  # greedy: the segments' argmax, ties to the lowest id
+        keys = tl.load(RI + (row * P + pi) * 4 + 2, mask=pm, other=-2147483647 - 1)
+        ids = tl.load(RI + (row * P + pi) * 4 + 3, mask=pm, other=2147483647)
+        tok = tl.min(tl.where(keys == tl.max(keys, 0), ids, 2147483647), 0).to(tl.int64)
+    else:
+        _M, _m, Mw, c, _nok, _on = _row_consts(RS, row)
+        tau_v = to_value(tl.load(TAU + row), BITS, DT)
+        kseg = tl.load(KSEG + row * P + pi, mask=pm, other=0)  # (PB,)
+        kcnt = tl.load(KCNT + row * P + pi, mask=pm, other=0)
+        run = tl.cumsum(kseg, 0)  # (PB,) the kept mass up to each segment's end
+        u = uniform(tl.load(Seed + row * s_s), tl.load(Pos + row * s_q))
+        tgt = (u * tl.sum(kseg, 0).to(tl.float64)).to(tl.int64)  # run > u x K <=> run > floor(u x K)
+        at = tl.min(tl.where(run > tgt, pi, PB), 0)  # the segment where the running sum passes the target
+        passed = at < PB
+        last = tl.max(tl.where(kcnt > 0, pi, -1), 0)  # else the last kept id: the last segment keeping any
+        q = tl.where(passed, at, last)
+        tgt = tl.where(passed, tgt, _BIG)
+        carry = tl.sum(tl.where(pi < q, kseg, 0), 0)
+        xs = X + row * stride_x
+        offs = tl.arange(0, BLOCK)
+        tok = tl.full([], -1, tl.int64)
+        last_id = tl.full([], -1, tl.int64)
+        s = tl.maximum(q, 0) * seg
+        end = tl.where(q >= 0, tl.minimum(s + seg, vocab), 0)
+        nxt = tl.load(xs + s + offs, mask=s + offs < end, other=float("-inf"))
+        while (tok < 0) & (s < end):
+            idx = s + offs
+            ok = idx < end
+            x = nxt.to(tl.float32)
+            nxt = tl.load(xs + idx + BLOCK, mask=idx + BLOCK < end, other=float("-inf"))  # the next block in flight
+            kept = ok & (x >= tau_v)
+            w = tl.where(kept, _weight(x, Mw, c), 0)
+            total = tl.sum(w, 0)
+            if carry + total > tgt:  # the target is in this block: its running sum
+                first = tl.min(tl.where(kept & (tl.cumsum(w, 0) + carry > tgt), idx, 2147483647), 0)
+                tok = first.to(tl.int64)
+            carry += total
+            last_id = tl.maximum(last_id, tl.max(tl.where(kept, idx, -1), 0).to(tl.int64))
+            s += BLOCK
+        tok = tl.maximum(tl.where(tok >= 0, tok, last_id), 0)
     tl.store(Out + row, tok)
 
 
+def programs_for(n: int, device: torch.device) -> int:
+    """Programs per row for a batch of n rows: the power of two at or below w x SMs / n (w = 4 up to SMALL_BATCH
+    rows, 2 past it), 1 to MAX_PROGRAMS. Measured on an H200 (132 SMs, vocab 152,064, the split draw captured:
+    bench/results/sample-split-h200-2026-12-02/): the fastest P was 32 at 1 and 8 rows, 16 at 32 and 4 at 64; more
+    programs than that add reductions and list rounds per row without filling the GPU more."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    waves = 4 if n <= SMALL_BATCH else 2
+    per_row = max(1, waves * sms // max(n, 1))
+    return min(MAX_PROGRAMS, 1 << (per_row.bit_length() - 1))
+
+
 def sample_triton(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
-                  seed: torch.Tensor, position: torch.Tensor, *, block: int | None = None,
-                  list_block: int = LIST_BLOCK, num_warps: int = NUM_WARPS) -> torch.Tensor:
+                        seed: torch.Tensor, position: torch.Tensor, *, programs_per_row: int | None = None,
+                        block: int = BLOCK, stream_block: int = STREAM_BLOCK, list_block: int = LIST_BLOCK,
+                        cap: int = CAP, num_warps: int = NUM_WARPS, search_warps: int = SEARCH_WARPS) -> torch.Tensor:
     """logits (n, vocab) bf16/fp16/fp32 with unit last stride; per row (n,) temperature, top_p (float), top_k,
-    seed, position (int) in any strides -> (n,) int64 tokens, one launch (checked by the caller). block /
-    list_block: values per step (the tests make them small to cross block edges at a small vocab)."""
+    seed, position (int) in any strides -> (n,) int64 tokens, as `sample_triton` (checked by the caller): six
+    launches, scratch from torch.empty, no host sync. programs_per_row: P (None: from the batch, `programs_for`);
+    the tokens do not depend on it. block, stream_block, list_block: values per step (the tests make them small
+    at a small vocab); cap: the bracket size past which round 2 runs."""
     n, vocab = logits.shape
     dev = logits.device
     out = torch.empty(n, dtype=torch.long, device=dev)
     if n == 0:
         return out
-    group = 16 // logits.element_size()  # values per listed group: one 16-byte load
-    if block is None:
-        block = BLOCK * 2 // logits.element_size()
-    groups = triton.cdiv(vocab, group)
-    list_v = torch.empty(n, groups * group, dtype=logits.dtype, device=dev)
-    list_g = torch.empty(n, groups, dtype=torch.int32, device=dev)
-    _sample_kernel[(n,)](
-        logits, temperature, top_p, top_k, seed, position, out, list_v, list_g,
-        logits.stride(0), temperature.stride(0), top_p.stride(0), top_k.stride(0), seed.stride(0),
-        position.stride(0), list_v.stride(0), list_g.stride(0),
-        vocab, max(vocab // 32, 1024),  # cap: list at most this many candidates (a list holds up to 8x as many)
-        BITS=32 if logits.dtype == torch.float32 else 16, INF_KEY=_INF_BITS[logits.dtype],
-        BLOCK=block, LBLOCK=list_block, G=group, RP=ROW_PIVOTS, RL=LIST_PIVOTS, MAX_ROUNDS=MAX_ROUNDS,
-        num_warps=num_warps,
-    )
+    if vocab >= 1 << 23:
+        raise ValueError(f"vocab {vocab} >= 2**23: the int64 fixed-point sums could overflow")
+    want = programs_per_row if programs_per_row is not None else programs_for(n, dev)
+    seg = triton.cdiv(triton.cdiv(vocab, max(want, 1)), ALIGN) * ALIGN
+    seg = min(seg, MAX_STEPS * block)  # a huge row gets more programs: a lane's packed sums stay in bounds
+    P = triton.cdiv(vocab, seg)
+    PB = max(2, triton.next_power_of_2(P))
+    bits = 32 if logits.dtype == torch.float32 else 16
+
+    def scratch(*shape, dtype=torch.int64):
+        return torch.empty(*shape, dtype=dtype, device=dev)
+
+    rf, ri = scratch(n, P, 4, dtype=torch.float32), scratch(n, P, 4, dtype=torch.int32)  # range partials
+    rs, st = scratch(n, 8, dtype=torch.float32), scratch(n, 10)  # a row's constants; its bracket at compaction
+    zs, piv = scratch(n, P), scratch(n, 2, P, R)  # Z_s; each program's pivots, rounds 1 and 2
+    cnt, mss = scratch(n, 2, P, R), scratch(n, 2, P, R)  # per-segment counts and masses at the pivots
+    lv, lpiv = scratch(n, vocab, dtype=logits.dtype), scratch(n, P, RL)  # the list; the list rounds' pivots
+    kseg, kcnt, tau = scratch(n, P), scratch(n, P), scratch(n)  # each segment's kept mass and count; tau's key
+    params = (temperature, top_p, top_k)
+    strides = (temperature.stride(0), top_p.stride(0), top_k.stride(0))
+    sx = logits.stride(0)
+    grid = (n, P)
+    _range_kernel[grid](logits, temperature, rf, ri, sx, strides[0], vocab, seg, BITS=bits,
+                        INF_KEY=INF_BITS[logits.dtype], BLOCK=stream_block, num_warps=num_warps)
+    for rnd in (1, 2):
+        _round_kernel[grid](logits, *params, rf, ri, rs, zs, piv, cnt, mss, sx, *strides, vocab, seg, cap, ROUND=rnd,
+                            BITS=bits, BLOCK=block, PB=PB, R=R, num_warps=num_warps)
+    _compact_kernel[grid](logits, *params, ri, rs, zs, piv, cnt, mss, lv, st, sx, *strides, lv.stride(0), vocab, seg,
+                          cap, BITS=bits, BLOCK=stream_block, PB=PB, R=R, num_warps=num_warps)
+    _search_kernel[grid](temperature, ri, rs, zs, cnt, mss, lv, st, lpiv, kseg, kcnt, tau, strides[0], lv.stride(0),
+                         BITS=bits, LBLOCK=list_block, PB=PB, R=R, RL=RL, MAX_ROUNDS=MAX_ROUNDS,
+                         num_warps=search_warps)
+    _draw_kernel[(n,)](logits, temperature, seed, position, ri, rs, kseg, kcnt, tau, out, sx, strides[0],
+                       seed.stride(0), position.stride(0), vocab, seg, P, BITS=bits, BLOCK=stream_block, PB=PB,
+                       num_warps=num_warps)
     return out

@@ -1,8 +1,8 @@
-"""The split sampling kernel (kvtransfer/kernels/triton_sample_split.py) against sampler.sample_ref, interpreted.
+"""The split sampling kernel (kvtransfer/kernels/triton_sample.py) against sampler.sample_ref, interpreted.
 
 Why: the kernel cuts each row over P programs and must draw what the reference draws, and the same token whatever
 P is and whatever else is in the batch (a prompt's first token is drawn alone on one server and in a batch on
-another). Run with `TRITON_INTERPRET=1 python -m pytest tests/test_sample_split_interp.py`; skipped otherwise (the
+another). Run with `TRITON_INTERPRET=1 python -m pytest tests/test_sample_interp.py`; skipped otherwise (the
 variable must be set before triton is imported) or when triton is missing, as tests/test_kernels_interp.py.
 Small vocabularies that are no multiple of the segments or blocks, small blocks (segments span several) and a
 small `cap` (round 2 and the list search run at this size). The interpreter costs about 0.1 s per program and
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the int
 from test_sampler import llm_like_logits, unexplained
 
 from kvtransfer.engine.sampler import Draws, SamplingParams, sample_ref, uniform
-from kvtransfer.kernels.triton_sample_split import programs_for, sample_triton_split
+from kvtransfer.kernels.triton_sample import programs_for, sample_triton
 
 SMALL = {"block": 64, "stream_block": 128, "list_block": 64, "cap": 48}  # steps, round 2's bar: vocab ~1000
 
@@ -49,10 +49,10 @@ def _ties(n, vocab, seed, dtype):
 
 
 def _split(logits, args, programs, **kw):
-    return sample_triton_split(logits, *args, programs_per_row=programs, **{**SMALL, **kw})
+    return sample_triton(logits, *args, programs_per_row=programs, **{**SMALL, **kw})
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
 def test_split_draws_as_the_reference(dtype):
     vocab = 1000  # P = 3: segments of 336, 336 and 328, none a multiple of a block
     tied = [1, 2, 3, 5, 6, 8, 11]  # the rows with a threshold: each falls on a tie group
