@@ -1,4 +1,4 @@
-"""`kvtransfer-decode`: load the model, pair with the prefill peer (and keep pairing), serve Generate."""
+"""`kvtransfer-decode`: load the model, pair with the prefill peers (and keep pairing), serve Generate."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from grpc_health.v1 import health_pb2
 from decode_server.config import DecodeConfig
 from decode_server.peer.handshake import HandshakeRefused
 from decode_server.peer.pairing import DecodePairing
+from decode_server.peer.peers import PrefillPeers
 from decode_server.server import DecodeService, create_server
 from decode_server.sizing import plan_engine
 from kvtransfer.engine.engine import DecodeEngine
@@ -38,35 +39,40 @@ async def serve(config: DecodeConfig) -> None:
     backend = None if config.colocated else registry.resolve(config.transport, device.type)
     if backend is not None and backend.rendezvous is registry.Rendezvous.PROCESS_GROUP:
         from kvtransfer.transport.rendezvous import store_address
-        store_address(config.dist_init)  # env:// without MASTER_ADDR/PORT: exit 2 now, not after the handshake
-    receive_slots = 0 if backend is None else config.ipc_slots if backend.name == "cuda_ipc" else 1
+        for init in config.dist_inits:
+            store_address(init)  # env:// without MASTER_ADDR/PORT: exit 2 now, not after the handshake
+    per_peer = 0 if backend is None else config.ipc_slots if backend.name == "cuda_ipc" else 1
+    receive_slots = per_peer * len(config.prefill_addrs)
     options, chosen = plan_engine(config, loaded, receive_slots)
     log.info("%s", chosen)
     engine = DecodeEngine(loaded, options, on_step=metrics.stepped, on_fatal=stop.fail)
-    pairing, health = None, new_health()
+    peers, health = None, new_health()
     if backend is not None:
-        channel = peer.channel(config.prefill_addr,
-                               options=peer_channel_options(config.max_message_bytes, config.peer_keepalive_s))
-        pairing = DecodePairing(config, loaded, backend,
-                                local_compat(loaded.spec, loaded.model, loaded.geometry, config.deterministic),
-                                channel, peer.metadata(), metrics, health)
-        pairing.watch_fatal(stop.fail)
-    service = DecodeService(config, engine, pairing, metrics, peer.metadata())
+        peers = PrefillPeers(config, health, metrics)
+        compat = local_compat(loaded.spec, loaded.model, loaded.geometry, config.deterministic)
+        for addr, init in zip(config.prefill_addrs, config.dist_inits):
+            channel = peer.channel(addr, options=peer_channel_options(config.max_message_bytes,
+                                                                      config.peer_keepalive_s))
+            peers.add(DecodePairing(config, loaded, backend, compat, channel, peer.metadata(), metrics,
+                                    peers.publish, addr, init))
+        peers.watch_fatal(stop.fail)
+    service = DecodeService(config, engine, peers, metrics, peer.metadata())
 
     def on_fatal(cause: str) -> None:  # on the loop, at once: probes see NOT_SERVING, requests end INTERNAL
         asyncio.ensure_future(service.health.enter_graceful_shutdown())
         service.fail_all(cause)
     stop.on_fatal = on_fatal
     server, port = await create_server(config, service, token=token, health=health)  # the port is ours from here on
-    if pairing is not None:
-        await pairing.publish()  # NOT_SERVING from the first moment the port answers, until paired
+    if peers is not None:
+        await peers.publish()  # NOT_SERVING from the first moment the port answers, until paired
     await server.start()
     front = "mTLS" if config.tls_ca else "TLS" if config.tls_cert else "plaintext"
-    if pairing is not None:  # "" follows the peer: NOT_SERVING until paired, and while it is gone
+    if peers is not None:  # "" follows the peers: NOT_SERVING until one is paired, and while none is
         log.info("listening on port %d, NOT_SERVING until paired; model loaded on %s; pairing with the prefill "
-                 "worker at %s (--prefill-addr, %s, --on-failure %s)", port, device, config.prefill_addr,
-                 pairing.transport, config.on_failure)
-        paired = await stop.wait_or(_first_pairing(pairing))
+                 "worker%s at %s (--prefill-addr, %s, --on-failure %s)", port, device,
+                 "s" if len(config.prefill_addrs) > 1 else "", ", ".join(config.prefill_addrs), peers.transport,
+                 config.on_failure)
+        paired = await stop.wait_or(_first_pairing(peers))
     else:
         await service.health.set("", health_pb2.HealthCheckResponse.SERVING)
         paired = True
@@ -76,16 +82,16 @@ async def serve(config: DecodeConfig) -> None:
         await stop.event.wait()
     await shut_down(server, service.health, service.running, stop, 0.0 if stop.fatal else config.shutdown_grace_s,
                     log, "decode server", service.end_for_shutdown)
-    if pairing is not None:
-        await pairing.close()
+    if peers is not None:
+        await peers.close()
     engine.close()
     if stop.fatal:
         raise FatalStop(stop.fatal)
 
 
-async def _first_pairing(pairing: DecodePairing) -> None:
+async def _first_pairing(peers: PrefillPeers) -> None:
     try:
-        await pairing.start()
+        await peers.start()
     except HandshakeRefused as e:  # refused, or no answer within --handshake-timeout-s: exit 2, saying why
         raise ValueError(str(e)) from None
 

@@ -25,7 +25,8 @@ ON_FAILURE = ("fail", "recompute")
 @dataclass(frozen=True)
 class DecodeConfig:
     listen: str = flag("127.0.0.1:50051", "the front door, HOST:PORT (loopback unless told otherwise)")
-    prefill_addr: str = flag("127.0.0.1:50061", "the prefill worker's control plane, HOST:PORT")
+    prefill_addr: str = flag("127.0.0.1:50061", "the prefill workers' control planes, HOST:PORT[,HOST:PORT...]: "
+                             "pairs with each; a request's prefill goes to the least loaded one that is up")
     colocated: bool = flag(False, "no prefill peer: this worker prefills itself (the baseline)")
     model: str = flag("tiny", "a preset (tiny, smollm2-135m, qwen2.5-7b: seeded random weights) or a local "
                       "Hugging Face directory; must match the prefill worker's")
@@ -43,7 +44,7 @@ class DecodeConfig:
     dist_op_timeout_s: float = flag(0.0, "nccl/gloo: one group operation's timeout, s (0: a week on NCCL, "
                                     "--dist-timeout-s on gloo)")
     dist_init: str = flag("env://", "nccl/gloo rendezvous hosted by the prefill worker: env://, tcp://HOST:PORT "
-                          "or file:///PATH")
+                          "or file:///PATH; with several --prefill-addr, one each, comma-separated, in their order")
     max_prompt_tokens: int = flag(32768, "longest prompt accepted; longer: INVALID_ARGUMENT")
     max_new_tokens: int = flag(4096, "most tokens one request may ask for")
     max_inflight: int = flag(64, "requests admitted at once; beyond it: RESOURCE_EXHAUSTED at once")
@@ -105,6 +106,17 @@ class DecodeConfig:
     fail_scheduler_after_steps: int = flag(-1, "fault injection (tests): the scheduler thread dies after this many "
                                            "decode steps (-1: off)")
 
+    @property
+    def prefill_addrs(self) -> list[str]:
+        """--prefill-addr's addresses, in order."""
+        return [a.strip() for a in self.prefill_addr.split(",") if a.strip()]
+
+    @property
+    def dist_inits(self) -> list[str]:
+        """One rendezvous per prefill address (a single --dist-init serves them all: grpc/cuda_ipc ignore it)."""
+        inits = [i.strip() for i in self.dist_init.split(",")]
+        return inits if len(inits) > 1 else inits * len(self.prefill_addrs)
+
     def __post_init__(self):
         ModelSpec(self.model, "float32" if self.dtype == "auto" else self.dtype, self.seed)
         options_from(self, self.transport)  # the backend's options; refuses another backend's flags
@@ -149,8 +161,22 @@ class DecodeConfig:
         check_address("--listen", self.listen)
         check_address("--data-listen", self.data_listen)
         if not self.colocated:
-            check_address("--prefill-addr", self.prefill_addr, allow_port_zero=False)
-            check_dist_init("--dist-init", self.dist_init)
+            addrs = self.prefill_addrs
+            for a in addrs:
+                check_address("--prefill-addr", a, allow_port_zero=False)
+            if len(set(addrs)) != len(addrs):
+                raise ValueError(f"--prefill-addr {self.prefill_addr}: an address is listed twice")
+            inits = [i.strip() for i in self.dist_init.split(",")]
+            if len(inits) not in (1, len(addrs)) or (len(inits) == 1 and len(addrs) > 1 and self.transport not in
+                                                      ("grpc", "cuda_ipc")):
+                raise ValueError(f"--dist-init {self.dist_init}: nccl/gloo (and auto) need one rendezvous per "
+                                 f"--prefill-addr ({len(addrs)}), comma-separated, in the same order (each prefill "
+                                 "worker hosts its own)")
+            for i in inits:
+                check_dist_init("--dist-init", i)
+            if len(addrs) > 1 and not self.data_listen.endswith(":0") and ":" in self.data_listen:
+                raise ValueError(f"--data-listen {self.data_listen}: with several --prefill-addr each pair listens "
+                                 "on its own port; give port 0 (HOST:0)")
         check_message_limit(self.max_message_bytes, self.max_prompt_tokens)
         check_tls_flags("tls", self.tls_cert, self.tls_key, self.tls_ca, server=True)
         check_tls_flags("data-tls", self.data_tls_cert, self.data_tls_key, self.data_tls_ca, server=True)

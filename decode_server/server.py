@@ -22,8 +22,7 @@ import grpc
 import numpy as np
 
 from decode_server.config import DecodeConfig
-from decode_server.peer.choice import choose_peer
-from decode_server.peer.pairing import DecodePairing
+from decode_server.peer.peers import PrefillPeers
 from decode_server.peer.remote import PeerFailure, RequestError
 from decode_server.reports import info_response, load_response
 from decode_server.reuse import count_reuse, slot_taker
@@ -60,9 +59,9 @@ class Prefilled:
 
 
 class DecodeService(pbg.DecodeServicer):
-    def __init__(self, config: DecodeConfig, engine: DecodeEngine, pairing: DecodePairing | None = None,
+    def __init__(self, config: DecodeConfig, engine: DecodeEngine, peers: PrefillPeers | None = None,
                  metrics: Metrics | None = None, prefill_metadata=None):
-        self.config, self.engine, self.pairing = config, engine, pairing
+        self.config, self.engine, self.peers = config, engine, peers
         self.vocab = engine.m.model.config.vocab_size
         self.ids = itertools.count(1)  # 0 is the warm-up frame
         self.admit = ConcurrencyLimit(config.max_inflight)
@@ -77,13 +76,12 @@ class DecodeService(pbg.DecodeServicer):
             self.metrics.cached_slots.set_function(engine.cache.cached_slots)
             self.metrics.host_cache_bytes.set_function(engine.cache.host_bytes)
         self.metrics.running.set_function(engine.scheduler.active)
-        if pairing is not None:
+        if peers is not None:
             m = self.metrics
-            data = pairing.data
-            m.buffer_bytes.set_function(lambda: data.ledger.bytes)
-            m.expected.set_function(data.pending)
-            m.receivers.set_function(data.receivers)
-            m.receive_loops.set_function(data.receive_loops)
+            m.buffer_bytes.set_function(peers.buffer_bytes)
+            m.expected.set_function(peers.pending)
+            m.receivers.set_function(peers.receivers)
+            m.receive_loops.set_function(peers.receive_loops)
 
     def _box(self) -> Mailbox:
         """The Mailbox of the running loop: made on first use (the servicer is built before its loop may run)."""
@@ -100,7 +98,7 @@ class DecodeService(pbg.DecodeServicer):
         await context.abort(code, message)  # counted once, by RunningRequests.request
 
     async def _validate(self, request, context) -> None:
-        refusal = request_problem(request, self.config, self.engine, self.vocab, self.pairing is not None)
+        refusal = request_problem(request, self.config, self.engine, self.vocab, self.peers is not None)
         if refusal is not None:
             await self._abort(context, *refusal)
 
@@ -111,7 +109,7 @@ class DecodeService(pbg.DecodeServicer):
     async def Load(self, request, context):
         """Running and waiting requests and tokens, and the pool's free slots (a router places requests by it)."""
         serving = not (self.failed or self.running.draining) and (
-            self.pairing is None or self.pairing.up or self.config.on_failure == "recompute")
+            self.peers is None or self.peers.up or self.config.on_failure == "recompute")
         return load_response(self.running.requests, self.engine, serving)
 
     async def Generate(self, request, context):
@@ -198,12 +196,12 @@ class DecodeService(pbg.DecodeServicer):
                       len(request.token_ids), reuse.tier, reuse.how)
         elif not (self.config.colocated or request.mode == pb.MODE_COLOCATED):
             try:
-                peer = choose_peer(self.pairing)
+                peer = self.peers.choose()
                 wire = None if sampling is None else pb.Sampling(
                     temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed)
                 r = await peer.data.remote_prefill(peer.stub, request, rid, deadline, self.prefill_metadata,
                                                    self.engine.pool.views(lease.slot, len(request.token_ids)), lease,
-                                                   wire)
+                                                   wire, peer.instance_id)
             except RequestError as e:
                 await self._abort(context, e.code, e.message)
             except PeerFailure as f:

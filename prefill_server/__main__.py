@@ -31,13 +31,14 @@ async def serve(config: PrefillConfig) -> None:
     options = registry.options_from(config, backend.name)
     metrics = start_metrics("prefill", config.metrics_port, config.metrics_addr)
 
-    def connect(address: str = ""):
+    def connect(address: str = "", group=None):
+        kw = {"group": group} if group is not None else {}
         return registry.sender_link(backend.name, device, options, address=address,
-                                    connect_timeout_s=config.send_timeout_s)
+                                    connect_timeout_s=config.send_timeout_s, **kw)
 
     fault = (StallFault(config.fail_after_layers, config.fail_stall_s, config.fail_requests)
              if config.fail_after_layers >= 0 else None)
-    worker = PrefillWorker(loaded, None, config.send_timeout_s, fault)
+    worker = PrefillWorker(loaded, config.send_timeout_s, fault)
     store = None
     if backend.rendezvous is registry.Rendezvous.PROCESS_GROUP:  # one store for the process's lifetime
         from kvtransfer.transport.rendezvous import open_store

@@ -1,25 +1,27 @@
-"""The prefill side of the pair: answer handshakes, (re)build the data plane, say whether it is up.
+"""The prefill side of its pairs: answer handshakes, (re)build each decode peer's data plane, say which are up.
 
 Why the decode side leads: it is the front door and sees every failure first (a request
 that fails, a control channel that drops), so it decides when to pair again and simply
-handshakes; this side never has to detect the peer's death. Every accepted handshake is a
-new pairing with a new epoch, which supersedes the old one:
+handshakes; this side never has to detect the peer's death. A prefill worker serves several
+decode workers (xPyD): one pair per decode instance (its handshake's instance id), each with
+its own link, and every accepted handshake is a new pairing of that pair with a new epoch,
+which supersedes its old one (never another pair's):
 - nccl/gloo: the answer names (instance id, epoch) at once; then, on the device thread
-  (so no transfer of the old group is in progress), the old group is destroyed and a fresh
-  one joined under that prefix while the decode side joins too, then one warm-up transfer.
+  (so no transfer of the old group is in progress), the pair's old group is dropped and a
+  fresh one joined under that prefix while the decode side joins too, then one warm-up.
 - grpc/cuda_ipc: the device thread connects to the data address the decode side
-  announced (closing the old link) and warms it up before the answer goes back.
-Health is SERVING only while a pairing is up: a transfer that breaks a process group
-(peer gone, gloo timeout: the group is closed for good) ends the pairing until the next
-handshake, and the decode side, watching this health, sees it.
+  announced (closing the pair's old link) and warms it up before the answer goes back.
+Each request names the decode instance that asked (PrefillRequest.decode_instance), and its
+cache goes to that pair's link.
 
-One decode worker at a time (until xPyD): a handshake from another decode instance is refused
-FAILED_PRECONDITION, naming the paired one, while that one is alive: while its liveness watch (a
-health Watch carrying its instance id, opened before its handshake) is open here. A decode worker
-that dies closes its watch, so a restarted one pairs at once; a handshake that nobody follows up
-(no watch) leaves nothing that blocks the next.
+Health, per pair: the service `pair_service(decode instance)` is SERVING while that pair is
+up, and each decode worker watches its own (so one pair's handshake or failure never ends
+another's); "" is SERVING while any pair is up. A transfer that breaks a pair's process group
+(peer gone, gloo timeout: the group is closed for good) ends that pair until its next
+handshake. A pair whose decode worker is gone (no liveness watch open here: a health Watch
+carrying its instance id, opened before its handshake) is dropped at the next handshake.
 A stopping worker refuses handshakes (UNAVAILABLE: the decode side waits and retries), gives up a
-join in progress, and closes its data plane; nothing it runs outlives the stop.
+join in progress, and closes every data plane; nothing it runs outlives the stop.
 """
 
 from __future__ import annotations
@@ -28,16 +30,19 @@ import asyncio
 import collections
 import logging
 import secrets
+from dataclasses import dataclass
 
 import grpc
+from grpc_health.v1 import health_pb2
 from grpc_health.v1.health import aio as health_aio
 
-from kvtransfer.rpc.server import DECODE_INSTANCE_KEY
+from kvtransfer.rpc.server import DECODE_INSTANCE_KEY, pair_service
 from kvtransfer.transport import Cause, TransferError
 from kvtransfer.transport.registry import Rendezvous
 from proto import kvtransfer_pb2 as pb
 
 log = logging.getLogger("kvtransfer.prefill")
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 class PeerHealth(health_aio.HealthServicer):
@@ -57,45 +62,59 @@ class PeerHealth(health_aio.HealthServicer):
             self.watching[who] -= 1
 
 
+@dataclass
+class Pair:
+    """One decode peer: its instance, its current pairing's epoch, its link (None until joined) and group."""
+
+    instance: int
+    epoch: int = 0
+    link: object = None
+    group: object = None  # nccl/gloo: the pair's own process group
+    up: bool = False
+
+
 class PrefillPairing:
     def __init__(self, config, worker, backend, connect, gpu, metrics, store=None):
+        """connect(address="", group=None) builds a sender link: to `address` (grpc/cuda_ipc) or in `group`."""
         self.config, self.worker, self.backend, self.connect = config, worker, backend, connect
         self.transport = backend.name
         self.process_group = backend.rendezvous is Rendezvous.PROCESS_GROUP
         self.gpu, self.metrics, self.store = gpu, metrics, store  # store: process-group rendezvous (rendezvous.py)
         self.instance_id = secrets.randbits(63) | 1
-        self.epoch = 0
+        self.epoch = 0  # one count over every pair: a pairing's prefix (instance, epoch) is never reused
         self.health: PeerHealth | None = None  # the server's health servicer, set once the server is built
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.peer = 0  # the paired decode instance
+        self.pairs: dict[int, Pair] = {}  # by decode instance
         self.stopping = False
 
-    def peer_alive(self) -> bool:
-        return bool(self.peer) and self.health is not None and self.health.watching[self.peer] > 0
+    def alive(self, instance: int) -> bool:
+        return self.health is not None and self.health.watching[instance] > 0
+
+    def up_count(self) -> int:
+        return sum(p.up for p in self.pairs.values())
 
     async def handshake(self, request, context) -> pb.HandshakeResponse:
-        """A compatible decode peer asks to pair: start a new pairing (epoch + 1) that supersedes the old one."""
+        """A compatible decode peer asks to pair: a new pairing of its pair (epoch + 1) that supersedes the old."""
         self.loop = asyncio.get_running_loop()
         if self.stopping:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the prefill worker is shutting down; pair with it "
                                 "once it is back, or with another one")
-        if request.instance_id != self.peer and self.peer_alive():
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"this prefill worker is paired with decode instance {self.peer:x}, which is alive; "
-                                "one decode worker per prefill worker: point this decode server's --prefill-addr at "
-                                "another prefill worker, or stop the other decode server")
-        self.peer = request.instance_id
+        who = request.instance_id
+        if not who:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the handshake names no decode instance_id")
+        pair = self.pairs.setdefault(who, Pair(who))
         self.epoch += 1
-        epoch = self.epoch
-        log.info("handshake from decode instance %x: pairing epoch %d (%s)", request.instance_id, epoch,
-                 self.transport)
-        await self._set_up(False)
+        pair.epoch = epoch = self.epoch
+        gone = [p for i, p in self.pairs.items() if i != who and not self.alive(i)]
+        log.info("handshake from decode instance %x: pairing epoch %d (%s; %d other pairs, %d gone)", who, epoch,
+                 self.transport, len(self.pairs) - 1 - len(gone), len(gone))
+        await self._set_up(pair, False)
         resp = pb.HandshakeResponse(instance_id=self.instance_id, epoch=epoch)
         if self.process_group:
-            self.loop.run_in_executor(self.gpu, self._rejoin, epoch).add_done_callback(_log_failure)
+            self.loop.run_in_executor(self.gpu, self._rejoin, pair, epoch, gone).add_done_callback(_log_failure)
             return resp
         try:
-            await self.loop.run_in_executor(self.gpu, self._reconnect, request.data_address, epoch)
+            await self.loop.run_in_executor(self.gpu, self._reconnect, pair, request.data_address, epoch, gone)
         except (TransferError, ValueError, OSError) as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 f"cannot reach the data plane at {request.data_address}: {e}")
@@ -103,75 +122,89 @@ class PrefillPairing:
 
     # --- device thread ---
 
-    def _rejoin(self, epoch: int) -> None:
-        from kvtransfer.transport.rendezvous import PairingAbandoned, join_pair, leave_pair, pairing_prefix
-        if epoch != self.epoch:
-            log.info("pairing epoch %d superseded by %d before it started", epoch, self.epoch)
+    def _drop(self, pair: Pair) -> None:
+        """Close a pair's link and group (device thread)."""
+        from kvtransfer.transport.rendezvous import leave_pair
+        link, group, pair.link, pair.group = pair.link, pair.group, None, None
+        if link is not None:
+            link.close()
+        leave_pair(group)
+
+    def _forget(self, gone: list[Pair]) -> None:
+        """Pairs whose decode worker is gone (no liveness watch): their links closed, their entries dropped."""
+        for p in gone:
+            if self.pairs.get(p.instance) is p and not self.alive(p.instance):
+                log.info("decode instance %x is gone: its pair dropped", p.instance)
+                self._drop(p)
+                del self.pairs[p.instance]
+                self._from_thread(self._publish_any())
+
+    def _rejoin(self, pair: Pair, epoch: int, gone: list[Pair]) -> None:
+        from kvtransfer.transport.rendezvous import PairingAbandoned, join_pair, pairing_prefix
+        self._forget(gone)
+        if epoch != pair.epoch:
+            log.info("pairing epoch %d superseded by %d before it started", epoch, pair.epoch)
             return
-        old, self.worker.link = self.worker.link, None
-        if old is not None:
-            old.close()
-        leave_pair(self.worker.m.device)
+        self._drop(pair)
         log.info("joining process group epoch %d as rank 0 (%s)", epoch, self.transport)
         try:
-            join_pair(0, self.store, pairing_prefix(self.instance_id, epoch), self.worker.m.device,
-                      self.config.dist_timeout_s, self.config.dist_op_timeout_s,
-                      abandoned=lambda: epoch != self.epoch or self.stopping)
-            self.worker.link = self.connect()
-            self.worker.warmup(self.config.warmup_tokens)
+            pair.group = join_pair(0, self.store, pairing_prefix(self.instance_id, epoch), self.worker.m.device,
+                                   self.config.dist_timeout_s, self.config.dist_op_timeout_s,
+                                   abandoned=lambda: epoch != pair.epoch or self.stopping)
+            pair.link = self.connect(group=pair.group)
+            self.worker.warmup(self.config.warmup_tokens, pair.link)
         except PairingAbandoned:
             log.info("pairing epoch %d abandoned before the decode peer joined (%s)", epoch,
-                     "stopping" if self.stopping else f"superseded by epoch {self.epoch}")
-            self.worker.link = None
-            leave_pair(self.worker.m.device)
+                     "stopping" if self.stopping else f"superseded by epoch {pair.epoch}")
+            self._drop(pair)
             return
         except (TransferError, RuntimeError) as e:  # torch.distributed reports a failed rendezvous as RuntimeError
             log.error("pairing epoch %d failed: %s; waiting for the decode peer to handshake again", epoch, e)
-            self.worker.link = None
-            leave_pair(self.worker.m.device)
+            self._drop(pair)
             return
-        self._paired(epoch)
+        self._paired(pair, epoch)
 
-    def _reconnect(self, address: str, epoch: int) -> None:
-        """(Re)connect the data plane to a decode peer that (re)started, then warm it up."""
-        if epoch != self.epoch:  # a newer handshake (the decode side retried) will connect
-            log.info("pairing epoch %d superseded by %d before it started", epoch, self.epoch)
+    def _reconnect(self, pair: Pair, address: str, epoch: int, gone: list[Pair]) -> None:
+        """(Re)connect a pair's data plane to a decode peer that (re)started, then warm it up."""
+        self._forget(gone)
+        if epoch != pair.epoch:  # a newer handshake (the decode side retried) will connect
+            log.info("pairing epoch %d superseded by %d before it started", epoch, pair.epoch)
             return
-        old, self.worker.link = self.worker.link, None
-        if old is not None:
-            old.close()
-        self.worker.link = self.connect(address)
+        self._drop(pair)
+        pair.link = self.connect(address)
         log.info("data plane (%s) connected to %s", self.transport, address)
-        self.worker.warmup(self.config.warmup_tokens)
-        self._paired(epoch)
+        self.worker.warmup(self.config.warmup_tokens, pair.link)
+        self._paired(pair, epoch)
 
     def close(self) -> None:
-        """On the device thread, at the stop: the data plane closed, the group left (its peer hears at once)."""
-        from kvtransfer.transport.rendezvous import leave_pair
-        old, self.worker.link = self.worker.link, None
-        if old is not None:
-            old.close()
-        if self.process_group:
-            leave_pair(self.worker.m.device)
+        """On the device thread, at the stop: every data plane closed, every group left (the peers hear at once)."""
+        for pair in list(self.pairs.values()):
+            self._drop(pair)
 
-    def _paired(self, epoch: int) -> None:
-        log.info("paired with the decode peer (epoch %d)", epoch)
+    def _paired(self, pair: Pair, epoch: int) -> None:
+        log.info("paired with decode instance %x (epoch %d)", pair.instance, epoch)
         self.metrics.pairings.inc()
-        self._from_thread(self._set_up(True))
+        self._from_thread(self._set_up(pair, True))
 
-    def run_request(self, *args):
-        """worker.run on the device thread; a transfer that broke the process group ends the pairing."""
-        link = self.worker.link
+    def run_request(self, decode_instance: int, *args):
+        """worker.run over the asking decode worker's link, on the device thread; a transfer that broke its process
+        group ends that pair."""
+        pair = self.pairs.get(decode_instance)
+        if pair is None and not decode_instance and len(self.pairs) == 1:
+            pair = next(iter(self.pairs.values()))  # an older decode worker names no instance
+        if pair is None or pair.link is None:
+            raise TransferError("peer", f"decode instance {decode_instance:x} has no data plane paired here (the "
+                                "decode server handshakes at start and again after a failure)")
+        link = pair.link
         try:
-            return self.worker.run(*args)
+            return self.worker.run(link, *args)
         except TransferError as e:
-            if (self.process_group and e.cause in (Cause.PEER, Cause.TIMEOUT) and self.worker.link is link
+            if (self.process_group and e.cause in (Cause.PEER, Cause.TIMEOUT) and pair.link is link
                     and not type(link).survives_failed_request):
-                from kvtransfer.transport.rendezvous import leave_pair
-                log.warning("data plane lost (%s); unpaired until the decode peer handshakes again", e)
-                self.worker.link = None
-                leave_pair(self.worker.m.device)  # closes our end: a peer still blocked in the group wakes up
-                self._from_thread(self._set_up(False))
+                log.warning("data plane lost (decode instance %x: %s); unpaired until it handshakes again",
+                            pair.instance, e)
+                self._drop(pair)  # closes our end: a peer still blocked in the group wakes up
+                self._from_thread(self._set_up(pair, False))
             raise
 
     # --- health ---
@@ -182,12 +215,18 @@ class PrefillPairing:
             return
         asyncio.run_coroutine_threadsafe(coro, self.loop)
 
-    async def _set_up(self, up: bool) -> None:
-        from grpc_health.v1 import health_pb2
-        self.metrics.peer_up.set(1 if up else 0)
+    async def _set_up(self, pair: Pair, up: bool) -> None:
+        pair.up = up
         if self.health is not None:
-            s = health_pb2.HealthCheckResponse
-            await self.health.set("", s.SERVING if up else s.NOT_SERVING)
+            await self.health.set(pair_service(pair.instance), SERVING if up else NOT_SERVING)
+        await self._publish_any()
+
+    async def _publish_any(self) -> None:
+        """"" and the peer_up gauge: SERVING while any pair is up (the gauge counts them)."""
+        n = self.up_count()
+        self.metrics.peer_up.set(n)
+        if self.health is not None:
+            await self.health.set("", SERVING if n else NOT_SERVING)
 
 
 def _log_failure(job) -> None:

@@ -2,7 +2,7 @@
 
 Why async in front of one device thread: gRPC I/O and validation never wait on the GPU,
 while prefills run one at a time in arrival order, which is also the order of the frames
-on the data plane. Everything that can be refused is refused before the device or the
+on each decode worker's data plane (a worker serves several: pairing.py). Everything that can be refused is refused before the device or the
 data plane sees it: a frame, once started, must be sent whole to keep the stream in step.
 """
 
@@ -48,6 +48,7 @@ class PrefillService(pbg.PrefillServicer):
         self.gpu = gpu_executor(worker.m.device, "prefill-gpu")
         self.vocab = worker.m.model.config.vocab_size
         self.admit = ConcurrencyLimit(config.max_inflight)
+        self.queued_tokens = 0  # prompt tokens admitted and not yet prefilled and sent (every decode worker's)
         self.peer_max_receive_bytes = 0  # announced by the decode peer at the handshake (0: unknown)
         self.metrics = metrics or Metrics("prefill")
         self.running = RunningRequests(self.metrics)
@@ -138,19 +139,24 @@ class PrefillService(pbg.PrefillServicer):
         s = request.sampling  # the decode server always sets the seed; a direct call without one gets a drawn seed
         sampling = sampling_params(s.temperature, s.top_p if s.HasField("top_p") else None, s.top_k,
                                    s.seed if s.HasField("seed") else None) if request.HasField("sampling") else None
+        self.queued_tokens += n
         try:
-            r = await loop.run_in_executor(self.gpu, self.pairing.run_request, request.request_id,
-                                           list(request.token_ids), mode, request.return_logits_digest, sampling)
+            r = await loop.run_in_executor(self.gpu, self.pairing.run_request, request.decode_instance,
+                                           request.request_id, list(request.token_ids), mode,
+                                           request.return_logits_digest, sampling)
         except TransferError as e:
             log.error("request %d: transfer failed: %s", request.request_id, e)
             self.metrics.failures.labels(e.cause).inc()
             await context.abort(transfer_status(e), f"cache transfer failed: {e}")
+        finally:
+            self.queued_tokens -= n
         log.info("request %d: %d tokens %s prefill %.2f ms sent %.2f ms", request.request_id, n, r.mode,
                  r.prefill_ms, r.send_done_ms)
         self.metrics.prefill_ms.labels(r.mode).observe(r.prefill_ms)
         self.metrics.moved(self.worker.m.geometry.cache_bytes(n), r.send_done_ms / 1e3, r.mode)
         return pb.PrefillResponse(first_token=r.first_token, first_logits_digest=r.first_logits_digest,
-                                  prefill_ms=r.prefill_ms, send_done_ms=r.send_done_ms, mode=Mode(r.mode).proto)
+                                  prefill_ms=r.prefill_ms, send_done_ms=r.send_done_ms, mode=Mode(r.mode).proto,
+                                  queued_tokens=self.queued_tokens)
 
 
 async def create_server(config: PrefillConfig, service: PrefillService, address: str | None = None,

@@ -35,9 +35,8 @@ class PrefillResult:
 
 
 class PrefillWorker:
-    def __init__(self, loaded: LoadedModel, link, send_timeout_s: float = 60.0, fault=None):
+    def __init__(self, loaded: LoadedModel, send_timeout_s: float = 60.0, fault=None):
         self.m = loaded
-        self.link = link
         self.send_timeout_s = send_timeout_s
         self.fault = fault  # faults.StallFault, for the fault tests
         self.sending_bytes = 0  # the cache being sent (held until the transfer ends)
@@ -47,17 +46,14 @@ class PrefillWorker:
         return TransferHeader(request_id=request_id, seq_len=seq_len, num_layers=g.num_layers,
                               kv_heads=g.kv_heads, head_dim=g.head_dim, dtype=g.dtype)
 
-    def run(self, request_id: int, token_ids: list[int], mode: str, want_digest: bool,
+    def run(self, link, request_id: int, token_ids: list[int], mode: str, want_digest: bool,
             sampling: SamplingParams | None = None) -> PrefillResult:
-        """Prefill and ship the cache. `mode` is "layerwise" or "bulk"; `sampling` chooses the first token (None:
+        """Prefill and ship the cache over `link` (the asking decode worker's). `mode` is "layerwise" or "bulk"; `sampling` chooses the first token (None:
         greedy), at position len(token_ids), as the decode server's local prefill does. Raises
         TransferError/ValueError."""
-        if self.link is None:
-            raise TransferError("peer", "no decode peer has paired its data plane (the decode server handshakes "
-                                "at start and again after a failure)")
         ids = torch.tensor([token_ids], dtype=torch.long).to(self.m.device, non_blocking=True)  # (1, seq)
         header = self.header(request_id, len(token_ids))
-        sender = _transport_errors(self.link.open)(header)
+        sender = _transport_errors(link.open)(header)
         send = _transport_errors(sender.send_layer)
         if self.fault is not None and request_id != WARMUP_REQUEST_ID:
             send = self.fault.wrap(request_id, header.num_layers, send)
@@ -88,13 +84,13 @@ class PrefillWorker:
         digest = logits_digest(logits) if want_digest else ""
         return PrefillResult(token, digest, (t_prefill - t0) * 1e3, (t_sent - t0) * 1e3, mode)
 
-    def warmup(self, tokens: int) -> None:
-        """One transfer of the real pattern so the first request pays no communicator set-up."""
+    def warmup(self, tokens: int, link) -> None:
+        """One transfer of the real pattern over `link` so its first request pays no communicator set-up."""
         if tokens <= 0:
             return
         ids = random_prompt(self.m.model.config.vocab_size, tokens).view(-1).tolist()
         for mode in ("layerwise", "bulk"):
-            self.run(WARMUP_REQUEST_ID, ids, mode, want_digest=False)
+            self.run(link, WARMUP_REQUEST_ID, ids, mode, want_digest=False)
         log.info("warm-up transfers done (%d tokens, layerwise and bulk)", tokens)
 
 

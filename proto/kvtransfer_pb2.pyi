@@ -224,29 +224,33 @@ class HandshakeResponse(_message.Message):
     def __init__(self, compat: _Optional[_Union[Compat, _Mapping]] = ..., transport: _Optional[_Union[Transport, str]] = ..., instance_id: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "mode", "return_logits_digest", "sampling")
+    __slots__ = ("request_id", "token_ids", "mode", "return_logits_digest", "sampling", "decode_instance")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     RETURN_LOGITS_DIGEST_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    DECODE_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     mode: Mode
     return_logits_digest: bool
     sampling: Sampling
-    def __init__(self, request_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., mode: _Optional[_Union[Mode, str]] = ..., return_logits_digest: _Optional[bool] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ...) -> None: ...
+    decode_instance: int
+    def __init__(self, request_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., mode: _Optional[_Union[Mode, str]] = ..., return_logits_digest: _Optional[bool] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., decode_instance: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token", "first_logits_digest", "prefill_ms", "send_done_ms", "mode")
+    __slots__ = ("first_token", "first_logits_digest", "prefill_ms", "send_done_ms", "mode", "queued_tokens")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGITS_DIGEST_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     SEND_DONE_MS_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     first_logits_digest: str
     prefill_ms: float
     send_done_ms: float
     mode: Mode
-    def __init__(self, first_token: _Optional[int] = ..., first_logits_digest: _Optional[str] = ..., prefill_ms: _Optional[float] = ..., send_done_ms: _Optional[float] = ..., mode: _Optional[_Union[Mode, str]] = ...) -> None: ...
+    queued_tokens: int
+    def __init__(self, first_token: _Optional[int] = ..., first_logits_digest: _Optional[str] = ..., prefill_ms: _Optional[float] = ..., send_done_ms: _Optional[float] = ..., mode: _Optional[_Union[Mode, str]] = ..., queued_tokens: _Optional[int] = ...) -> None: ...

@@ -20,7 +20,11 @@ log = logging.getLogger("kvtransfer.decode")
 
 
 class HandshakeRefused(SystemExit):
-    pass
+    """The peer refused to pair (another model, layout or token): a configuration error."""
+
+
+class HandshakeTimedOut(HandshakeRefused):
+    """The peer did not answer (or could not be paired with) in time: it may still come up."""
 
 
 WAIT_LOG_S = 10.0  # while the peer does not answer: one log line this often
@@ -45,7 +49,7 @@ async def handshake(stub: pbg.PrefillStub, compat: pb.Compat, transport, timeout
                 raise HandshakeRefused(f"{where} refused the handshake: {relayed(e.details() or '')}") from None
             now = time.monotonic()
             if now > deadline:
-                raise HandshakeRefused(f"{where} did not answer the handshake within {timeout_s:g} s "
+                raise HandshakeTimedOut(f"{where} did not answer the handshake within {timeout_s:g} s "
                                        f"(--handshake-timeout-s): {e.code().name} {e.details()}") from None
             if now >= next_log:
                 log.info("waiting for %s: %.0f s so far, giving up after %g s (--handshake-timeout-s)", where,

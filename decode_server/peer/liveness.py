@@ -18,13 +18,14 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 STOPPING = "the prefill worker reports NOT_SERVING (it is stopping, or its data plane failed)"
 
 
-async def watch_peer(health_stub, metadata, armed: asyncio.Event) -> str:
+async def watch_peer(health_stub, metadata, armed: asyncio.Event, service: str = "") -> str:
     """Return once the peer stops serving or the channel breaks; the reason (STOPPING: the peer still answers, so
     what it has in flight may still arrive). Opened before the handshake, it waits for the peer to be up; a
     NOT_SERVING counts only once `armed` is set (our pairing is up): the handshake itself turns the peer
-    NOT_SERVING for a moment, which must not end the pairing it starts."""
+    NOT_SERVING for a moment, which must not end the pairing it starts. `service`: the pair's own health service
+    on the prefill worker (rpc.server.pair_service), so another pair's handshake or failure says nothing here."""
     seen_serving = False
-    call = health_stub.Watch(health_pb2.HealthCheckRequest(), metadata=metadata, wait_for_ready=True)
+    call = health_stub.Watch(health_pb2.HealthCheckRequest(service=service), metadata=metadata, wait_for_ready=True)
     try:
         async for r in call:
             if r.status == SERVING:

@@ -1,4 +1,4 @@
-"""The decode side of the pair: handshake, pairing state, and re-pairing after a failure.
+"""The decode side of one pair: handshake, pairing state, and re-pairing after a failure.
 
 Why the decode side leads: it is the front door, so it needs to know at every moment
 whether remote prefill can work, and it sees failures first. A pairing is one handshake
@@ -13,7 +13,9 @@ until the peer answers, without restarting this process:
 - grpc/cuda_ipc: the listener stays; the handshake makes the prefill worker reconnect.
 A new instance id in the answer means the prefill worker restarted; it is logged.
 The data plane (links, receive loops, one request's remote prefill) is dataplane.py; the liveness watch
-is liveness.py; health is given at construction and follows the pairing from the start.
+is liveness.py. A decode worker pairs with every prefill worker it is given (peers.py holds them, picks one per
+request and publishes health); each pairing has an instance id of its own, so to a prefill worker every pair is
+a peer of its own.
 """
 
 from __future__ import annotations
@@ -23,24 +25,26 @@ import logging
 import secrets
 import time
 
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2_grpc
 
 from decode_server.peer.dataplane import DataPlane
-from decode_server.peer.handshake import HandshakeRefused, handshake
+from decode_server.peer.handshake import HandshakeRefused, HandshakeTimedOut, handshake
 from decode_server.peer.liveness import STOPPING, until_down, watch_peer
-from kvtransfer.rpc.server import DECODE_INSTANCE_KEY
+from kvtransfer.rpc.server import DECODE_INSTANCE_KEY, pair_service
 from proto import kvtransfer_pb2 as pb
 from proto import kvtransfer_pb2_grpc as pbg
 
 log = logging.getLogger("kvtransfer.decode")
-SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
-DECODE_SERVICE = pb.DESCRIPTOR.services_by_name["Decode"].full_name
 
 
 class DecodePairing:
-    def __init__(self, config, loaded, backend, compat: pb.Compat, channel, metadata, metrics, health):
-        self.config, self.compat, self.metadata, self.metrics, self.health = config, compat, metadata, metrics, health
-        self.data = DataPlane(config, loaded, backend, metrics)
+    def __init__(self, config, loaded, backend, compat: pb.Compat, channel, metadata, metrics, on_change,
+                 addr: str, dist_init: str = ""):
+        """addr: the prefill worker's control plane; dist_init: its rendezvous (nccl/gloo); on_change(): awaited
+        whenever this pairing goes up or down (peers.py publishes health from every pairing)."""
+        self.config, self.compat, self.metadata, self.metrics = config, compat, metadata, metrics
+        self.on_change, self.addr = on_change, addr
+        self.data = DataPlane(config, loaded, backend, metrics, addr, dist_init)
         self.transport = backend.name
         self.stub = pbg.PrefillStub(channel)
         self.health_stub = health_pb2_grpc.HealthStub(channel)
@@ -60,7 +64,8 @@ class DecodePairing:
 
     async def start(self) -> None:
         """The first pairing, then supervise it. A refusal, or no pairing within --handshake-timeout-s, raises
-        HandshakeRefused (the server exits 2); a join that failed is tried again until then."""
+        HandshakeRefused (the server exits 2, unless another peer paired: peers.py); a join that failed is tried
+        again until then."""
         deadline, delay = time.monotonic() + self.config.handshake_timeout_s, 0.5
         while True:
             try:
@@ -71,13 +76,17 @@ class DecodePairing:
             except Exception as e:  # a rendezvous that timed out or failed (RuntimeError)
                 await self.data.drop_group("the pairing failed")
                 if time.monotonic() + delay > deadline:
-                    raise HandshakeRefused(f"could not pair with the prefill worker at {self.config.prefill_addr} "
+                    raise HandshakeTimedOut(f"could not pair with the prefill worker at {self.addr} "
                                            f"within --handshake-timeout-s {self.config.handshake_timeout_s:g} s: "
                                            f"{e}") from None
                 log.warning("pairing failed: %s; trying again", e)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
-        self._task = asyncio.create_task(self._supervise(), name="pairing")
+        self.supervise()
+
+    def supervise(self, paired: bool = True) -> None:
+        """Keep this pairing up from now on (paired=False: it is not up yet; pair first, retrying until it is)."""
+        self._task = asyncio.create_task(self._supervise(paired), name=f"pairing {self.addr}")
         self._task.add_done_callback(self._ended)
 
     def _ended(self, task: asyncio.Task) -> None:
@@ -87,14 +96,16 @@ class DecodePairing:
         error = task.exception() or RuntimeError("the pairing task returned")
         self.on_fatal("the pairing task", error)
 
-    async def _supervise(self) -> None:
+    async def _supervise(self, paired: bool = True) -> None:
         while True:
-            try:
-                reason = await until_down(self._watch, self.data.stopped)
-            except Exception as e:  # a bug here must not leave the server believing the pair is up
-                log.exception("liveness watch failed")
-                reason = f"liveness watch failed: {e!r}"
-            await self._down(reason, quiesce=reason == STOPPING)
+            if paired:
+                try:
+                    reason = await until_down(self._watch, self.data.stopped)
+                except Exception as e:  # a bug here must not leave the server believing the pair is up
+                    log.exception("liveness watch failed")
+                    reason = f"liveness watch failed: {e!r}"
+                await self._down(reason, quiesce=reason == STOPPING)
+            paired = True
             delay = 0.5
             while True:
                 try:
@@ -102,9 +113,9 @@ class DecodePairing:
                     break
                 except HandshakeRefused as e:
                     self.down_reason = str(e)
-                    log.error("re-pairing: %s", e)
+                    log.error("re-pairing with %s: %s", self.addr, e)
                 except Exception as e:  # a rendezvous that timed out or failed (RuntimeError), a bad address
-                    log.warning("re-pairing failed: %s; trying again", e)
+                    log.warning("re-pairing with %s failed: %s; trying again", self.addr, e)
                     await self.data.drop_group("re-pairing failed")
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
@@ -115,7 +126,7 @@ class DecodePairing:
         self._open_watch()  # before the handshake: the peer sees us alive
         resp = await handshake(self.stub, self.compat, self.transport, self.config.handshake_timeout_s,
                                self.data.receive_limit(), self.metadata, address, self.instance_id,
-                               self.config.prefill_addr)
+                               self.addr)
         if self.prefill_instance and resp.instance_id != self.prefill_instance:
             log.warning("the prefill worker restarted (instance %x -> %x)", self.prefill_instance, resp.instance_id)
         await self.data.join(resp)
@@ -124,12 +135,14 @@ class DecodePairing:
         self.metrics.pairings.inc()
         await self._set_up(True, "")
         self._armed.set()
-        log.info("paired with prefill instance %x, epoch %d (%s)", resp.instance_id, resp.epoch, self.transport)
+        log.info("paired with prefill instance %x at %s, epoch %d (%s)", resp.instance_id, self.addr, resp.epoch,
+                 self.transport)
 
     def _open_watch(self) -> None:
         """A liveness watch, unless one is open (it waits for the peer to be up: wait_for_ready)."""
         if self._watch is None or self._watch.done():
-            self._watch = asyncio.ensure_future(watch_peer(self.health_stub, self._watch_metadata(), self._armed))
+            self._watch = asyncio.ensure_future(watch_peer(self.health_stub, self._watch_metadata(), self._armed,
+                                                           pair_service(self.instance_id)))
 
     def _watch_metadata(self):
         return (*(self.metadata or ()), (DECODE_INSTANCE_KEY, f"{self.instance_id:x}"))
@@ -147,8 +160,8 @@ class DecodePairing:
         await self._set_up(False, reason)
         if quiesce and await self.data.quiesce(self.config.peer_timeout_s):
             log.info("prefill peer stopping: its transfers in flight arrived")
-        log.warning("prefill peer down: %s; failing waiting requests (--on-failure %s) and pairing again", reason,
-                    self.config.on_failure)
+        log.warning("prefill peer %s down: %s; failing its waiting requests (--on-failure %s) and pairing again",
+                    self.addr, reason, self.config.on_failure)
         await self.data.down(reason)
 
     def why_down(self) -> str:
@@ -158,11 +171,4 @@ class DecodePairing:
         if not up:
             self.down_reason, self.down_since = reason, time.monotonic()
         self.up = up
-        self.metrics.peer_up.set(1 if up else 0)
-        await self.publish()
-
-    async def publish(self) -> None:
-        """"" follows the peer; the Decode service stays SERVING under --on-failure recompute (it still answers)."""
-        await self.health.set("", SERVING if self.up else NOT_SERVING)
-        await self.health.set(DECODE_SERVICE, SERVING if self.up or self.config.on_failure == "recompute"
-                              else NOT_SERVING)
+        await self.on_change()

@@ -19,6 +19,11 @@ log = logging.getLogger("kvtransfer")
 DECODE_INSTANCE_KEY = "kvt-decode-instance"  # the decode side's liveness watch names its instance (hex) to the prefill
 
 
+def pair_service(decode_instance: int) -> str:
+    """The health service name of one prefill/decode pair on the prefill worker (its decode side watches it)."""
+    return f"kvtransfer.Pair/{decode_instance:x}"
+
+
 def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
     return [("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes)]

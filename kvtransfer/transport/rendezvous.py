@@ -1,22 +1,27 @@
-"""Re-joinable process-group pairing for the servers: one long-lived store, one fresh group per pairing.
+"""Re-joinable process-group pairing for the servers: one long-lived store, one fresh two-rank group per pairing.
 
 Why not `init_process_group(init_method=...)` each time: with tcp:// the prefill (rank 0)
 would host a new TCPStore per pairing on the same port, while the old one may still be
 held by a thread blocked in the dead group; and a group whose peer died, or whose gloo
 wait timed out, is closed for good. So the prefill opens the store once for its lifetime
-(torchrun's agent hosts it under env:// when told so), and every pairing joins a new
-default group under a key prefix that names the pairing: (prefill instance id, epoch),
-exchanged at the handshake. Leaving destroys the group (aborts it for NCCL) so the next
-pairing can join; a thread still blocked in the old group wakes when the peer closes it.
+(torchrun's agent hosts it under env:// when told so), and every pairing builds a new
+group under a key prefix that names the pairing: (prefill instance id, epoch), exchanged
+at the handshake.
+
+Why groups of their own, not the default group: a prefill worker pairs with several decode
+workers and a decode worker with several prefill workers (xPyD), one group per pair, so a
+process holds several groups at once, each a two-rank ProcessGroupGloo / ProcessGroupNCCL
+built on the pairing's prefixed store (0 the prefill side, 1 the decode side). The links
+send and receive on their own group (kvtransfer/transport/dist/backend.py), so a thread of
+an old pairing that wakes up fails in its old group and never touches a new one. Leaving
+drops the group (NCCL: aborts it); a thread still blocked in it wakes when the peer's side
+closes.
 
 Why each side first says "here" under the prefix and waits for the other's word: a join that
 blocked inside torch could not be abandoned (a superseded pairing, a server stopping), and it
 held the prefill worker's device thread, and a stopping process, up to --dist-timeout-s. The
 wait for the peer's word is a loop of short store waits that checks `abandoned()` between them;
-only once both are there does torch build the group. And torch names an unnamed default group
-by a per-process count of groups made, which a failed join advanced on one side only (the next
-pairing then waited under `.../1//` for a peer under `.../0//`): it is reset before each join,
-so the pairing prefix alone names the group.
+only once both are there does torch build the group.
 """
 
 from __future__ import annotations
@@ -83,8 +88,8 @@ def wait_for_peer(store: dist.Store, rank: int, timeout_s: float, abandoned: Cal
 
 
 def join_pair(rank: int, store: dist.Store, prefix: str, device: torch.device, timeout_s: float,
-              op_timeout_s: float = 0.0, abandoned: Callable[[], bool] = lambda: False) -> None:
-    """Join a fresh two-rank default group (0 prefill, 1 decode) under `prefix`; waits at most `timeout_s`.
+              op_timeout_s: float = 0.0, abandoned: Callable[[], bool] = lambda: False):
+    """A fresh two-rank group (0 prefill, 1 decode) under `prefix`, joined within `timeout_s`; returns it.
 
     NCCL's watchdog timeout is per operation from the moment it is enqueued, and the decode
     side keeps the next frame's header receive posted while idle: with the rendezvous
@@ -92,22 +97,22 @@ def join_pair(rank: int, store: dist.Store, prefix: str, device: torch.device, t
     IDLE_WAIT_S; request deadlines, the peer timeout and the keepalive detect a dead peer,
     and leaving the pairing aborts the communicator. `op_timeout_s` (DistOptions) overrides it (0: default).
     """
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    kw = {"device_id": device} if device.type == "cuda" else {}
-    op_timeout = op_timeout_s or (IDLE_WAIT_S if device.type == "cuda" else timeout_s)
+    op_timeout = datetime.timedelta(seconds=op_timeout_s or (IDLE_WAIT_S if device.type == "cuda" else timeout_s))
     pair_store = dist.PrefixStore(prefix, store)
     wait_for_peer(pair_store, rank, timeout_s, abandoned)
-    if not dist.is_initialized():
-        dist.distributed_c10d._world.group_count = 0  # the group's name: the same on both sides, whatever failed before
-    dist.init_process_group(backend, store=pair_store, rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=op_timeout), **kw)
+    if device.type != "cuda":
+        return dist.ProcessGroupGloo(pair_store, rank, 2, op_timeout)
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = op_timeout
+    group = dist.ProcessGroupNCCL(pair_store, rank, 2, opts)
+    if hasattr(group, "eager_connect_single_device"):  # the communicator now, not at the first transfer
+        group.eager_connect_single_device(device)
+    return group
 
 
-def leave_pair(device: torch.device) -> None:
-    """Drop the current group, if any, so that the next pairing can join (NCCL: abort, no waiting on a dead peer)."""
-    if not dist.is_initialized():
-        return
-    if device.type == "cuda" and hasattr(dist.distributed_c10d, "_abort_process_group"):
-        dist.distributed_c10d._abort_process_group()
-    else:
-        dist.destroy_process_group()
+def leave_pair(group) -> None:
+    """Drop a pairing's group (None: nothing): NCCL's is aborted (no waiting on a dead peer); gloo's connections
+    close once the last reference goes, which wakes the peer's side."""
+    nccl = getattr(dist, "ProcessGroupNCCL", None)  # absent from a CPU build of torch
+    if group is not None and nccl is not None and isinstance(group, nccl):
+        group.abort()

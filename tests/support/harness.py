@@ -36,15 +36,15 @@ __all__ = ["forked_pairs", "free_port", "run_in_threads", "run_two_processes"]
 
 def _links(backend: str, rank: int, address: str, options, dev):
     """This side's link; rank 0 sends, rank 1 receives. Process groups are joined here first."""
-    b = registry.backend(backend)
-    if b.rendezvous is registry.Rendezvous.PROCESS_GROUP:
-        from bench.measure.p2p import init_pair
-        init_pair(rank, address, dev, timeout_s=30)
+    b, kw = registry.backend(backend), {}
+    if b.rendezvous is registry.Rendezvous.PROCESS_GROUP:  # the servers' way: a store, a pairing's own group
+        from kvtransfer.transport.rendezvous import join_pair, open_store
+        kw["group"] = join_pair(rank, open_store(address, rank, 30), "contract/", dev, 30)
         address = ""
     if rank == 0:
-        return registry.sender_link(backend, dev, options, address=address, connect_timeout_s=30)
+        return registry.sender_link(backend, dev, options, address=address, connect_timeout_s=30, **kw)
     return registry.receiver_link(backend, dev, options, address=address, max_bytes=16 << 20,
-                                  max_layers=contract.LAYERS)
+                                  max_layers=contract.LAYERS, **kw)
 
 
 def run_in_threads(backend: str, scenario: str, options=None, address: str = "") -> None:

@@ -71,21 +71,16 @@ def _messages(header: TransferHeader, group: int) -> list[range]:
     return [range(a, min(a + group, header.num_layers)) for a in range(0, header.num_layers, group)]
 
 
-def this_group():
-    """The current default group itself, not "whatever group is default when used": a thread of an old
-    pairing that wakes up after a re-pairing must fail, not receive from (or send to) the new group."""
-    return dist.group.WORLD
-
-
-def sender_link(device, options: DistOptions, address: str = "", peer: int = 1,
-                connect_timeout_s: float = 0.0) -> "SenderLink":
-    """Rank 0's link in the joined two-rank group (the decode side is rank 1; joined already: no connecting)."""
-    return SenderLink(device, peer=peer, layers_per_message=options.layers_per_message, group=this_group())
+def sender_link(device, options: DistOptions, address: str = "", peer: int = 1, connect_timeout_s: float = 0.0,
+                group=None) -> "SenderLink":
+    """Rank 0's link in the pairing's joined two-rank `group` (rendezvous.join_pair; the decode side is rank 1)."""
+    return SenderLink(device, peer=peer, layers_per_message=options.layers_per_message, group=group)
 
 
 def receiver_link(device, options: DistOptions, address: str = "", max_bytes: int = 64 << 30,
-                  max_layers: int = 4096, peer: int = 0) -> "ReceiverLink":
-    return ReceiverLink(device, peer=peer, max_bytes=max_bytes, group=this_group(), max_layers=max_layers)
+                  max_layers: int = 4096, peer: int = 0, group=None) -> "ReceiverLink":
+    """Rank 1's link in the pairing's joined two-rank `group`."""
+    return ReceiverLink(device, peer=peer, max_bytes=max_bytes, group=group, max_layers=max_layers)
 
 
 class SenderLink(base.SenderLink):
@@ -123,7 +118,7 @@ class DistSender(BaseSender):
     def _isend(self, t: torch.Tensor) -> None:
         self._keep.append(t)
         try:
-            self._works.append(dist.isend(t, dst=self.link.peer, group=self.link.group))
+            self._works.append(self.link.group.send([t], self.link.peer, 0))
         except RuntimeError as e:  # gloo: "Connection closed by peer"
             raise TransferError("peer", f"send failed: {e}") from e
 
@@ -163,7 +158,7 @@ class ReceiverLink(base.ReceiverLink):
 
     def accept(self, timeout=None, destinations=None) -> "DistReceiver":
         wire = torch.empty(HEADER_INTS, dtype=torch.int64, device=self.device)
-        work = dist.irecv(wire, src=self.peer, group=self.group)
+        work = self.group.recv([wire], self.peer, 0)
         deadline = None if timeout is None else time.monotonic() + timeout
         _wait_all([work], self.device, deadline, "transfer header")
         *fields, per_msg = wire.cpu().tolist()
@@ -187,9 +182,9 @@ class DistReceiver(KVReceiver):
         self._msg_of: list[int] = []
         self._works = []
         for m, msg in enumerate(_messages(header, per_msg)):
-            self._works.append(dist.irecv(self.block[msg.start:msg.stop], src=link.peer, group=link.group))
+            self._works.append(link.group.recv([self.block[msg.start:msg.stop]], link.peer, 0))
             self._msg_of += [m] * len(msg)
-        self._works.append(dist.irecv(self._trailer, src=link.peer, group=link.group))
+        self._works.append(link.group.recv([self._trailer], link.peer, 0))
         self._state = TransferState.TRANSFERRING
         self._reason: str | None = None
 

@@ -1,0 +1,465 @@
+"""N prefill x M decode workers behind the router, on one box (issue #28): `python -m deploy.launch_xpyd ...`.
+
+Why a launcher: an xPyD layout is N + M + 1 processes whose flags must agree (the model, the transport, every
+prefill worker's address and rendezvous in every decode worker's lists, every decode worker in the router's),
+that must start in an order-free way but stop in order (the router first, so no new request reaches a worker
+that is going; then the decode workers, whose requests need their prefill peers to finish; the prefill workers
+last), and one of which dying should not leave the others running unseen. The typical box: 4 GPUs, 2P2D:
+
+    python -m deploy.launch_xpyd --prefill 2 --decode 2 --model qwen2.5-7b --dtype bfloat16 \\
+        --device-prefill cuda:0,cuda:1 --device-decode cuda:2,cuda:3 --transport nccl
+
+Prefill worker i listens at HOST:P_i and, for nccl/gloo (and auto, which is one of them), hosts its rendezvous
+store at tcp://HOST:R_i; each decode worker gets `--prefill-addr HOST:P_0,HOST:P_1,...` and the matching
+`--dist-init tcp://HOST:R_0,tcp://HOST:R_1,...` (one rendezvous per prefill worker, in the same order); the router
+gets every decode worker as `--worker`. Ports: free ones, or from `--base-port B`: prefill i at B+i, decode j at
+B+N+j, rendezvous i at B+N+M+i. Devices are dealt round robin from each list; `auto` (the default) gives the
+N + M workers one GPU each in turn (prefill first) when GPUs are visible, else cpu.
+
+All processes start at once (the decode workers wait for their peers' handshake, --handshake-timeout-s, so model
+loads overlap); the launcher then polls each one's gRPC health until SERVING (a prefill worker serves once
+paired), prints one line per process and a `ready:` line. SIGTERM/SIGINT: stop in the order above, each group
+SIGTERM (the servers drain for their --shutdown-grace-s) then SIGKILL after --stop-grace-s; a second signal kills at
+once. Exit 0 when every process stopped cleanly on request; 1 when one died on its own (the rest are stopped) or
+did not start in --start-timeout-s; 2 for bad flags. The children run in their own process group (a terminal's
+Ctrl-C reaches only the launcher, which orders the stop) and get SIGTERM if the launcher itself dies (Linux).
+
+Pairing with several prefill workers (lists in --prefill-addr/--dist-init) is the decode worker's (issue #28); a
+decode worker without it refuses a list (exit 2 naming the flag), which the launcher reports, so only --prefill 1
+works there. `--dry-run` prints every command line and starts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository (children import from it)
+PROG = "launch_xpyd"
+TRANSPORTS = ("auto", "nccl", "gloo", "grpc", "cuda_ipc")
+PROCESS_GROUP = ("auto", "nccl", "gloo")  # transports joined through a torch.distributed rendezvous (--dist-init)
+DEVICE = re.compile(r"auto|cpu|cuda|cuda:\d+")
+# flags the launcher sets itself: given again through --*-args they would contradict its lists
+OWN_FLAGS = {
+    "prefill": ("--listen", "--device", "--transport", "--dist-init", "--model", "--dtype"),
+    "decode": ("--listen", "--device", "--transport", "--dist-init", "--model", "--dtype", "--prefill-addr",
+               "--colocated"),
+    "router": ("--listen", "--worker"),
+}
+POLL_S = 0.2
+
+
+@dataclass
+class Child:
+    name: str  # prefill-0, decode-1, router
+    role: str  # prefill, decode, router
+    module: str
+    args: list[str]
+    addr: str  # where its gRPC (and health) answers
+    device: str = ""
+    tls: bool = False  # its front door serves TLS (health is checked over TLS)
+    log: str = ""
+    proc: subprocess.Popen | None = None
+    serving: bool = False
+    env: dict = field(default_factory=dict)
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", self.module, *self.args]
+
+    def last_line(self) -> str:
+        try:
+            with open(self.log, errors="replace") as f:
+                lines = [ln.strip() for ln in f.read()[-8000:].splitlines() if ln.strip()]
+        except OSError:
+            return ""
+        return lines[-1] if lines else ""
+
+
+class Refused(Exception):
+    """A bad combination of flags: one line, exit 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    """A bad flag: one line naming it, exit 2 (as the servers do), not the whole usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = Parser(prog=PROG, description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill workers")
+    p.add_argument("--decode", type=int, default=1, metavar="M", help="decode workers (behind the router)")
+    p.add_argument("--model", default="tiny", help="a preset or a local Hugging Face directory (all workers)")
+    p.add_argument("--dtype", default="auto", help="weights and KV dtype (all workers)")
+    p.add_argument("--device-prefill", default="auto", metavar="LIST",
+                   help="comma-separated devices dealt round robin to the prefill workers (auto, cpu, cuda, cuda:N)")
+    p.add_argument("--device-decode", default="auto", metavar="LIST",
+                   help="the same for the decode workers")
+    p.add_argument("--transport", default="auto", choices=TRANSPORTS,
+                   help="data plane between prefill and decode (auto: nccl on cuda, gloo on cpu)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address every worker binds and is reached at (loopback unless told otherwise)")
+    p.add_argument("--base-port", type=int, default=0,
+                   help="prefill i at B+i, decode j at B+N+j, rendezvous i at B+N+M+i (0: free ports)")
+    p.add_argument("--router-listen", default="", metavar="HOST:PORT",
+                   help="the router's front door, what clients call (default HOST:50050; port 0: a free one)")
+    p.add_argument("--prefill-args", default="", metavar='"..."', help="extra flags for every prefill worker")
+    p.add_argument("--decode-args", default="", metavar='"..."', help="extra flags for every decode worker")
+    p.add_argument("--router-args", default="", metavar='"..."', help="extra flags for the router")
+    p.add_argument("--log-dir", default="", help="one log per process here (default: a new temp directory)")
+    p.add_argument("--start-timeout-s", type=float, default=600.0,
+                   help="every process must report SERVING within this, s")
+    p.add_argument("--stop-grace-s", type=float, default=30.0,
+                   help="on stop: each group gets this long after SIGTERM before SIGKILL, s (above the servers' "
+                        "--shutdown-grace-s, 20 by default)")
+    p.add_argument("--check-tls-ca", default="",
+                   help="CA (PEM) verifying the prefill workers' TLS (--tls-cert in --prefill-args) for the "
+                        "launcher's health checks")
+    p.add_argument("--check-tls-cert", default="",
+                   help="client certificate for those checks (prefill workers with --tls-ca, mTLS)")
+    p.add_argument("--check-tls-key", default="", help="private key of --check-tls-cert")
+    p.add_argument("--dry-run", action="store_true", help="print each process's command line and exit")
+    return p
+
+
+def split_list(flag: str, value: str) -> list[str]:
+    items = [v.strip() for v in value.split(",")]
+    if not value.strip() or any(not v for v in items):
+        raise Refused(f"{flag} {value!r}: expected a comma-separated list without empty items")
+    return items
+
+
+def split_addr(flag: str, value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise Refused(f"{flag} {value!r}: expected HOST:PORT with PORT 0..65535 (IPv6 as [::1]:PORT)")
+    return host, int(port)
+
+
+def visible_gpus() -> int:
+    """GPUs the workers would see, without loading torch: CUDA_VISIBLE_DEVICES when set, else `nvidia-smi -L`."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return len([d for d in env.split(",") if d.strip() and not d.strip().startswith("-")])
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(line.startswith("GPU ") for line in out.stdout.splitlines()) if out.returncode == 0 else 0
+
+
+def deal(flag: str, value: str, count: int, first: int, gpus) -> list[str]:
+    """`count` devices from `value` round robin; `auto` alone: the visible GPUs in turn, from the `first`-th on."""
+    items = split_list(flag, value)
+    for d in items:
+        if not DEVICE.fullmatch(d):
+            raise Refused(f"{flag}: {d!r} is not a device; use auto, cpu, cuda or cuda:N")
+    if items == ["auto"]:
+        n = gpus()
+        return [f"cuda:{(first + i) % n}" for i in range(count)] if n else ["cpu"] * count
+    return [items[i % len(items)] for i in range(count)]
+
+
+def own_flag(args: list[str], role: str) -> str | None:
+    for a in args:
+        name = a.split("=", 1)[0]
+        if name in OWN_FLAGS[role]:
+            return name
+    return None
+
+
+class Ports:
+    """Free ports (held until all are chosen, so none repeats) or consecutive ones from --base-port."""
+
+    def __init__(self, host: str, base: int):
+        self.host, self.base, self.next, self.held = host, base, base, []
+
+    def take(self) -> int:
+        if self.base:
+            port, self.next = self.next, self.next + 1
+            if port > 65535:
+                raise Refused(f"--base-port {self.base}: the layout runs past port 65535")
+            return port
+        s = socket.socket(socket.AF_INET6 if ":" in self.host.strip("[]") else socket.AF_INET)
+        try:
+            s.bind((self.host.strip("[]"), 0))
+        except OSError:
+            s.close()
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+        self.held.append(s)
+        return s.getsockname()[1]
+
+    def release(self) -> None:
+        for s in self.held:
+            s.close()
+        self.held = []
+
+
+def plan(ns: argparse.Namespace, gpus=visible_gpus) -> list[Child]:
+    """Every process, in start order (prefill workers, decode workers, the router); raises Refused on bad input."""
+    n, m = ns.prefill, ns.decode
+    if n < 1 or m < 1:
+        raise Refused(f"--prefill {n} --decode {m}: need at least one of each")
+    if not 0 <= ns.base_port <= 65535:
+        raise Refused(f"--base-port {ns.base_port}: must be 0 (free ports) or a port")
+    if ns.start_timeout_s <= 0 or ns.stop_grace_s < 0:
+        raise Refused("--start-timeout-s must be > 0 and --stop-grace-s >= 0")
+    host = ns.host.strip()
+    split_addr("--host", f"{host}:1")
+    extra = {}
+    for role in ("prefill", "decode", "router"):
+        try:
+            extra[role] = shlex.split(getattr(ns, f"{role}_args"))
+        except ValueError as e:
+            raise Refused(f"--{role}-args: {e}") from None
+        if (flag := own_flag(extra[role], role)) is not None:
+            raise Refused(f"--{role}-args sets {flag}, which the launcher sets for every {role} process; "
+                          f"use the launcher's own flags (--host, --base-port, --device-*, --transport, --model, "
+                          f"--dtype, --router-listen)")
+    if bool(ns.check_tls_cert) != bool(ns.check_tls_key):
+        raise Refused("--check-tls-cert and --check-tls-key go together")
+    for path in (ns.check_tls_ca, ns.check_tls_cert, ns.check_tls_key):
+        if path and not os.path.isfile(path):
+            raise Refused(f"{path}: no such file")
+    tls = {role: any(a.split("=", 1)[0] == "--tls-cert" for a in extra[role]) for role in OWN_FLAGS}
+    if tls["decode"] or tls["router"]:
+        raise Refused("--tls-cert in --decode-args/--router-args: the router neither serves TLS nor reaches its "
+                      "decode workers over TLS yet (tokens only, docs/router.md)")
+    if tls["prefill"] and not ns.check_tls_ca:
+        raise Refused("--tls-cert in --prefill-args: give --check-tls-ca (the launcher checks each prefill "
+                      "worker's health over its TLS control plane)")
+    p_dev = deal("--device-prefill", ns.device_prefill, n, 0, gpus)
+    d_dev = deal("--device-decode", ns.device_decode, m, n, gpus)
+    kinds = {"cpu" if d == "cpu" else "auto" if d == "auto" else "cuda" for d in p_dev + d_dev}
+    if ns.transport in ("nccl", "cuda_ipc") and "cpu" in kinds:
+        raise Refused(f"--transport {ns.transport} needs CUDA devices; a cpu worker pairs over gloo or grpc")
+    if ns.transport == "auto" and {"cpu", "cuda"} <= kinds:
+        raise Refused("--transport auto with both cpu and cuda workers would pick gloo on one side and nccl on the "
+                      "other; name --transport (gloo or grpc)")
+    if ns.router_listen:
+        r_host, r_port = split_addr("--router-listen", ns.router_listen)
+    else:
+        r_host, r_port = host, 50050
+    ports = Ports(host, ns.base_port)
+    try:
+        p_ports = [ports.take() for _ in range(n)]
+        d_ports = [ports.take() for _ in range(m)]
+        r_ports = [ports.take() for _ in range(n)] if ns.transport in PROCESS_GROUP else []
+        if r_port == 0:
+            r_port = _free(r_host)
+    finally:
+        ports.release()
+    if r_port in p_ports + d_ports + r_ports:
+        raise Refused(f"router port {r_port} is also a worker's in the --base-port {ns.base_port} layout; move "
+                      "--router-listen or --base-port")
+    fmt = (lambda h, p: f"[{h}]:{p}" if ":" in h and not h.startswith("[") else f"{h}:{p}")
+    p_addrs = [fmt(host, p) for p in p_ports]
+    d_addrs = [fmt(host, p) for p in d_ports]
+    dist = [f"tcp://{fmt(host, p)}" for p in r_ports]
+    common = ["--model", ns.model, "--dtype", ns.dtype, "--transport", ns.transport]
+    env = {"NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE", "0")} if ns.transport in ("nccl", "auto") else {}
+    children = []
+    for i in range(n):
+        args = [*common, "--device", p_dev[i], "--listen", p_addrs[i], *(["--dist-init", dist[i]] if dist else []),
+                *extra["prefill"]]
+        children.append(Child(f"prefill-{i}", "prefill", "prefill_server", args, p_addrs[i], p_dev[i],
+                              tls["prefill"], env=env))
+    for j in range(m):
+        args = [*common, "--device", d_dev[j], "--listen", d_addrs[j], "--prefill-addr", ",".join(p_addrs),
+                *(["--dist-init", ",".join(dist)] if dist else []), *extra["decode"]]
+        children.append(Child(f"decode-{j}", "decode", "decode_server", args, d_addrs[j], d_dev[j], env=env))
+    r_addr = fmt(r_host, r_port)
+    children.append(Child("router", "router", "router", ["--listen", r_addr, "--worker", ",".join(d_addrs),
+                                                         *extra["router"]], r_addr))
+    return children
+
+
+def _free(host: str) -> int:
+    ports = Ports(host, 0)
+    try:
+        return ports.take()
+    finally:
+        ports.release()
+
+
+def say(text: str) -> None:
+    print(text, flush=True)
+
+
+def fail(text: str) -> None:
+    print(f"{PROG}: {text}", file=sys.stderr, flush=True)
+
+
+def _pdeathsig():
+    """A preexec_fn giving the child SIGTERM when the launcher dies (Linux); None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: the child only calls it
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+
+
+class Launcher:
+    def __init__(self, children: list[Child], ns: argparse.Namespace, log_dir: str):
+        self.children, self.ns, self.log_dir = children, ns, log_dir
+        self.signals = 0  # SIGTERM/SIGINT received
+
+    def _on_signal(self, signum, _frame) -> None:
+        self.signals += 1
+
+    def spawn(self) -> None:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env["PYTHONUNBUFFERED"] = "1"
+        pre = _pdeathsig()
+        for c in self.children:
+            c.log = os.path.join(self.log_dir, f"{c.name}.log")
+            with open(c.log, "w") as f:
+                c.proc = subprocess.Popen(c.command(), stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                          env={**env, **c.env}, cwd=ROOT, process_group=0, preexec_fn=pre)
+
+    def died(self) -> Child | None:
+        return next((c for c in self.children if c.proc is not None and c.proc.poll() is not None), None)
+
+    def wait_serving(self) -> str | None:
+        """None once every process reports SERVING; else why not (a signal, a death, the timeout)."""
+        import grpc  # after the children are forked: grpc's threads never meet a fork
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+        creds = None
+        if self.ns.check_tls_ca:
+            read = (lambda p: open(p, "rb").read() if p else None)
+            creds = grpc.ssl_channel_credentials(read(self.ns.check_tls_ca), read(self.ns.check_tls_key),
+                                                 read(self.ns.check_tls_cert))
+        channels = {c.name: grpc.secure_channel(c.addr, creds) if c.tls else grpc.insecure_channel(c.addr)
+                    for c in self.children}
+        deadline = time.monotonic() + self.ns.start_timeout_s
+        try:
+            while True:
+                if self.signals:
+                    return "stop requested during start-up"
+                if (c := self.died()) is not None:
+                    return (f"{c.name} (pid {c.proc.pid}) exited {c.proc.returncode} during start-up: "
+                            f"{c.last_line()} (log {c.log})")
+                waiting = [c for c in self.children if not c.serving]
+                if not waiting:
+                    return None
+                if time.monotonic() > deadline:
+                    return (f"not serving after --start-timeout-s {self.ns.start_timeout_s:g}: "
+                            + "; ".join(f"{c.name} ({c.last_line()[-160:]})" for c in waiting))
+                for c in waiting:
+                    try:
+                        status = health_pb2_grpc.HealthStub(channels[c.name]).Check(
+                            health_pb2.HealthCheckRequest(), timeout=1).status
+                    except grpc.RpcError:
+                        continue
+                    if status == health_pb2.HealthCheckResponse.SERVING:
+                        c.serving = True
+                        say(f"{c.name:<10} pid {c.proc.pid:<7} {c.addr:<22} {c.device or '-':<7} serving "
+                            f"(log {c.log})")
+                time.sleep(POLL_S)
+        finally:
+            for ch in channels.values():
+                ch.close()
+
+    def stop(self) -> bool:
+        """Router, then decode, then prefill workers: SIGTERM, SIGKILL after --stop-grace-s (or at a second
+        signal). True when every process exited 0 (or on that SIGTERM itself, still loading) without a SIGKILL."""
+        clean, seen = True, self.signals
+        for role in ("router", "decode", "prefill"):
+            group = [c for c in self.children if c.role == role and c.proc is not None]
+            for c in group:
+                if c.proc.poll() is None:
+                    c.proc.terminate()
+            deadline = time.monotonic() + self.ns.stop_grace_s
+            while any(c.proc.poll() is None for c in group):
+                if time.monotonic() > deadline or self.signals > seen:
+                    for c in group:
+                        if c.proc.poll() is None:
+                            fail(f"{c.name} (pid {c.proc.pid}) still running: SIGKILL")
+                            c.proc.kill()
+                            clean = False
+                    for c in group:
+                        try:
+                            c.proc.wait(timeout=10)
+                        except subprocess.TimeoutExpired:  # stuck in the kernel (a GPU driver call)
+                            fail(f"{c.name} (pid {c.proc.pid}) did not die; left to the OS")
+                    break
+                time.sleep(0.05)
+            for c in group:
+                code = c.proc.poll()
+                if code not in (0, -signal.SIGTERM):  # -SIGTERM: stopped before its handler was set (loading)
+                    clean = False
+                say(f"stopped {c.name} (pid {c.proc.pid}): exit {code}")
+        return clean
+
+    def run(self) -> int:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+        say(f"logs in {self.log_dir}")
+        self.spawn()
+        why = self.wait_serving()
+        if why is not None:
+            requested = self.signals > 0 and why.startswith("stop requested")
+            if not requested:
+                fail(why)
+            clean = self.stop()
+            return 0 if requested and clean else 1
+        n = sum(c.role == "prefill" for c in self.children)
+        m = sum(c.role == "decode" for c in self.children)
+        router = self.children[-1]
+        say(f"ready: router at {router.addr} over {m} decode x {n} prefill workers ({self.ns.transport}, "
+            f"model {self.ns.model}); SIGTERM or Ctrl-C stops all")
+        while not self.signals:
+            if (c := self.died()) is not None:
+                fail(f"{c.name} (pid {c.proc.pid}) exited {c.proc.returncode} unexpectedly: {c.last_line()} "
+                     f"(log {c.log}); stopping the rest")
+                self.stop()
+                return 1
+            time.sleep(POLL_S)
+        say(f"signal received: stopping the router, then {m} decode, then {n} prefill workers")
+        clean = self.stop()
+        if not clean:
+            fail(f"not every process stopped cleanly (logs in {self.log_dir})")
+        return 0 if clean else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    try:
+        children = plan(ns)
+    except Refused as e:
+        parser.error(str(e))
+    if ns.dry_run:
+        for c in children:
+            env = " ".join(f"{k}={v}" for k, v in c.env.items())
+            say(f"{c.name}: {env + ' ' if env else ''}{shlex.join(c.command())}")
+        return 0
+    shared = {d: k for d in {c.device for c in children} if d.startswith("cuda")
+              if (k := sum(c.device == d for c in children)) > 1}
+    for d, k in sorted(shared.items()):
+        say(f"note: {k} workers share {d}; give each its share (--decode-args \"--gpu-memory-utilization ...\")")
+    log_dir = ns.log_dir or tempfile.mkdtemp(prefix="kvt-xpyd-")
+    try:
+        os.makedirs(log_dir, exist_ok=True)
+    except OSError as e:
+        parser.error(f"--log-dir {log_dir}: {e}")
+    return Launcher(children, ns, log_dir).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
