@@ -6,7 +6,8 @@ takes this one?". The answer: among the peers that are up, the one with the fewe
 (DataPlane.load: this worker's own in flight there, plus the queue the peer reported in its last answer, which
 counts other decode workers' requests too); ties go round-robin, so idle peers share the work. A peer that is
 down is skipped; with none up the request is refused at once, naming why, so that the --on-failure policy (fail,
-or recompute here) decides without waiting on a dead link. Each pairing re-pairs on its own (pairing.py), so a
+or recompute here) decides without waiting on a dead link; a request whose peer fails is tried once more on
+another peer that is up before that policy applies (server.py). Each pairing re-pairs on its own (pairing.py), so a
 restarted prefill worker rejoins without restarting this one.
 
 Health: "" is SERVING while any peer is up; the Decode service stays SERVING under --on-failure recompute (it
@@ -89,9 +90,13 @@ class PrefillPeers:
             log.error("prefill peer %s did not pair at start: %s; it keeps trying", pairing.addr, error)
             pairing.supervise(paired=False)
 
-    def choose(self) -> DecodePairing:
-        """The peer that prefills the next request: the least loaded that is up (PeerFailure when none is)."""
-        up = [p for p in self.pairings if p.up]
+    def other_up(self, exclude: list[DecodePairing]) -> bool:
+        return any(p.up and p not in exclude for p in self.pairings)
+
+    def choose(self, exclude: list[DecodePairing] = ()) -> DecodePairing:
+        """The peer that prefills the next request: the least loaded that is up and not in `exclude` (PeerFailure
+        when none is)."""
+        up = [p for p in self.pairings if p.up and p not in exclude]
         if not up:
             why = "; ".join(f"{p.addr}: {p.why_down()}" for p in self.pairings)
             raise PeerFailure("peer_down", grpc.StatusCode.UNAVAILABLE,

@@ -43,8 +43,8 @@ class Metrics:
         self.receivers = Gauge("kvt_receivers_inflight", "decode: data-plane receivers holding buffers", registry=r)
         self.receive_loops = Gauge("kvt_receive_loops", "decode: receive-loop threads alive (old pairings' "
                                    "threads end when the peer closes their group)", registry=r)
-        self.peer_up = Gauge("kvt_peer_up", "a pair's servers only: 1 while the peer is paired and its data plane "
-                             "is up", registry=r)
+        self.peer_up = Gauge("kvt_peer_up", "paired servers only: the peers paired now with their data plane up "
+                             "(a decode worker's prefill workers, a prefill worker's decode workers)", registry=r)
         self._peer_up_exported = True
         self.cached_slots = Gauge("kvt_prefix_cached_slots", "decode: free pool slots holding a finished request's "
                                   "KV for reuse", registry=r)
