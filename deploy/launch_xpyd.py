@@ -24,9 +24,9 @@ once. Exit 0 when every process stopped cleanly on request; 1 when one died on i
 did not start in --start-timeout-s; 2 for bad flags. The children run in their own process group (a terminal's
 Ctrl-C reaches only the launcher, which orders the stop) and get SIGTERM if the launcher itself dies (Linux).
 
-Pairing with several prefill workers (lists in --prefill-addr/--dist-init) is the decode worker's (issue #28); a
-decode worker without it refuses a list (exit 2 naming the flag), which the launcher reports, so only --prefill 1
-works there. `--dry-run` prints every command line and starts nothing.
+Each decode worker pairs with every prefill worker in its --prefill-addr list and picks one per request
+(decode_server/peer/peers.py). `--metrics-base-port P` gives each process its /metrics (prefill i at P+i, decode j
+at P+N+j, the router at P+N+M). `--dry-run` prints every command line and starts nothing.
 """
 
 from __future__ import annotations
@@ -113,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefill i at B+i, decode j at B+N+j, rendezvous i at B+N+M+i (0: free ports)")
     p.add_argument("--router-listen", default="", metavar="HOST:PORT",
                    help="the router's front door, what clients call (default HOST:50050; port 0: a free one)")
+    p.add_argument("--metrics-base-port", type=int, default=0, metavar="P",
+                   help="Prometheus /metrics of each process: prefill i at P+i, decode j at P+N+j, the router at "
+                        "P+N+M (0: none)")
     p.add_argument("--prefill-args", default="", metavar='"..."', help="extra flags for every prefill worker")
     p.add_argument("--decode-args", default="", metavar='"..."', help="extra flags for every decode worker")
     p.add_argument("--router-args", default="", metavar='"..."', help="extra flags for the router")
@@ -269,19 +272,25 @@ def plan(ns: argparse.Namespace, gpus=visible_gpus) -> list[Child]:
     dist = [f"tcp://{fmt(host, p)}" for p in r_ports]
     common = ["--model", ns.model, "--dtype", ns.dtype, "--transport", ns.transport]
     env = {"NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE", "0")} if ns.transport in ("nccl", "auto") else {}
+    if not 0 <= ns.metrics_base_port <= 65535 - n - m:
+        raise Refused(f"--metrics-base-port {ns.metrics_base_port}: must be 0 (none) or a port with room for "
+                      f"{n + m + 1} after it")
+
+    def metrics(k: int) -> list[str]:
+        return ["--metrics-port", str(ns.metrics_base_port + k)] if ns.metrics_base_port else []
     children = []
     for i in range(n):
         args = [*common, "--device", p_dev[i], "--listen", p_addrs[i], *(["--dist-init", dist[i]] if dist else []),
-                *extra["prefill"]]
+                *metrics(i), *extra["prefill"]]
         children.append(Child(f"prefill-{i}", "prefill", "prefill_server", args, p_addrs[i], p_dev[i],
                               tls["prefill"], env=env))
     for j in range(m):
         args = [*common, "--device", d_dev[j], "--listen", d_addrs[j], "--prefill-addr", ",".join(p_addrs),
-                *(["--dist-init", ",".join(dist)] if dist else []), *extra["decode"]]
+                *(["--dist-init", ",".join(dist)] if dist else []), *metrics(n + j), *extra["decode"]]
         children.append(Child(f"decode-{j}", "decode", "decode_server", args, d_addrs[j], d_dev[j], env=env))
     r_addr = fmt(r_host, r_port)
     children.append(Child("router", "router", "router", ["--listen", r_addr, "--worker", ",".join(d_addrs),
-                                                         *extra["router"]], r_addr))
+                                                         *metrics(n + m), *extra["router"]], r_addr))
     return children
 
 

@@ -65,6 +65,7 @@ class PrefillPeers:
 
         tasks = {asyncio.create_task(attempt(p), name=f"first pairing {p.addr}"): p for p in self.pairings}
         first_error: HandshakeRefused | None = None
+        timed_out: list[DecodePairing] = []
         pending = set(tasks)
         while pending:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -73,12 +74,16 @@ class PrefillPeers:
                 if error is None:
                     for rest in pending:  # the first is up: the rest keep trying on their own
                         rest.add_done_callback(lambda t, p=tasks[rest]: self._late(t, p))
+                    for p in timed_out:  # and those that gave up before it
+                        log.error("prefill peer %s did not pair at start; it keeps trying", p.addr)
+                        p.supervise(paired=False)
                     return
                 if not isinstance(error, HandshakeTimedOut):  # refused: a configuration error, the start ends
                     for rest in pending:
                         rest.cancel()
                     raise error
                 first_error = first_error or error
+                timed_out.append(tasks[t])
         raise first_error
 
     def _late(self, task: asyncio.Task, pairing: DecodePairing) -> None:
