@@ -196,7 +196,11 @@ class DecodeService(pbg.DecodeServicer):
                       len(request.token_ids), reuse.tier, reuse.how)
         elif not (self.config.colocated or request.mode == pb.MODE_COLOCATED):
             try:
-                r = await self._remote(request, rid, deadline, lease, sampling)
+                wire = None if sampling is None else pb.Sampling(temperature=sampling.temperature,
+                                                                 top_p=sampling.top_p, top_k=sampling.top_k,
+                                                                 seed=sampling.seed)
+                r = await self.peers.remote_prefill(request, rid, deadline, self.prefill_metadata, lease, wire,
+                                                    self.engine.pool.views(lease.slot, len(request.token_ids)))
             except RequestError as e:
                 await self._abort(context, e.code, e.message)
             except PeerFailure as f:
@@ -223,25 +227,6 @@ class DecodeService(pbg.DecodeServicer):
         self.metrics.prefill_ms.labels(Mode.from_proto(timing.mode)).observe(timing.prefill_ms)
         t = time.perf_counter()
         return Prefilled(local.first, local.digest, timing, t, t)
-
-    async def _remote(self, request, rid: int, deadline: float, lease, sampling):
-        """The prefill on the least loaded peer that is up; a peer failure is tried once more on another peer that
-        is up (none: the failure goes to the --on-failure policy)."""
-        wire = None if sampling is None else pb.Sampling(
-            temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed)
-        tried = []
-        while True:
-            peer = self.peers.choose(exclude=tried)
-            try:
-                return await peer.data.remote_prefill(peer.stub, request, rid, deadline, self.prefill_metadata,
-                                                      self.engine.pool.views(lease.slot, len(request.token_ids)),
-                                                      lease, wire, peer.instance_id)
-            except PeerFailure as f:
-                tried.append(peer)
-                if len(tried) > 1 or not self.peers.other_up(tried) or time.perf_counter() >= deadline:
-                    raise
-                self.metrics.failures.labels(f.cause).inc()
-                log.warning("request %d: %s; trying another prefill worker", rid, f.message)
 
     async def _within(self, context, future, deadline: float, late: str):
         """Await a scheduler future before the deadline (DEADLINE_EXCEEDED after; the job is cancelled if queued)."""

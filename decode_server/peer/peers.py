@@ -7,7 +7,7 @@ takes this one?". The answer: among the peers that are up, the one with the fewe
 counts other decode workers' requests too); ties go round-robin, so idle peers share the work. A peer that is
 down is skipped; with none up the request is refused at once, naming why, so that the --on-failure policy (fail,
 or recompute here) decides without waiting on a dead link; a request whose peer fails is tried once more on
-another peer that is up before that policy applies (server.py). Each pairing re-pairs on its own (pairing.py), so a
+another peer that is up before that policy applies (`remote_prefill`). Each pairing re-pairs on its own (pairing.py), so a
 restarted prefill worker rejoins without restarting this one.
 
 Health: "" is SERVING while any peer is up; the Decode service stays SERVING under --on-failure recompute (it
@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -109,6 +110,23 @@ class PrefillPeers:
         start = next(self._turn) % len(up)
         up = up[start:] + up[:start]  # ties: round-robin
         return min(up, key=lambda p: p.data.load())
+
+    async def remote_prefill(self, request, rid: int, deadline: float, metadata, lease, wire, destination):
+        """`request` prefilled on the least loaded peer that is up, its cache landing in `destination` (the slot's
+        per-layer views, held by `lease`); a peer failure is tried once more on another peer that is up, then
+        raised (PeerFailure: the caller's --on-failure policy). Returns dataplane.Remote."""
+        tried: list[DecodePairing] = []
+        while True:
+            peer = self.choose(exclude=tried)
+            try:
+                return await peer.data.remote_prefill(peer.stub, request, rid, deadline, metadata, destination,
+                                                      lease, wire, peer.instance_id)
+            except PeerFailure as f:
+                tried.append(peer)
+                if len(tried) > 1 or not self.other_up(tried) or time.perf_counter() >= deadline:
+                    raise
+                self.metrics.failures.labels(f.cause).inc()
+                log.warning("request %d: %s; trying another prefill worker", rid, f.message)
 
     async def close(self) -> None:
         for p in self.pairings:
