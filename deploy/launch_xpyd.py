@@ -126,10 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on stop: each group gets this long after SIGTERM before SIGKILL, s (above the servers' "
                         "--shutdown-grace-s, 20 by default)")
     p.add_argument("--check-tls-ca", default="",
-                   help="CA (PEM) verifying the prefill workers' TLS (--tls-cert in --prefill-args) for the "
-                        "launcher's health checks")
+                   help="CA (PEM) verifying the processes' TLS (--tls-cert in --prefill-args, --decode-args or "
+                        "--router-args) for the launcher's health checks")
     p.add_argument("--check-tls-cert", default="",
-                   help="client certificate for those checks (prefill workers with --tls-ca, mTLS)")
+                   help="client certificate for those checks (processes with --tls-ca, mTLS)")
     p.add_argument("--check-tls-key", default="", help="private key of --check-tls-cert")
     p.add_argument("--dry-run", action="store_true", help="print each process's command line and exit")
     return p
@@ -236,12 +236,13 @@ def plan(ns: argparse.Namespace, gpus=visible_gpus) -> list[Child]:
         if path and not os.path.isfile(path):
             raise Refused(f"{path}: no such file")
     tls = {role: any(a.split("=", 1)[0] == "--tls-cert" for a in extra[role]) for role in OWN_FLAGS}
-    if tls["decode"] or tls["router"]:
-        raise Refused("--tls-cert in --decode-args/--router-args: the router neither serves TLS nor reaches its "
-                      "decode workers over TLS yet (tokens only, docs/router.md)")
-    if tls["prefill"] and not ns.check_tls_ca:
-        raise Refused("--tls-cert in --prefill-args: give --check-tls-ca (the launcher checks each prefill "
-                      "worker's health over its TLS control plane)")
+    if any(tls.values()) and not ns.check_tls_ca:
+        on = ", ".join(f"--{r}-args" for r, t in tls.items() if t)
+        raise Refused(f"--tls-cert in {on}: give --check-tls-ca (the launcher checks each process's health over its "
+                      "TLS front door)")
+    if tls["decode"] and not any(a.split("=", 1)[0] == "--worker-tls-ca" for a in extra["router"]):
+        raise Refused("--tls-cert in --decode-args: give the router --worker-tls-ca (and --worker-tls-cert/-key "
+                      "when the decode workers require client certificates) in --router-args")
     p_dev = deal("--device-prefill", ns.device_prefill, n, 0, gpus)
     d_dev = deal("--device-decode", ns.device_decode, m, n, gpus)
     kinds = {"cpu" if d == "cpu" else "auto" if d == "auto" else "cuda" for d in p_dev + d_dev}
@@ -287,10 +288,12 @@ def plan(ns: argparse.Namespace, gpus=visible_gpus) -> list[Child]:
     for j in range(m):
         args = [*common, "--device", d_dev[j], "--listen", d_addrs[j], "--prefill-addr", ",".join(p_addrs),
                 *(["--dist-init", ",".join(dist)] if dist else []), *metrics(n + j), *extra["decode"]]
-        children.append(Child(f"decode-{j}", "decode", "decode_server", args, d_addrs[j], d_dev[j], env=env))
+        children.append(Child(f"decode-{j}", "decode", "decode_server", args, d_addrs[j], d_dev[j], tls["decode"],
+                              env=env))
     r_addr = fmt(r_host, r_port)
     children.append(Child("router", "router", "router", ["--listen", r_addr, "--worker", ",".join(d_addrs),
-                                                         *metrics(n + m), *extra["router"]], r_addr))
+                                                         *metrics(n + m), *extra["router"]], r_addr,
+                          tls=tls["router"]))
     return children
 
 

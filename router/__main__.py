@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2
 
 from kvtransfer.rpc.lifecycle import Stop, shut_down
 from kvtransfer.rpc.main import run_main
-from kvtransfer.rpc.security import ClientSecurity, resolve_token
+from kvtransfer.rpc.security import ClientSecurity, resolve_token, server_credentials
 from kvtransfer.rpc.server import build_server, new_health
 from proto import kvtransfer_pb2 as pb
 from router.affinity import Affinity
@@ -33,8 +33,9 @@ DECODE_SERVICE = pb.DESCRIPTOR.services_by_name["Decode"].full_name
 async def serve(config: RouterConfig) -> None:
     stop = Stop()
     token = resolve_token(config.auth_token, config.auth_token_file)
-    security = ClientSecurity(auth_token=resolve_token(config.worker_auth_token, config.worker_auth_token_file,
-                                                       "--worker-auth-token-file"))
+    security = ClientSecurity(config.worker_tls_ca, config.worker_tls_cert, config.worker_tls_key,
+                              resolve_token(config.worker_auth_token, config.worker_auth_token_file,
+                                            "--worker-auth-token-file"))
     metrics = RouterMetrics()
     if config.metrics_port:
         log.info("metrics on http://%s:%d/metrics", config.metrics_addr,
@@ -46,7 +47,9 @@ async def serve(config: RouterConfig) -> None:
     service = RouterService(workers, placement, metrics, security, config.request_timeout_s)
     health = new_health()
     server, port, service.health = build_server(pb.DESCRIPTOR.services_by_name["Decode"], service, config.listen,
-                                                config.max_message_bytes, token, None, health)
+                                                config.max_message_bytes, token,
+                                                server_credentials(config.tls_cert, config.tls_key, config.tls_ca),
+                                                health)
 
     async def follow_workers() -> None:  # SERVING while at least one worker is healthy
         status = SERVING if workers.healthy() and not stop.event.is_set() else NOT_SERVING
@@ -60,9 +63,10 @@ async def serve(config: RouterConfig) -> None:
     workers.open()
     workers.start()
     await server.start()
-    log.info("router on port %d over %s (%s), policy %s%s", port,
+    front = "mTLS" if config.tls_ca else "TLS" if config.tls_cert else "plaintext"
+    log.info("router on port %d (%s%s) over %s (%s, %s), policy %s", port, front, ", token required" if token else "",
              f"{len(config.worker)} decode worker{'s' if len(config.worker) > 1 else ''}", ", ".join(config.worker),
-             config.policy, ", token required" if token else "")
+             "TLS" if config.worker_tls_ca else "plaintext", config.policy)
     await stop.event.wait()
     await shut_down(server, health, service.running, stop, config.shutdown_grace_s, log, "router")
     await workers.close()

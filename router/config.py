@@ -4,8 +4,9 @@ Why `--worker` is the one flag parsed apart: it is repeated (one per decode work
 flags do not express; `from_args` lets argparse collect it (`action="append"`, each value may also be a
 comma-separated list) and everything else stays configargs' own. Why two token flag pairs, as on the decode server:
 the router's callers and the decode workers behind it are different trust relationships; a caller's
-`authorization` metadata is never forwarded to a worker (the router presents its own, when told to). TLS is not
-offered yet (docs/router.md, "Security").
+`authorization` metadata is never forwarded to a worker (the router presents its own, when told to). The same holds
+for TLS: `--tls-*` is the front door's (as the decode server's), `--worker-tls-*` the router's side of its
+connections to the workers (docs/router.md, "Security").
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from kvtransfer.rpc.configargs import LOG_LEVELS, Parser, add_arguments, check_c
 from kvtransfer.rpc.flagchecks import check_address, check_positive
 from kvtransfer.rpc.limits import CONTROL_MESSAGE_LIMIT
 from kvtransfer.rpc.metrics import check_metrics_flags
-from kvtransfer.rpc.security import check_token_flags
+from kvtransfer.rpc.security import check_tls_flags, check_token_flags
 
 POLICIES = ("least_loaded", "round_robin")
 
@@ -44,6 +45,12 @@ class RouterConfig:
                                    "end UNAVAILABLE")
     auth_token: str = flag("", "front door: shared secret required as `authorization: Bearer ...` (prefer the file)")
     auth_token_file: str = flag("", "front door: file holding that secret (first line)")
+    tls_cert: str = flag("", "front door: serve TLS with this certificate chain (PEM)")
+    tls_key: str = flag("", "front door: private key of --tls-cert (PEM)")
+    tls_ca: str = flag("", "front door: require client certificates signed by this CA (PEM): mTLS")
+    worker_tls_ca: str = flag("", "to the decode workers: TLS, verifying their certificates against this CA (PEM)")
+    worker_tls_cert: str = flag("", "to the decode workers: this client certificate (PEM), for their --tls-ca")
+    worker_tls_key: str = flag("", "to the decode workers: private key of --worker-tls-cert (PEM)")
     worker_auth_token: str = flag("", "to the decode workers: the token their --auth-token expects")
     worker_auth_token_file: str = flag("", "to the decode workers: file holding that token")
     metrics_port: int = flag(0, "Prometheus /metrics on this port (0: off)")
@@ -68,6 +75,8 @@ class RouterConfig:
         check_metrics_flags(self.metrics_port, self.metrics_addr)
         check_token_flags("auth", self.auth_token, self.auth_token_file)
         check_token_flags("worker-auth", self.worker_auth_token, self.worker_auth_token_file)
+        check_tls_flags("tls", self.tls_cert, self.tls_key, self.tls_ca, server=True)
+        check_tls_flags("worker-tls", self.worker_tls_cert, self.worker_tls_key, self.worker_tls_ca, server=False)
 
     def one_line(self) -> str:
         return one_line(self)
