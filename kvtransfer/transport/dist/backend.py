@@ -21,7 +21,6 @@ import datetime
 import time
 
 import torch
-import torch.distributed as dist
 
 from kvtransfer.transport import base
 from kvtransfer.transport.base import KVReceiver, TransferError, TransferHeader, TransferState
