@@ -15,7 +15,6 @@ the decode server until max_tokens. Once the client is gone the handler is cance
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import time
@@ -23,13 +22,12 @@ import uuid
 from contextlib import aclosing, asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
 
 from api_server import errors
 from api_server.backend import Backend
 from api_server.config import ApiConfig
-from api_server.errors import ApiError, bad_request, internal
-from api_server.generation import Generation, collect
+from api_server.errors import ApiError, bad_request
+from api_server.generation import Generation
 from api_server.metrics import ApiMetrics
 from api_server.params import Params, params, token_ids
 from api_server.protocol import (
@@ -39,12 +37,11 @@ from api_server.protocol import (
     chat_delta,
     completion_choice,
     envelope,
-    usage,
 )
+from api_server.streams import collect_all, merge_pieces, sse, sse_response, usage_of
 from api_server.text import TextCodec
 
 DEFAULT_CHAT_MAX_TOKENS = 256  # chat without max_tokens, from a decode server that does not say its limits
-MERGE_QUEUE = 64  # pieces buffered per request of several prompts (the client's reading paces the rest)
 STRAY_MESSAGE_S = 0.1  # an ASGI server sending other messages than the disconnect is not read in a busy loop
 
 log = logging.getLogger("kvtransfer.api")
@@ -120,10 +117,6 @@ async def _unless_gone(request: Request, work):
     if not task.cancelled() and task.exception() is not None:
         log.debug("a request whose client hung up also failed: %r", task.exception())
     raise ApiError(499, "the client closed the connection before its answer was ready", code="client_closed_request")
-
-
-def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
 
 class Front:
@@ -216,16 +209,16 @@ class Front:
             return completion_choice(i, piece.text, piece.finish_reason, piece.token_ids if ids else None)
         if not req.stream:
             return envelope("text_completion", rid, created, name, [choice(i, piece) for i, piece in
-                                                                    enumerate(await _collect_all(gens))],
-                            _usage(gens))
+                                                                    enumerate(await collect_all(gens))],
+                            usage_of(gens))
 
         async def events():
-            async with aclosing(_merged(gens)) as merged:
+            async with aclosing(merge_pieces(gens)) as merged:
                 async for i, piece in merged:
-                    yield _sse(envelope("text_completion", rid, created, name, [choice(i, piece)]))
+                    yield sse(envelope("text_completion", rid, created, name, [choice(i, piece)]))
             if req.stream_options and req.stream_options.include_usage:
-                yield _sse(envelope("text_completion", rid, created, name, [], _usage(gens)))
-        return _stream(events(), gens)
+                yield sse(envelope("text_completion", rid, created, name, [], usage_of(gens)))
+        return sse_response(events(), gens)
 
     async def chat(self, req: ChatCompletionRequest):
         t0 = time.perf_counter()
@@ -240,23 +233,23 @@ class Front:
         gens = await self._start(p, [prompt], [max_tokens], "/v1/chat/completions", t0)
         rid, created, ids = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), req.return_token_ids
         if not req.stream:
-            piece = (await _collect_all(gens))[0]
+            piece = (await collect_all(gens))[0]
             return envelope("chat.completion", rid, created, name,
                             [chat_choice(0, piece.text, piece.finish_reason, piece.token_ids if ids else None)],
-                            _usage(gens))
+                            usage_of(gens))
 
         def chunk(delta, reason=None, token_ids=None):
-            return _sse(envelope("chat.completion.chunk", rid, created, name,
+            return sse(envelope("chat.completion.chunk", rid, created, name,
                                  [chat_delta(0, delta, reason, token_ids if ids else None)]))
 
         async def events():
             yield chunk({"role": "assistant", "content": ""}, token_ids=[])
-            async with aclosing(_merged(gens)) as merged:
+            async with aclosing(merge_pieces(gens)) as merged:
                 async for _, piece in merged:
                     yield chunk({"content": piece.text} if piece.text else {}, piece.finish_reason, piece.token_ids)
             if req.stream_options and req.stream_options.include_usage:
-                yield _sse(envelope("chat.completion.chunk", rid, created, name, [], _usage(gens)))
-        return _stream(events(), gens)
+                yield sse(envelope("chat.completion.chunk", rid, created, name, [], usage_of(gens)))
+        return sse_response(events(), gens)
 
     async def _fill(self, prompt_len: int) -> int:
         """No max_tokens (chat's default, or null): what the decode server's slot leaves after the prompt, within
@@ -264,70 +257,3 @@ class Front:
         info = await self.backend.info()
         bounds = [b for b in (info.max_new_tokens, info.max_seq_len and info.max_seq_len - prompt_len) if b]
         return max(1, min(bounds)) if bounds else DEFAULT_CHAT_MAX_TOKENS
-
-
-def _usage(gens: list[Generation]) -> dict:
-    return usage(sum(g.prompt_tokens for g in gens), sum(g.completion_tokens for g in gens))
-
-
-async def _collect_all(gens: list[Generation]):
-    try:
-        return await asyncio.gather(*(collect(g) for g in gens))
-    finally:
-        for g in gens:
-            g.cancel()
-
-
-async def _merged(gens: list[Generation]):
-    """(choice index, piece) from every generation as they come; one generation: straight through. Any error of
-    one generation (a refusal, a bug) ends them all: a pump that died quietly would leave the queue waiting."""
-    if len(gens) == 1:
-        async with aclosing(gens[0].pieces()) as pieces:
-            async for piece in pieces:
-                yield 0, piece
-        return
-    queue: asyncio.Queue = asyncio.Queue(MERGE_QUEUE)
-
-    async def pump(i: int, gen: Generation):
-        try:
-            async with aclosing(gen.pieces()) as pieces:
-                async for piece in pieces:
-                    await queue.put((i, piece))
-        except Exception as e:  # noqa: BLE001 - forwarded to the reader, never lost with its task
-            await queue.put((i, e))
-
-    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
-    try:
-        left = len(gens)
-        while left:
-            i, item = await queue.get()
-            if isinstance(item, Exception):
-                raise item
-            yield i, item
-            left -= item.finish_reason is not None
-    finally:
-        for t in tasks:
-            t.cancel()
-
-
-def _stream(events, gens: list[Generation]) -> StreamingResponse:
-    """SSE: the events, an error event if the generation fails after the 200 went out, then [DONE]. Whatever the
-    failure (the decode server's status, or a bug here), the client gets an error in OpenAI's shape and the end of
-    the stream, never a stream that just stops."""
-
-    async def body():
-        try:
-            async with aclosing(events) as it:
-                async for event in it:
-                    yield event
-        except ApiError as e:
-            yield _sse(e.body())
-        except Exception as e:
-            log.exception("a stream failed after its 200 was sent")
-            yield _sse(internal(e).body())
-        finally:
-            for g in gens:
-                g.cancel()
-        yield "data: [DONE]\n\n"
-
-    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
