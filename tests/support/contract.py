@@ -365,7 +365,7 @@ def insane_header(name: str):
             _LEFT_OPEN.append(s)
 
     def recv(link, dev):
-        survives, refused = type(link).survives_failed_request, None
+        survives, refused, sent = type(link).survives_failed_request, None, False
         while True:  # in arrival order: gRPC's streams may deliver request SENT before the refusal
             try:
                 r = link.accept(timeout=30)
@@ -375,13 +375,18 @@ def insane_header(name: str):
                 refused = e.with_traceback(None)
                 if not survives:
                     return
+                if sent:  # request SENT came first: both are in
+                    assert link.inflight() == 0, "the refused request holds receive memory"
+                    return
                 continue
             rid = r.header.request_id
             assert rid in (SENT, REFUSED_AT_OPEN), f"{name}: the receiver accepted {r.header}"
+            assert not sent, f"{name}: request {rid} accepted twice"
             check_received(r, header(rid, 3))
             if rid == REFUSED_AT_OPEN:
                 assert refused is None, f"the sender refused {name} at open, yet a frame was refused: {refused}"
                 return
+            sent = True
             if refused is not None:
                 assert link.inflight() == 0, "the refused request holds receive memory"
                 return
