@@ -100,6 +100,28 @@ def test_floor_ratios_targets():
         "batch1_1k_ratio_le_1.3": False}
 
 
+def test_a_sampling_run_times_greedy_beside_it(tmp_path):
+    """--temperature: every cell also times the greedy step (argmax), alternating with the sampling step in the
+    same process, and reports sampling / greedy; the every-cell target follows the worst cell."""
+    from bench.cli import main
+    from bench.runs.decode import PAIRED_ROUNDS
+
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        rc = main(["decode", "--model", "tiny", "--device", "cpu", "--batches", "2", "--contexts", "64", "--runs", "2",
+                   "--warmup", "1", "--hf", "none", "--temperature", "1", "--top-p", "0.9", "--out", str(tmp_path)])
+    assert rc == 0, stdout.getvalue()[-3000:] + stderr.getvalue()[-3000:]
+    (c,) = json.loads(stdout.getvalue().strip().splitlines()[-1])["cells"]
+    assert len(c["paired_rounds"]) == PAIRED_ROUNDS
+    assert c["step_ms_greedy_p50"] > 0 and c["sampling_over_greedy"] == pytest.approx(
+        c["step_ms_p50"] / c["step_ms_greedy_p50"])
+    assert "sampling / greedy" in (tmp_path / "report.md").read_text()
+    cells = [finish_cell({"batch": b, "context": 1024, "step_ms_p50": 5.0, "step_ms_greedy_p50": g,
+                          "sampling_over_greedy": 5.0 / g}, 10**9, 1000, 100.0) for b, g in ((8, 4.9), (64, 4.8))]
+    assert targets(cells)["sampling_over_greedy_le_1.03_every_cell"] is False  # 5.0 / 4.8 = 1.042 in one cell
+    assert targets(cells[:1])["sampling_over_greedy_le_1.03_every_cell"] is True
+
+
 def test_config_and_points():
     assert points("1x1024, 8X8192") == [(1, 1024), (8, 8192)]
     with pytest.raises(ValueError, match="BATCHxCONTEXT"):

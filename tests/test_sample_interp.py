@@ -24,7 +24,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the int
 from test_sampler import llm_like_logits, unexplained
 
 from kvtransfer.engine.sampler import Draws, SamplingParams, sample_ref, uniform
-from kvtransfer.kernels.triton_sample import programs_for, sample_triton
+from kvtransfer.kernels.triton_sample import programs_for, sample_triton, splits_for
 
 SMALL = {"block": 64, "stream_block": 128, "list_block": 64, "cap": 48}  # steps, round 2's bar: vocab ~1000
 
@@ -48,8 +48,8 @@ def _ties(n, vocab, seed, dtype):
     return torch.randint(0, 8, (n, vocab), generator=g).to(dtype)
 
 
-def _split(logits, args, programs, **kw):
-    return sample_triton(logits, *args, programs_per_row=programs, **{**SMALL, **kw})
+def _split(logits, args, programs, splits=1, **kw):
+    return sample_triton(logits, *args, programs_per_row=programs, splits=splits, **{**SMALL, **kw})
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
@@ -76,6 +76,20 @@ def test_split_tokens_do_not_depend_on_p(dtype):
     assert unexplained(logits, *args, base, sample_ref(logits, *args)) == []
     for programs in (2, 3, 7):
         assert torch.equal(_split(logits, args, programs), base), programs
+
+
+def test_split_tokens_do_not_depend_on_q():
+    """Each segment's rounds and compaction cut over Q = 1, 2, 3 programs (sums added atomically, the list's room
+    taken a block at a time): the same tokens, bit for bit, as the reference draws them."""
+    vocab = 1000
+    specs = [(0.7, 0.9, 50), (1.0, 0.95, 0), (1.2, 0.5, 400), (1.5, 0.99, 0), (1.0, 1.0, 0)]  # one on tied values
+    logits = torch.cat([llm_like_logits(3, vocab, 5, torch.bfloat16), _ties(1, vocab, 6, torch.bfloat16),
+                        llm_like_logits(1, vocab, 8, torch.bfloat16)])
+    args = _args(specs, vocab, seed0=9)
+    base = _split(logits, args, 2)
+    assert unexplained(logits, *args, base, sample_ref(logits, *args)) == []
+    for splits in (2, 3):
+        assert torch.equal(_split(logits, args, 2, splits=splits), base), splits
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -141,6 +155,15 @@ def test_split_hashes_the_uniform_as_sampler_uniform():
     ones = torch.ones(n)
     got = _split(torch.zeros(n, vocab), (ones, ones, torch.zeros(n, dtype=torch.long), seeds, positions), 3)
     assert torch.equal(got, (uniform(seeds, positions) * vocab).floor().long())
+
+
+def test_splits_follow_the_batch_and_the_segment():
+    """Q: a power of two at or below 4 x SMs / (n x P), at most 16, no stretch under two round blocks, at least 1."""
+    cpu = torch.device("cpu")
+    v = 152064
+    got = [splits_for(n, programs_for(n, cpu), -(-v // programs_for(n, cpu)), 512, cpu) for n in (1, 8, 32, 64, 256)]
+    assert got == [4, 2, 1, 2, 2]
+    assert splits_for(1, 1, 100, 64, cpu) == 1 and splits_for(1, 1, 10**6, 64, cpu) == 16
 
 
 def test_programs_per_row_follow_the_batch():

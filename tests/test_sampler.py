@@ -501,3 +501,33 @@ def test_a_captured_step_with_sampling_rows_draws_as_the_eager_step():
 
     assert decode(graphed) == decode(eager)
     assert pool.used() == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_step_draw_reads_the_step_graphs_logits_in_place():
+    """A graphed Step's sampler has a graph per bucket over that bucket's logits buffer: handed the step's logits
+    it copies nothing into its own buffer, and draws what the copying graph draws from the same logits."""
+    from kvtransfer.engine.graphs import Step
+    from kvtransfer.engine.pool import KVPool
+    from kvtransfer.engine.runner import StepRunner
+
+    dev = torch.device("cuda")
+    model = load_model(ModelSpec("smollm2-135m", "bfloat16", 0), "cuda")
+    pool = KVPool(CacheGeometry.from_config(model.config, torch.bfloat16), dev, 8, 256)
+    step = Step(StepRunner(model, pool), 8, cuda_graphs=True)
+    s = step.sampler
+    assert set(s.direct) == set(step.buckets) and set(s.graphs) == set(step.buckets)
+    for n in (1, 3, 8):
+        tokens = torch.arange(n, device=dev) + 5
+        positions, slots = torch.full((n,), 7, device=dev), torch.arange(n, device=dev)
+        logits = step(tokens, positions, slots)  # (n, vocab): a view of the bucket graph's buffer
+        draws = Draws([SamplingParams(1.0, 0.9, 0, 11 + j) if j % 2 == 0 else None for j in range(n)],
+                      [8] * n)
+        s.logits.zero_()
+        direct = s(logits, draws).clone()
+        assert not s.logits.any(), n  # nothing copied in
+        copied = s(logits.clone(), draws).clone()  # another buffer: the copying graph
+        assert torch.equal(s.logits[:n], logits), n
+        assert torch.equal(direct, copied), n
+        assert torch.equal(direct[1::2], logits[1::2].argmax(-1)), n

@@ -10,9 +10,11 @@ fresh pool filled with random K/V (times do not depend on values); a cell that d
 --mem-fraction is skipped with its size, one that runs out of memory is skipped with the
 error, and the run goes on. One sanity check per context: the timed step's logits for row 0
 equal the eager `runner.forward` of that row alone (relative L2 <= 5e-2 in bf16, 1e-4 in fp32).
-With --temperature > 0 every row samples (seeded, --top-p, --top-k) and the timed step includes the draw as the
-decode server runs it (the step's sampling graph per bucket, kvtransfer/engine/sampler.py): a run at the default
-(greedy: argmax, no sampling work) and one at --temperature 1 --top-p 0.9 price sampling against greedy.
+The timed step ends with the token chosen as the decode server chooses it: argmax (greedy, the default), or with
+--temperature > 0 every row's draw (seeded, --top-p, --top-k; the step's sampling graph per bucket,
+kvtransfer/engine/sampler.py). A sampling run times the greedy step too, in the same process over the same graphs,
+the two alternating PAIRED_ROUNDS times per cell, and reports sampling / greedy per cell: the price of sampling
+with no process-to-process drift in it.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import argparse
 import math
 import os
 import platform
+import statistics
 import sys
 from dataclasses import asdict, dataclass
 
@@ -75,6 +78,7 @@ class DecodeBenchConfig:
 
 
 BACK_TO_BACK = 10  # steps per sample of the back-to-back figure
+PAIRED_ROUNDS = 3  # --temperature: greedy and sampling timed alternately, this many times each per cell
 
 
 def points(text: str) -> list[tuple[int, int]]:
@@ -128,7 +132,7 @@ def engine_context(model, geom: CacheGeometry, ctx: int, batches: list[int], cfg
     from kvtransfer.engine.graphs import Step  # the engine (and its kernels) only when this bench runs
     from kvtransfer.engine.pool import KVPool
     from kvtransfer.engine.runner import StepRunner
-    from kvtransfer.engine.sampler import Draws, SamplingParams
+    from kvtransfer.engine.sampler import Draws, SamplingParams, next_tokens
     pool = KVPool(geom, grid.device, slots=max(batches), max_seq=ctx + 8)
     pool.kv.normal_()  # (layers, 2, slots + 1, kv_heads, max_seq, head_dim): values do not change the times
     runner = StepRunner(model, pool)  # fuses the weights on the first pool only (idempotent)
@@ -140,18 +144,32 @@ def engine_context(model, geom: CacheGeometry, ctx: int, batches: list[int], cfg
         draws = Draws([SamplingParams(cfg.temperature, cfg.top_p, cfg.top_k, cfg.seed + j) for j in range(b)],
                       [ctx] * b)  # each row draws the token after its ctx live ones
 
-        def timed_step() -> torch.Tensor:
-            # one step as the scheduler queues it: greedy, the logits (argmax aside); sampling, then every row's draw
-            logits = step(tokens, positions, slots)
-            return step.sampler(logits, draws) if sampling else logits
+        def greedy() -> torch.Tensor:  # one step as the scheduler queues it, then argmax: (b,) tokens
+            return next_tokens(step(tokens, positions, slots))
+
+        def drawn() -> torch.Tensor:  # the step, then every row's draw: (b,) tokens
+            return step.sampler(step(tokens, positions, slots), draws)
+
+        timed_step = drawn if sampling else greedy
 
         def one() -> None:
             s = time_calls(timed_step, grid.device, cfg.runs, cfg.warmup)
+            extra = {}
+            if sampling:  # greedy beside it, alternating: the rounds' medians
+                rounds = [(time_calls(greedy, grid.device, cfg.runs, 1), s if r == 0 else
+                           time_calls(drawn, grid.device, cfg.runs, 1)) for r in range(PAIRED_ROUNDS)]
+                s = {k: statistics.median(x[k] for _, x in rounds) for k in ("p50", "p10", "p90")}
+                g = statistics.median(x["p50"] for x, _ in rounds)
+                extra = dict(step_ms_greedy_p50=g, sampling_over_greedy=s["p50"] / g,
+                             paired_rounds=[dict(greedy_p50=x["p50"], sampling_p50=y["p50"]) for x, y in rounds])
             # BACK_TO_BACK steps queued with no host wait between them, as the overlapping scheduler runs them
             chain = time_calls(lambda: [timed_step() for _ in range(BACK_TO_BACK)], grid.device, cfg.runs, 1)
             grid.cell(b, ctx).update(step_ms_p50=s["p50"], step_ms_p10=s["p10"], step_ms_p90=s["p90"],
-                                     step_ms_back_to_back_p50=chain["p50"] / BACK_TO_BACK, graphed=bool(step.graphs))
-            print(f"decode: engine {b}x{ctx}: {s['p50']:.3f} ms", file=sys.stderr, flush=True)
+                                     step_ms_back_to_back_p50=chain["p50"] / BACK_TO_BACK, graphed=bool(step.graphs),
+                                     **extra)
+            print(f"decode: engine {b}x{ctx}: {s['p50']:.3f} ms" + (
+                f" (greedy {extra['step_ms_greedy_p50']:.3f} ms, x{extra['sampling_over_greedy']:.3f})"
+                if extra else ""), file=sys.stderr, flush=True)
 
         grid.guard([(b, ctx)], "engine", one)
         grid.progress(f"engine {b}x{ctx}")

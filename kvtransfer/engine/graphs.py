@@ -19,7 +19,8 @@ bound (its launches cost the same at any row count), so every size is a graph.
 
 The step's draw (sampler.py, `Sampler`) has graphs of its own, one per bucket (and bucket + MAX_PIECES rows with
 --mixed-prefill, for the first tokens of prompts whose last chunk rode along), replayed after the step only when a
-row samples; a step of greedy rows takes argmax outside any graph, as before sampling existed.
+row samples; those of the plain step's buckets read its graph's logits buffer in place. A step of greedy rows takes
+argmax outside any graph, as before sampling existed.
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ class Step:
             self._capture()
         vocab, dtype = runner.lm_head.shape[0], runner.lm_head.dtype
         rows = buckets(max_batch + MAX_PIECES) if chunk else self.buckets  # decode rows (+ finished prompts)
-        self.sampler = Sampler(vocab, dtype, runner.device, rows if sampling else [], cuda_graphs)
+        self.sampler = Sampler(vocab, dtype, runner.device, rows if sampling else [], cuda_graphs,
+                               {b: out for b, (_, out) in self.graphs.items()})  # draws read these in place
 
     def _inputs(self) -> None:
         dev, rows = self.runner.device, max([self.max_batch, *self.sizes])

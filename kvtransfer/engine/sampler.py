@@ -31,9 +31,11 @@ logits) alone, colocated or disaggregated. The two sum differently, so they give
 mass sum lands within rounding (about vocab x 2^-40 of the row's mass) of a threshold (top_p * Z) or of the
 target (u x kept mass).
 
-On CUDA the decode step's draw is `Sampler`: `sample` captured as one CUDA graph per batch bucket over static
-input buffers (the logits copied in, the per-row parameters copied from the host), replayed after the step when
-the batch has a sampling row. Eagerly (CPU, --no-cuda-graphs, a batch past the largest bucket, a prompt's first
+On CUDA the decode step's draw is `Sampler`: `sample` captured as CUDA graphs per batch bucket, replayed after the
+step when the batch has a sampling row. Each bucket has a graph that reads the step graph's own logits buffer in
+place (the plain decode step: no copy of the (n, vocab) logits), and one over a buffer of the Sampler's own that
+other logits are copied into (a mixed step's rows with its finished prompts' last rows). The per-row parameters
+go up in one host-to-device copy (`Draws.packed`) into a static buffer. Eagerly (CPU, --no-cuda-graphs, a batch past the largest bucket, a prompt's first
 token) `sample` runs as it is: the same function, the same kernel, the same bits.
 """
 
@@ -100,9 +102,8 @@ def first_token(logits: torch.Tensor, sampling: SamplingParams | None = None, po
     if sampling is None or sampling.greedy:
         return logits.reshape(-1).argmax()
     row = logits.reshape(1, -1)  # (1, vocab)
-    floats, ints = Draws([sampling], [position]).tensors()
-    floats, ints = floats.to(row.device, non_blocking=True), ints.to(row.device, non_blocking=True)
-    return sample(row, floats[:, 0], floats[:, 1], ints[:, 0], ints[:, 1], ints[:, 2])[0]
+    params = Draws([sampling], [position]).packed().to(row.device, non_blocking=True)  # (1, 4)
+    return sample(row, *columns(params))[0]
 
 
 def _srl(z: torch.Tensor, k: int) -> torch.Tensor:
@@ -197,29 +198,44 @@ class Draws:
         return (torch.tensor(floats + [(0.0, 1.0)] * pad, dtype=torch.float32),
                 torch.tensor(ints + [(0, 0, 0)] * pad, dtype=torch.long))
 
+    def packed(self, rows: int = 0) -> torch.Tensor:
+        """`tensors` as one (rows, 4) int64 host tensor, for one copy: [temperature and top_p (two float32s' bits),
+        top_k, seed, position]; `columns` reads it back."""
+        floats, ints = self.tensors(rows)
+        return torch.cat([floats.view(torch.int64), ints], dim=1)  # (rows, 2) float32 -> (rows, 1) int64 bits
+
+
+def columns(packed: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`Draws.packed`'s (rows, 4) int64 (on any device) -> temperature, top_p (float32), top_k, seed, position, each
+    (rows,): views, no copy."""
+    floats = packed[:, :1].view(torch.float32)  # (rows, 1) int64 -> (rows, 2) float32, row stride 8
+    return floats[:, 0], floats[:, 1], packed[:, 1], packed[:, 2], packed[:, 3]
+
 
 class Sampler:
-    """`sampler(logits, draws)` -> (n,) int64: `sample` over a step's rows, one CUDA graph per size in `sizes`
-    (the step's batch buckets) when `cuda_graphs` on CUDA, else eager. The graphed result is a view into the
-    graph's output buffer: valid until the next call (like the step's logits)."""
+    """`sampler(logits, draws)` -> (n,) int64: `sample` over a step's rows, as CUDA graphs per size in `sizes` (the
+    step's batch buckets) when `cuda_graphs` on CUDA, else eager. `outputs` {size: the step graph's logits buffer
+    (size, vocab)}: those sizes also get a graph reading that buffer in place, replayed when the logits handed in
+    are its leading rows. The graphed result is a view into the graph's output buffer: valid until the next call
+    (like the step's logits)."""
 
-    def __init__(self, vocab: int, dtype: torch.dtype, device: torch.device, sizes: list[int], cuda_graphs: bool):
+    def __init__(self, vocab: int, dtype: torch.dtype, device: torch.device, sizes: list[int], cuda_graphs: bool,
+                 outputs: dict[int, torch.Tensor] | None = None):
         self.vocab, self.dtype, self.device, self.sizes = vocab, dtype, device, sorted(sizes)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # over self.logits (copied in)
+        self.direct: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}  # (graph, out, input)
         if cuda_graphs and device.type == "cuda" and self.sizes:
-            self._capture()
+            self._capture({b: x for b, x in (outputs or {}).items() if b in self.sizes})
 
-    def _inputs(self, b: int) -> tuple[torch.Tensor, ...]:
-        f, i = self.floats[:b], self.ints[:b]
-        return self.logits[:b], f[:, 0], f[:, 1], i[:, 0], i[:, 1], i[:, 2]
+    def _inputs(self, logits: torch.Tensor, b: int) -> tuple[torch.Tensor, ...]:
+        return (logits[:b], *columns(self.params[:b]))
 
-    def _capture(self) -> None:
+    def _capture(self, outputs: dict[int, torch.Tensor]) -> None:
         rows, dev = self.sizes[-1], self.device
         self.logits = torch.zeros(rows, self.vocab, dtype=self.dtype, device=dev)
-        self.floats = torch.zeros(rows, 2, dtype=torch.float32, device=dev)  # temperature, top_p
-        self.ints = torch.zeros(rows, 3, dtype=torch.long, device=dev)  # top_k, seed, position
-        self.floats[:, 0] = 1.0  # the warm-up draws (every op of the sampling path runs once before capture)
-        self.floats[:, 1] = 0.9
+        self.params = torch.zeros(rows, 4, dtype=torch.long, device=dev)  # Draws.packed's columns
+        warm = Draws([SamplingParams(1.0, 0.9)] * rows, [0] * rows).packed()  # every op of the sampling path runs
+        self.params.copy_(warm)  # once before capture
         torch.cuda.synchronize(dev)
         before, t0 = torch.cuda.memory_allocated(dev), time.perf_counter()
         mempool = torch.cuda.graph_pool_handle()  # its own: never shared with the step's graphs
@@ -227,30 +243,38 @@ class Sampler:
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
             for b in self.sizes:
-                sample(*self._inputs(b))
+                sample(*self._inputs(self.logits, b))
         torch.cuda.current_stream(dev).wait_stream(side)
         for b in reversed(self.sizes):  # the largest first: it sizes the shared pool
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=mempool):
-                out = sample(*self._inputs(b))
-            self.graphs[b] = (g, out)
+            for x, into in ((self.logits, None), (outputs.get(b), self.direct)):
+                if x is None:
+                    continue
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=mempool):
+                    out = sample(*self._inputs(x, b))
+                if into is None:
+                    self.graphs[b] = (g, out)
+                else:
+                    into[b] = (g, out, x)
         torch.cuda.synchronize(dev)
-        log.info("captured %d sampling CUDA graphs (rows %s) in %.1f s, %.0f MiB", len(self.graphs),
-                 ",".join(map(str, self.sizes)), time.perf_counter() - t0,
-                 (torch.cuda.memory_allocated(dev) - before) / 2**20)
+        log.info("captured %d sampling CUDA graphs (rows %s; %d reading the step's logits in place) in %.1f s, "
+                 "%.0f MiB", len(self.graphs) + len(self.direct), ",".join(map(str, self.sizes)), len(self.direct),
+                 time.perf_counter() - t0, (torch.cuda.memory_allocated(dev) - before) / 2**20)
 
     def __call__(self, logits: torch.Tensor, draws: Draws) -> torch.Tensor:
         n = logits.shape[0]
         b = next((s for s in self.sizes if s >= n), 0) if self.graphs else 0
-        floats, ints = draws.tensors(b)  # (max(n, b), 2), (max(n, b), 3) on the host
+        params = draws.packed(b)  # (max(n, b), 4) on the host
         if logits.device.type == "cuda":  # pinned: a copy from pageable memory may wait for the queued step
-            floats, ints = floats.pin_memory(), ints.pin_memory()
+            params = params.pin_memory()
         if not b:
-            floats, ints = floats.to(logits.device, non_blocking=True), ints.to(logits.device, non_blocking=True)
-            return sample(logits, floats[:, 0], floats[:, 1], ints[:, 0], ints[:, 1], ints[:, 2])
-        self.logits[:n].copy_(logits)
-        self.floats[:b].copy_(floats, non_blocking=True)
-        self.ints[:b].copy_(ints, non_blocking=True)
-        g, out = self.graphs[b]
+            return sample(logits, *columns(params.to(logits.device, non_blocking=True)))
+        self.params[:b].copy_(params, non_blocking=True)
+        direct = self.direct.get(b)
+        if direct is not None and logits.data_ptr() == direct[2].data_ptr() and logits.stride() == direct[2].stride():
+            g, out, _ = direct  # the step's own buffer: read in place
+        else:
+            self.logits[:n].copy_(logits)
+            g, out = self.graphs[b]
         g.replay()
         return out[:n]

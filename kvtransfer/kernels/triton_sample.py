@@ -3,7 +3,9 @@ each row cut over several programs.
 
 Why: a sort of every row (152k logits) cost a large share of a decode step, and one program a row leaves all but
 a few SMs idle at small batches. Here each row is cut into P segments, one program each (grid (n, P)), P picked
-from the batch so that the launch fills the GPU a few times over (`programs_for`). The definition is
+from the batch so that the launch fills the GPU a few times over (`programs_for`); the two passes that cost most
+a value (the rounds) and the compaction cut each segment once more, over Q programs (grid (n, P, Q),
+`splits_for`), that add their sums into the segment's. The definition is
 kvtransfer/engine/sampler.py's: thresholds by value with ties kept, one inverse-CDF draw in id order with the
 uniform of (seed, position). The threshold tau = max(tau_k, tau_p) is the largest value v with pred(v) =
 (count(l >= v) >= k) or (mass(l >= v) >= top_p x Z): both sides are monotone in v, so one search finds the larger
@@ -11,10 +13,11 @@ threshold directly. It keeps a bracket [lo, hi) with pred(lo) true and pred(hi) 
 (triton_keys.py), and tau = lo once hi = lo + 1. This is the draw `sampler.sample` runs on CUDA: the step's, a
 prompt's first token's, the prefill worker's.
 
-Batch invariance. A row must draw the same token whatever P is and whatever else is in its batch (a prompt's
+Batch invariance. A row must draw the same token whatever P and Q are and whatever else is in its batch (a prompt's
 first token is drawn alone on one server and inside a batch on another). So every sum that crosses programs is
 exact: a token's weight w = exp2((l - M) x log2(e) / t) in [0, 1] is taken in fixed point, W = floor(w x 2^40)
-as int64, and counts and masses are int64 sums, the same in any order and any partition. Maxima are order-free;
+as int64, and counts and masses are int64 sums (added across a segment's Q programs by int64 atomics), the same
+in any order and any partition. Maxima are order-free;
 the draw compares integer running sums with floor(u x kept mass). Nothing float is computed twice: M, m and
 c = log2(e) / t are stored once by round 1 and read back by the later launches (so every launch weighs with the
 same bits), and every pivot goes through memory before it is used (`_pin`: a tensor may be recomputed for each
@@ -32,15 +35,18 @@ as with any float sum in another order.
 A fixed sequence of six launches, no host sync and no data-dependent host control flow (capturable in a CUDA
 graph); a row with nothing to do in a launch skips it. Per row of V values in segments of S = V / P:
 1. range (n, P): per segment the max and min, the count, sum and sum of squares of the finite values, the count
-   of non-NaN ones; for a greedy row only its argmax (NaN the max, ties to the lowest id, as torch's).
-2. round 1 (n, P): M (the segments' max; program 0 stores the row's constants), then per segment Z_s = sum W
+   of non-NaN ones; for a greedy row only its argmax (NaN the max, ties to the lowest id, as torch's). It zeroes
+   the segment's sums that the Q programs of the later launches add into.
+2. round 1 (n, P, Q): M (the segments' max; program 0 stores the row's constants), then per segment Z_s = sum W
    and, when a threshold is on, the count and mass at R = 8 pivots: rungs M - t x (2, 5, 10), where a peaked
    row's thresholds fall, and 5 around the threshold of a Gaussian body of the row's mean and spread (for top_p
    its exponentially tilted quantile, for top_k its quantile), where a flat row's fall.
-3. round 2 (n, P): each program reduces round 1's partials to the bracket; a row whose bracket still holds more
+3. round 2 (n, P, Q): each program reduces round 1's partials to the bracket; a row whose bracket still holds more
    than `cap` values counts 8 more pivots spread evenly over its values (a flat row: tau deep in the body).
-4. compact (n, P): the values in [lo, hi), each segment's in id order at its offset in the row's list (a prefix
-   sum of the per-segment counts at lo and hi, from the partials); program 0 stores the bracket.
+4. compact (n, P, Q): the values in [lo, hi), each segment's at its offset in the row's list (a prefix sum of
+   the per-segment counts at lo and hi, from the partials), in no order among themselves (each program takes
+   room a block at a time from its segment's counter; all that reads the list sums it exactly, so the order
+   reaches no result); program (0, 0) stores the bracket.
 5. search (n, P): each program closes the bracket over the list, the same steps in each (so no launch is
    needed to share the result): rounds of 16 pivots (half spread over the values, half over the keys, as in
    mixed_pivots), each also moving lo and hi onto the smallest and largest values present (nothing lies
@@ -71,6 +77,9 @@ SEARCH_WARPS = 4  # the list search is a chain of small reductions: fewer warps,
 CAP = 4096  # a bracket holding more values than this after round 1 gets round 2
 SMALL_BATCH = 32  # up to this many rows, P aims at 4 programs per SM; past it at 2 (`programs_for`)
 MAX_PROGRAMS = 32  # per row
+STREAM_WAVES = 4  # the heavy passes (rounds, compaction) cut each segment in Q so that n x P x Q fills this x SMs
+MAX_SPLITS = 16  # Q, at most
+MIN_SPLIT_BLOCKS = 2  # a stretch of a segment is at least this many round blocks
 ALIGN = 16  # a segment's length is a multiple of this many values
 MAX_STEPS = 1000  # steps of `block` per segment: the packed per-lane counts and masses stay below bit 63
 R = 8  # pivots per row round
@@ -285,13 +294,20 @@ def _seg_at(RI, ZS, CNT, MSS, row, P, src, PB: tl.constexpr, R: tl.constexpr):
 
 
 @triton.jit
-def _range_kernel(X, Temp, RF, RI, stride_x, s_t, vocab, seg,
-                  BITS: tl.constexpr, INF_KEY: tl.constexpr, BLOCK: tl.constexpr):
+def _range_kernel(X, Temp, RF, RI, ZS, CNT, MSS, CTR, stride_x, s_t, vocab, seg,
+                  BITS: tl.constexpr, INF_KEY: tl.constexpr, BLOCK: tl.constexpr, R: tl.constexpr):
     # grid (n, P): X (n, vocab); RF (n, P, 4) float32 [max, min, sum, sum of squares], RI (n, P, 4) int32
-    # [finite count, non-NaN count, argmax key, argmax id] of the segment [p x seg, (p + 1) x seg)
+    # [finite count, non-NaN count, argmax key, argmax id] of the segment [p x seg, (p + 1) x seg); and the
+    # segment's sums that the later launches' Q programs add into, zeroed: ZS, CTR (n, P), CNT, MSS (n, 2, P, R)
     row = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1)
     P = tl.num_programs(1)
+    tl.store(ZS + row * P + p, 0)
+    tl.store(CTR + row * P + p, 0)
+    j = tl.arange(0, R)
+    for rnd in range(2):
+        tl.store(CNT + ((row * 2 + rnd) * P + p) * R + j, tl.zeros([R], tl.int64))
+        tl.store(MSS + ((row * 2 + rnd) * P + p) * R + j, tl.zeros([R], tl.int64))
     xs = X + row * stride_x
     start = p * seg
     end = tl.minimum(start + seg, vocab)
@@ -342,9 +358,9 @@ def _range_kernel(X, Temp, RF, RI, stride_x, s_t, vocab, seg,
 @triton.jit
 def _seg_round(xs, start, end, Mw, c, pk, R: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr,
                DT: tl.constexpr):
-    """Over one segment: Z_s = sum W, and per pivot (R,) the count and mass of the values >= it. The segment is
-    read as (1, BLOCK) so the (R, BLOCK) compares share its layout; each lane and pivot accumulates count x 2^50
-    + mass in one int64 (under MAX_STEPS steps neither field overflows), split once at the end."""
+    """Over [start, end) (a stretch of a segment): its sum of W, and per pivot (R,) the count and mass of the
+    values >= it. Read as (1, BLOCK) so the (R, BLOCK) compares share its layout; each lane and pivot accumulates
+    count x 2^50 + mass in one int64 (under MAX_STEPS steps neither field overflows), split once at the end."""
     offs = tl.arange(0, BLOCK)[None, :]  # (1, BLOCK)
     piv = to_value(pk, BITS, DT)[:, None]  # (R, 1): above -inf, so lanes past the end (-inf) pass none
     acc_z = tl.zeros([1, BLOCK], tl.int64)
@@ -364,7 +380,7 @@ def _seg_round(xs, start, end, Mw, c, pk, R: tl.constexpr, BLOCK: tl.constexpr, 
 
 @triton.jit
 def _seg_z(xs, start, end, Mw, c, BLOCK: tl.constexpr):
-    """Over one segment: Z_s = sum W (a row with no threshold: its kept mass)."""
+    """Over [start, end): its sum of W (a row with no threshold: its kept mass)."""
     offs = tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], tl.int64)
     for s in range(start, end, BLOCK):
@@ -375,25 +391,27 @@ def _seg_z(xs, start, end, Mw, c, BLOCK: tl.constexpr):
 
 @triton.jit
 def _round_kernel(X, Temp, TopP, TopK, RF, RI, RS, ZS, PIV, CNT, MSS,
-                  stride_x, s_t, s_p, s_k, vocab, seg, cap,
+                  stride_x, s_t, s_p, s_k, vocab, seg, sub, cap,
                   ROUND: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr, PB: tl.constexpr,
                   R: tl.constexpr):
-    # grid (n, P); round 1 writes RS (n, 8) float32 (program 0: the row's constants), ZS (n, P) int64 and, with a
-    # threshold on, its pivots PIV[:, 0] (n, P, R) int64
-    # keys (each program's copy, all equal) and CNT, MSS[:, 0] (n, P, R) int64; round 2, where the bracket holds
-    # more than cap values, PIV, CNT, MSS[:, 1]
+    # grid (n, P, Q): program (p, q) passes over [p x seg + q x sub, + sub) of segment p and adds its sums into
+    # the segment's (zeroed by the range launch; int64 atomics, exact in any order). Round 1 writes RS (n, 8)
+    # float32 (program (0, 0): the row's constants), ZS (n, P) int64 and, with a threshold on, its pivots
+    # PIV[:, 0] (n, P, R) int64 keys (each program's copy, all equal) and CNT, MSS[:, 0] (n, P, R) int64; round 2,
+    # where the bracket holds more than cap values, PIV, CNT, MSS[:, 1]
     DT: tl.constexpr = X.dtype.element_ty
     row = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1)
+    q = tl.program_id(2)
     P = tl.num_programs(1)
     xs = X + row * stride_x
-    start = p * seg
-    end = tl.minimum(start + seg, vocab)
+    start = p * seg + q * sub
+    end = tl.minimum(tl.minimum(start + sub, p * seg + seg), vocab)
     if tl.load(Temp + row * s_t) != 0:
         if ROUND == 1:
             t, top_p, top_k, M, m, Mw, c, k_on, p_on, on, nok, nf, mu, sd = _row_setup(
                 Temp, TopP, TopK, RF, RI, row, s_t, s_p, s_k, vocab, P, PB)
-            if p == 0:
+            if (p == 0) & (q == 0):
                 tl.store(RS + row * 8 + tl.arange(0, 8),
                          tl.where(tl.arange(0, 8) == 0, M, tl.where(tl.arange(0, 8) == 1, m,
                                   tl.where(tl.arange(0, 8) == 2, Mw, tl.where(tl.arange(0, 8) == 3, c,
@@ -405,11 +423,11 @@ def _round_kernel(X, Temp, TopP, TopK, RF, RI, RS, ZS, PIV, CNT, MSS,
                 pk = _pin(PIV + (row * 2 * P + p) * R, pk, R)
                 z, cnt, mss = _seg_round(xs, start, end, Mw, c, pk, R, BLOCK, BITS, DT)
                 at = (row * 2 * P + p) * R + tl.arange(0, R)
-                tl.store(CNT + at, cnt)
-                tl.store(MSS + at, mss)
+                tl.atomic_add(CNT + at, cnt)
+                tl.atomic_add(MSS + at, mss)
             else:
                 z = _seg_z(xs, start, end, Mw, c, BLOCK)
-            tl.store(ZS + row * P + p, z)
+            tl.atomic_add(ZS + row * P + p, z)
         else:
             lo, hi, c_lo, _s_lo, c_hi, _s_hi, _src_lo, _src_hi, Mw, c, _k, _pz, on = _bracket(
                 TopP, TopK, RS, ZS, PIV, CNT, MSS, row, s_p, s_k, vocab, P, cap, 1, BITS, DT, PB, R)
@@ -417,8 +435,8 @@ def _round_kernel(X, Temp, TopP, TopK, RF, RI, RS, ZS, PIV, CNT, MSS,
                 pk = _pin(PIV + ((row * 2 + 1) * P + p) * R, _even_pivots(lo, hi, R, BITS, DT), R)
                 z, cnt, mss = _seg_round(xs, start, end, Mw, c, pk, R, BLOCK, BITS, DT)
                 at = ((row * 2 + 1) * P + p) * R + tl.arange(0, R)
-                tl.store(CNT + at, cnt)
-                tl.store(MSS + at, mss)
+                tl.atomic_add(CNT + at, cnt)
+                tl.atomic_add(MSS + at, mss)
 
 
 @triton.jit
@@ -433,20 +451,23 @@ def _list_place(RI, ZS, CNT, MSS, row, p, P, src_lo, src_hi, PB: tl.constexpr, R
 
 
 @triton.jit
-def _compact_kernel(X, Temp, TopP, TopK, RI, RS, ZS, PIV, CNT, MSS, LV, ST,
-                    stride_x, s_t, s_p, s_k, stride_l, vocab, seg, cap,
+def _compact_kernel(X, Temp, TopP, TopK, RI, RS, ZS, PIV, CNT, MSS, LV, ST, CTR,
+                    stride_x, s_t, s_p, s_k, stride_l, vocab, seg, sub, cap,
                     BITS: tl.constexpr, BLOCK: tl.constexpr, PB: tl.constexpr, R: tl.constexpr):
-    # grid (n, P): an open bracket's values in [lo, hi), each segment's in id order at its offset, into
-    # LV (n, >= vocab) in X's dtype; program 0 stores the final bracket in ST (n, 10) int64 [lo, hi, c_lo, s_lo,
-    # c_hi, s_hi, src_lo, src_hi, k, pz]
+    # grid (n, P, Q): an open bracket's values in [lo, hi) into LV (n, >= vocab) in X's dtype, segment p's at its
+    # offset in the row's list, in no particular order among themselves (everything that reads the list sums it
+    # exactly): program (p, q) passes over its stretch of the segment and takes room a block at a time from the
+    # segment's counter CTR (n, P) (zeroed by the range launch). Program (0, 0) stores the final bracket in ST
+    # (n, 10) int64 [lo, hi, c_lo, s_lo, c_hi, s_hi, src_lo, src_hi, k, pz]
     DT: tl.constexpr = X.dtype.element_ty
     row = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1)
+    q = tl.program_id(2)
     P = tl.num_programs(1)
     if tl.load(Temp + row * s_t) != 0:
         lo, hi, c_lo, s_lo, c_hi, s_hi, src_lo, src_hi, _mw, _c, k, pz, _on = _bracket(
             TopP, TopK, RS, ZS, PIV, CNT, MSS, row, s_p, s_k, vocab, P, cap, 2, BITS, DT, PB, R)
-        if p == 0:
+        if (p == 0) & (q == 0):
             f = tl.arange(0, 16)
             st = tl.where(f == 0, lo, tl.where(f == 1, hi, tl.where(f == 2, c_lo, tl.where(f == 3, s_lo, tl.where(
                 f == 4, c_hi, tl.where(f == 5, s_hi, tl.where(f == 6, src_lo.to(tl.int64), tl.where(
@@ -458,8 +479,8 @@ def _compact_kernel(X, Temp, TopP, TopK, RI, RS, ZS, PIV, CNT, MSS, LV, ST,
             xs = X + row * stride_x
             lv = LV + row * stride_l
             offs = tl.arange(0, BLOCK)
-            start = p * seg
-            end = tl.minimum(start + seg, vocab)
+            start = p * seg + q * sub
+            end = tl.minimum(tl.minimum(start + sub, p * seg + seg), vocab)
             nxt = tl.load(xs + start + offs, mask=start + offs < end, other=float("nan"))
             for s in range(start, end, BLOCK):
                 raw = nxt
@@ -469,8 +490,8 @@ def _compact_kernel(X, Temp, TopP, TopK, RI, RS, ZS, PIV, CNT, MSS, LV, ST,
                 flag = ((x >= lo_v) & (x < hi_v)).to(tl.int32)  # NaN (past the end too): never
                 got = tl.sum(flag, 0)
                 if got > 0:
-                    tl.store(lv + off + tl.cumsum(flag, 0) - 1, raw, mask=flag > 0)
-                off += got
+                    at = off + tl.atomic_add(CTR + row * P + p, got.to(tl.int64))  # this block's room
+                    tl.store(lv + at + tl.cumsum(flag, 0) - 1, raw, mask=flag > 0)
 
 
 @triton.jit
@@ -612,15 +633,28 @@ def programs_for(n: int, device: torch.device) -> int:
     return min(MAX_PROGRAMS, 1 << (per_row.bit_length() - 1))
 
 
+def splits_for(n: int, programs: int, seg: int, block: int, device: torch.device) -> int:
+    """Q, the programs each segment's heavy passes (rounds, compaction) are cut into: the power of two at or below
+    STREAM_WAVES x SMs / (n x P), at most MAX_SPLITS and at most seg / (MIN_SPLIT_BLOCKS x block) (no stretch
+    shorter than that), at least 1. The partition sets no result: the stretches' sums are exact. Measured on an
+    H200 (bench/results/sample-q-h200-2026-12-03/), the captured draw over Q: the fastest Q was 4-8 at 1 row, 1-2
+    at 8, 1 at 32 and 2 at 64 (a tenth off Q = 1's time at 1 and 64 rows); past that, more programs cost more."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    q = min(MAX_SPLITS, STREAM_WAVES * sms // max(n * programs, 1), seg // (MIN_SPLIT_BLOCKS * block))
+    return 1 << (max(q, 1).bit_length() - 1)
+
+
 def sample_triton(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
-                        seed: torch.Tensor, position: torch.Tensor, *, programs_per_row: int | None = None,
-                        block: int = BLOCK, stream_block: int = STREAM_BLOCK, list_block: int = LIST_BLOCK,
-                        cap: int = CAP, num_warps: int = NUM_WARPS, search_warps: int = SEARCH_WARPS) -> torch.Tensor:
+                  seed: torch.Tensor, position: torch.Tensor, *, programs_per_row: int | None = None,
+                  splits: int | None = None, block: int = BLOCK, stream_block: int = STREAM_BLOCK,
+                  list_block: int = LIST_BLOCK, cap: int = CAP, num_warps: int = NUM_WARPS,
+                  search_warps: int = SEARCH_WARPS) -> torch.Tensor:
     """logits (n, vocab) bf16/fp16/fp32 with unit last stride; per row (n,) temperature, top_p (float), top_k,
     seed, position (int) in any strides -> (n,) int64 tokens, as `sample_triton` (checked by the caller): six
     launches, scratch from torch.empty, no host sync. programs_per_row: P (None: from the batch, `programs_for`);
-    the tokens do not depend on it. block, stream_block, list_block: values per step (the tests make them small
-    at a small vocab); cap: the bracket size past which round 2 runs."""
+    splits: Q, the programs per segment of the rounds and the compaction (None: `splits_for`); the tokens depend
+    on neither. block, stream_block, list_block: values per step (the tests make them small at a small vocab);
+    cap: the bracket size past which round 2 runs."""
     n, vocab = logits.shape
     dev = logits.device
     out = torch.empty(n, dtype=torch.long, device=dev)
@@ -633,6 +667,9 @@ def sample_triton(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.
     seg = min(seg, MAX_STEPS * block)  # a huge row gets more programs: a lane's packed sums stay in bounds
     P = triton.cdiv(vocab, seg)
     PB = max(2, triton.next_power_of_2(P))
+    want_q = splits if splits is not None else splits_for(n, P, seg, block, dev)
+    sub = triton.cdiv(triton.cdiv(seg, max(want_q, 1)), ALIGN) * ALIGN  # a segment's stretch per program
+    Q = triton.cdiv(seg, sub)
     bits = 32 if logits.dtype == torch.float32 else 16
 
     def scratch(*shape, dtype=torch.int64):
@@ -644,17 +681,18 @@ def sample_triton(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.
     cnt, mss = scratch(n, 2, P, R), scratch(n, 2, P, R)  # per-segment counts and masses at the pivots
     lv, lpiv = scratch(n, vocab, dtype=logits.dtype), scratch(n, P, RL)  # the list; the list rounds' pivots
     kseg, kcnt, tau = scratch(n, P), scratch(n, P), scratch(n)  # each segment's kept mass and count; tau's key
+    ctr = scratch(n, P)  # the list's room taken so far, per segment (compaction)
     params = (temperature, top_p, top_k)
     strides = (temperature.stride(0), top_p.stride(0), top_k.stride(0))
     sx = logits.stride(0)
-    grid = (n, P)
-    _range_kernel[grid](logits, temperature, rf, ri, sx, strides[0], vocab, seg, BITS=bits,
-                        INF_KEY=INF_BITS[logits.dtype], BLOCK=stream_block, num_warps=num_warps)
+    grid, stream = (n, P), (n, P, Q)
+    _range_kernel[grid](logits, temperature, rf, ri, zs, cnt, mss, ctr, sx, strides[0], vocab, seg, BITS=bits,
+                        INF_KEY=INF_BITS[logits.dtype], BLOCK=stream_block, R=R, num_warps=num_warps)
     for rnd in (1, 2):
-        _round_kernel[grid](logits, *params, rf, ri, rs, zs, piv, cnt, mss, sx, *strides, vocab, seg, cap, ROUND=rnd,
-                            BITS=bits, BLOCK=block, PB=PB, R=R, num_warps=num_warps)
-    _compact_kernel[grid](logits, *params, ri, rs, zs, piv, cnt, mss, lv, st, sx, *strides, lv.stride(0), vocab, seg,
-                          cap, BITS=bits, BLOCK=stream_block, PB=PB, R=R, num_warps=num_warps)
+        _round_kernel[stream](logits, *params, rf, ri, rs, zs, piv, cnt, mss, sx, *strides, vocab, seg, sub, cap,
+                              ROUND=rnd, BITS=bits, BLOCK=block, PB=PB, R=R, num_warps=num_warps)
+    _compact_kernel[stream](logits, *params, ri, rs, zs, piv, cnt, mss, lv, st, ctr, sx, *strides, lv.stride(0),
+                            vocab, seg, sub, cap, BITS=bits, BLOCK=stream_block, PB=PB, R=R, num_warps=num_warps)
     _search_kernel[grid](temperature, ri, rs, zs, cnt, mss, lv, st, lpiv, kseg, kcnt, tau, strides[0], lv.stride(0),
                          BITS=bits, LBLOCK=list_block, PB=PB, R=R, RL=RL, MAX_ROUNDS=MAX_ROUNDS,
                          num_warps=search_warps)
