@@ -20,7 +20,7 @@ as int64, and counts and masses are int64 sums (added across a segment's Q progr
 in any order and any partition. Maxima are order-free;
 the draw compares integer running sums with floor(u x kept mass). Nothing float is computed twice: M, m and
 c = log2(e) / t are stored once by round 1 and read back by the later launches (so every launch weighs with the
-same bits), and every pivot goes through memory before it is used (`_pin`: a tensor may be recomputed for each
+same bits), and every pivot goes through memory before it is used (`pin`: a tensor may be recomputed for each
 layout it is used in, and a float step need not give the same bits twice; a pivot counted at one key and
 narrowed at another would break the search). The one thing that does depend on P, a float estimate of the
 row's mean and spread that places the first pivots, moves where the search looks, never what it finds.
@@ -56,6 +56,9 @@ graph); a row with nothing to do in a launch skips it. Per row of V values in se
    passes the target; in it, block sums, then one block's running sum (int64) to the first id past the target.
    Past the end (K = 0, or u x K rounding up to K): the last kept id.
 
+Where: launches 1 to 4 (every value of a row) are in triton_sample_passes.py, 5 and 6 here with the launcher, and
+what every launch computes alike (weights, pivots, the bracket from the partials) in triton_sample_bracket.py.
+
 Round passes carry an exp2 and 8 compare-and-adds a value (count and mass packed in one int64 accumulator per
 lane and pivot, the count from bit 50), range and compact a compare or two. A peaked row does passes 1, 2 and
 4; a flat row also 3. The rest (reductions over P partials, the list's rounds, one segment's scan) is small.
@@ -67,7 +70,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kvtransfer.kernels.triton_keys import INF_BITS, elem_key, mixed_pivots, to_key, to_value, uniform
+from kvtransfer.kernels.triton_keys import INF_BITS, mixed_pivots, to_key, to_value, uniform
+from kvtransfer.kernels.triton_sample_bracket import BIG, list_place, narrow, pin, row_consts, seg_at, weight
+from kvtransfer.kernels.triton_sample_passes import compact_kernel, range_kernel, round_kernel
 
 BLOCK = 512  # values per step of a round's pass over a segment (8 int64 accumulators a value)
 STREAM_BLOCK = 2048  # values per step of the light passes (range, compact, draw)
@@ -86,412 +91,6 @@ R = 8  # pivots per row round
 RL = 16  # pivots per list round
 MAX_ROUNDS = 64  # list rounds, a bound only: each one narrows the bracket
 
-_CNT = tl.constexpr(1 << 50)  # a count of one in the packed accumulators
-_MASS = tl.constexpr((1 << 50) - 1)  # their mass bits
-_BIG = tl.constexpr(1 << 62)  # a count or mass bar past reach: that threshold is off
-
-
-@triton.jit
-def _weight(x, M, c):
-    """float32 values -> int64 fixed-point weights floor(exp2((x - M) * c) * 2**40); the one place they are made,
-    so every launch computes the same bits."""
-    return (tl.exp2((x - M) * c) * 1099511627776.0).to(tl.int64)
-
-
-@triton.jit
-def _pin(ptr, keys, R: tl.constexpr):
-    """keys (R,) int64 through memory: stored, then read back. A computed tensor may be recomputed for each layout
-    it is used in, and float steps need not give the same bits twice (a constant folded exactly in one copy, a
-    division approximated in another): a pivot counted at one key and narrowed at another would break the
-    search. Read back, every use sees the stored bits."""
-    j = tl.arange(0, R)
-    tl.store(ptr + j, keys)
-    tl.debug_barrier()
-    return tl.load(ptr + j)
-
-
-@triton.jit
-def _quantile(q):
-    """The standard normal's quantile at q in (0, 1) (Abramowitz-Stegun 26.2.23, |error| < 5e-4): only where to
-    look, so a rough one does."""
-    a = tl.minimum(q, 1.0 - q)
-    s = tl.sqrt(-2.0 * tl.log(tl.maximum(a, 1e-30)))
-    z = s - (2.515517 + 0.802853 * s + 0.010328 * s * s) / (1.0 + 1.432788 * s + 0.189269 * s * s
-                                                            + 0.001308 * s * s * s)
-    return tl.where(q < 0.5, -z, z)
-
-
-@triton.jit
-def _clamp_keys(k, lo, hi, BITS: tl.constexpr, DT: tl.constexpr):
-    """Keys into (lo, hi) and above -inf's key (a lane past a segment's end loads -inf: it must pass no pivot)."""
-    k = tl.minimum(tl.maximum(k, lo + 1), hi - 1)
-    return tl.maximum(k, to_key(tl.full([], float("-inf"), tl.float32), BITS, DT) + 1)
-
-
-@triton.jit
-def _first_pivots(lo, hi, M, t, mu, sd, top_p, kq, p_on, k_on, R: tl.constexpr, BITS: tl.constexpr,
-                  DT: tl.constexpr):
-    """Round 1's R = 8 keys in (lo, hi): rungs M - t x (2, 5, 10), where a peaked row's thresholds fall, and
-    v + sd x (-0.4, -0.15, 0.1, 0.35, 0.6) around v, the estimate of a Gaussian body N(mu, sd^2): for top_p its
-    tilted quantile mu + sd^2 / t - sd x z(top_p) (weights exp(l / t) tilt the body to N(mu + sd^2 / t, sd^2)),
-    for top_k its quantile mu + sd x z(1 - k / finite count), the larger when both are on."""
-    tl.static_assert(R == 8)
-    j = tl.arange(0, R)
-    rung = tl.where(j == 0, 2.0, tl.where(j == 1, 5.0, 10.0))
-    v_p = mu + sd * sd / t - sd * _quantile(top_p)
-    v_k = mu + sd * _quantile(1.0 - kq)
-    est = tl.where(p_on & k_on, tl.maximum(v_p, v_k), tl.where(p_on, v_p, v_k))
-    v = tl.where(j < 3, M - t * rung, est + sd * ((j - 3).to(tl.float32) * 0.25 - 0.4))
-    by_key = lo + ((hi - lo) * (j + 1).to(tl.int64)) // (R + 1)
-    finite = tl.abs(v) < float("inf")  # false for NaN (sd of a row with infinities, say): spread by key
-    k = tl.where(finite, to_key(tl.minimum(tl.maximum(tl.where(finite, v, 0.0), -3.0e38), 3.0e38), BITS, DT),
-                 by_key)
-    return _clamp_keys(k, lo, hi, BITS, DT)
-
-
-@triton.jit
-def _even_pivots(lo, hi, R: tl.constexpr, BITS: tl.constexpr, DT: tl.constexpr):
-    """R keys spread evenly over the values of (lo, hi) (over the keys where an end is not finite)."""
-    j = tl.arange(0, R)
-    f = (j + 1).to(tl.float32) / (R + 1)
-    v = to_value(lo, BITS, DT) * (1.0 - f) + to_value(hi, BITS, DT) * f
-    by_key = lo + ((hi - lo) * (j + 1).to(tl.int64)) // (R + 1)
-    finite = tl.abs(v) < float("inf")
-    k = tl.where(finite, to_key(tl.where(finite, v, 0.0), BITS, DT), by_key)
-    return _clamp_keys(k, lo, hi, BITS, DT)
-
-
-@triton.jit
-def _narrow(lo, hi, c_lo, s_lo, c_hi, s_hi, src_lo, src_hi, pk, cnt, mss, k, pz, src0, R: tl.constexpr):
-    """The bracket after pred at pivots pk (R,) with their exact counts and masses (R,) int64: the highest true
-    pivot is the new lo, the lowest false one the new hi (where inside the bracket), each with its count, mass and
-    source (src0 + the pivot's index: where its per-segment partials lie; repeated keys share counts, so any copy
-    does)."""
-    j = tl.arange(0, R)
-    pred = (cnt >= k) | (mss >= pz)  # (R,)
-    new_lo = tl.maximum(tl.max(tl.where(pred, pk, lo), 0), lo)  # pivots may lie outside [lo, hi) (list rounds)
-    new_hi = tl.minimum(tl.min(tl.where(pred, hi, pk), 0), hi)
-    at = pred & (pk == new_lo)
-    moved = tl.max(at.to(tl.int32), 0) > 0
-    c_lo = tl.where(moved, tl.max(tl.where(at, cnt, -1), 0), c_lo)
-    s_lo = tl.where(moved, tl.max(tl.where(at, mss, -1), 0), s_lo)
-    src_lo = tl.where(moved, src0 + tl.max(tl.where(at, j, -1), 0), src_lo)
-    at = (pk == new_hi) & ~pred
-    moved = tl.max(at.to(tl.int32), 0) > 0
-    c_hi = tl.where(moved, tl.max(tl.where(at, cnt, -1), 0), c_hi)
-    s_hi = tl.where(moved, tl.max(tl.where(at, mss, -1), 0), s_hi)
-    src_hi = tl.where(moved, src0 + tl.max(tl.where(at, j, -1), 0), src_hi)
-    return new_lo, new_hi, c_lo, s_lo, c_hi, s_hi, src_lo, src_hi
-
-
-@triton.jit
-def _row_range(RF, RI, row, P, PB: tl.constexpr):
-    """Round 1's inputs from the range partials RF (n, P, 4) float32 [max, min, sum, sum of squares] and RI
-    (n, P, 4) int32 [finite count, non-NaN count, argmax key, argmax id]: M, m (of the non-NaN values), the
-    non-NaN count, and the finite values' count, mean and spread."""
-    pi = tl.arange(0, PB)
-    pm = pi < P
-    base = (row * P + pi) * 4  # (PB,)
-    M = tl.max(tl.load(RF + base, mask=pm, other=float("-inf")), 0)
-    m = tl.min(tl.load(RF + base + 1, mask=pm, other=float("inf")), 0)
-    nok = tl.sum(tl.load(RI + base + 1, mask=pm, other=0).to(tl.int64), 0)
-    nf = tl.sum(tl.load(RI + base, mask=pm, other=0), 0).to(tl.float32)
-    s1 = tl.sum(tl.load(RF + base + 2, mask=pm, other=0.0), 0)
-    s2 = tl.sum(tl.load(RF + base + 3, mask=pm, other=0.0), 0)
-    mu = s1 / nf
-    sd = tl.sqrt(tl.maximum(s2 / nf - mu * mu, 0.0))
-    return M, m, nok, nf, mu, sd
-
-
-@triton.jit
-def _row_setup(Temp, TopP, TopK, RF, RI, row, s_t, s_p, s_k, vocab, P, PB: tl.constexpr):
-    """Round 1's view of a sampled row: t, top_p, top_k, M and m, the weights' reference Mw (0 for a row without a
-    finite max: all its weights 0) and c = log2(e) / t (capped: t -> 0 keeps weights finite), which thresholds
-    are on (and whether any is: not for a row with no value but NaN), and _row_range's counts, mean and
-    spread. Later launches read M, m, Mw, c back (_row_consts) rather than recompute them."""
-    t = tl.load(Temp + row * s_t).to(tl.float32)
-    top_p = tl.load(TopP + row * s_p).to(tl.float32)
-    top_k = tl.load(TopK + row * s_k).to(tl.int64)
-    M, m, nok, nf, mu, sd = _row_range(RF, RI, row, P, PB)
-    Mw = tl.where(M > float("-inf"), M, 0.0)
-    c = tl.minimum(1.4426950408889634 / t, 3.4028234663852886e38)
-    k_on = (top_k > 0) & (top_k < vocab)
-    p_on = top_p < 1.0
-    on = (k_on | p_on) & (m <= M)  # m > M: no value that is not NaN (nothing to search)
-    return t, top_p, top_k, M, m, Mw, c, k_on, p_on, on, nok, nf, mu, sd
-
-
-@triton.jit
-def _row_consts(RS, row):
-    """What round 1 stored of a sampled row in RS (n, 8) float32: M, m, Mw, c, the non-NaN count and whether a
-    threshold is on. Read back rather than recomputed, so every launch weighs with the same bits."""
-    base = RS + row * 8
-    on = tl.load(base + 5) != 0
-    return (tl.load(base), tl.load(base + 1), tl.load(base + 2), tl.load(base + 3), tl.load(base + 4).to(tl.int64),
-            on)
-
-
-@triton.jit
-def _round_sums(CNT, MSS, row, rnd, P, PB: tl.constexpr, R: tl.constexpr):
-    """A round's per-pivot totals (R,) int64 from its per-segment partials CNT, MSS (n, 2, P, R)."""
-    pi = tl.arange(0, PB)[:, None]
-    j = tl.arange(0, R)[None, :]
-    at = ((row * 2 + rnd) * P + pi) * R + j  # (PB, R)
-    ok = (pi < P) & (j < R)
-    return tl.sum(tl.load(CNT + at, mask=ok, other=0), 0), tl.sum(tl.load(MSS + at, mask=ok, other=0), 0)
-
-
-@triton.jit
-def _bracket(TopP, TopK, RS, ZS, PIV, CNT, MSS, row, s_p, s_k, vocab, P, cap,
-             UPTO: tl.constexpr, BITS: tl.constexpr, DT: tl.constexpr, PB: tl.constexpr, R: tl.constexpr):
-    """A sampled row's bracket after round 1 (UPTO 1) or after round 2 where that ran (UPTO 2), recomputed from
-    the exact partials (every program of every launch gets the same): lo, hi, the counts and masses at them,
-    their sources (-1: the row's first lo, whose partials are the non-NaN counts and Z_s; -2: above M, zeros;
-    else round x R + pivot), the weights' Mw and c as round 1 stored them, the bars k and pz, and whether a
-    threshold is on."""
-    top_p = tl.load(TopP + row * s_p).to(tl.float32)
-    top_k = tl.load(TopK + row * s_k).to(tl.int64)
-    M, m, Mw, c, nok, on = _row_consts(RS, row)
-    k = tl.where((top_k > 0) & (top_k < vocab), top_k, _BIG)
-    p_on = top_p < 1.0
-    pi = tl.arange(0, PB)
-    z = tl.sum(tl.load(ZS + row * P + pi, mask=pi < P, other=0), 0)
-    prod = top_p.to(tl.float64) * z.to(tl.float64)
-    pz = prod.to(tl.int64)
-    pz = tl.minimum(pz + (pz.to(tl.float64) < prod).to(tl.int64), z)  # ceil(top_p x Z): mass >= it <=> >= top_p Z
-    pz = tl.where(p_on, pz, _BIG)
-    lo = to_key(m, BITS, DT)
-    hi = tl.where(on, to_key(M, BITS, DT) + 1, lo + 1)  # off (or nothing to search): tau = m, every value kept
-    c_lo, s_lo, c_hi, s_hi = nok, z, nok * 0, z * 0
-    src_lo, src_hi = (lo * 0 - 1).to(tl.int32), (lo * 0 - 2).to(tl.int32)
-    if on:
-        cnt, mss = _round_sums(CNT, MSS, row, 0, P, PB, R)
-        pk = tl.load(PIV + row * 2 * P * R + tl.arange(0, R))  # program 0's copy (all programs' are equal)
-        lo, hi, c_lo, s_lo, c_hi, s_hi, src_lo, src_hi = _narrow(lo, hi, c_lo, s_lo, c_hi, s_hi, src_lo, src_hi,
-                                                                 pk, cnt, mss, k, pz, 0, R)
-        if UPTO == 2:  # noqa: SIM102 (a compile-time test, then a run-time one)
-            if (c_lo - c_hi > cap) & (hi - lo > 1):  # exactly round 2's own test
-                cnt, mss = _round_sums(CNT, MSS, row, 1, P, PB, R)
-                pk = tl.load(PIV + (row * 2 + 1) * P * R + tl.arange(0, R))
-                lo, hi, c_lo, s_lo, c_hi, s_hi, src_lo, src_hi = _narrow(lo, hi, c_lo, s_lo, c_hi, s_hi, src_lo,
-                                                                         src_hi, pk, cnt, mss, k, pz, R, R)
-    return lo, hi, c_lo, s_lo, c_hi, s_hi, src_lo, src_hi, Mw, c, k, pz, on
-
-
-@triton.jit
-def _seg_at(RI, ZS, CNT, MSS, row, P, src, PB: tl.constexpr, R: tl.constexpr):
-    """Per-segment count and mass (PB,) int64 at or above a bracket end, from its source (see _bracket)."""
-    pi = tl.arange(0, PB)
-    pm = pi < P
-    piv = src >= 0
-    at = ((row * 2 + src // R) * P + pi) * R + src % R
-    cnt = tl.load(CNT + at, mask=pm & piv, other=0)
-    mss = tl.load(MSS + at, mask=pm & piv, other=0)
-    first = src == -1
-    cnt = tl.where(first, tl.load(RI + (row * P + pi) * 4 + 1, mask=pm, other=0).to(tl.int64), cnt)
-    mss = tl.where(first, tl.load(ZS + row * P + pi, mask=pm, other=0), mss)
-    return cnt, mss
-
-
-@triton.jit
-def _range_kernel(X, Temp, RF, RI, ZS, CNT, MSS, CTR, stride_x, s_t, vocab, seg,
-                  BITS: tl.constexpr, INF_KEY: tl.constexpr, BLOCK: tl.constexpr, R: tl.constexpr):
-    # grid (n, P): X (n, vocab); RF (n, P, 4) float32 [max, min, sum, sum of squares], RI (n, P, 4) int32
-    # [finite count, non-NaN count, argmax key, argmax id] of the segment [p x seg, (p + 1) x seg); and the
-    # segment's sums that the later launches' Q programs add into, zeroed: ZS, CTR (n, P), CNT, MSS (n, 2, P, R)
-    row = tl.program_id(0).to(tl.int64)
-    p = tl.program_id(1)
-    P = tl.num_programs(1)
-    tl.store(ZS + row * P + p, 0)
-    tl.store(CTR + row * P + p, 0)
-    j = tl.arange(0, R)
-    for rnd in range(2):
-        tl.store(CNT + ((row * 2 + rnd) * P + p) * R + j, tl.zeros([R], tl.int64))
-        tl.store(MSS + ((row * 2 + rnd) * P + p) * R + j, tl.zeros([R], tl.int64))
-    xs = X + row * stride_x
-    start = p * seg
-    end = tl.minimum(start + seg, vocab)
-    offs = tl.arange(0, BLOCK)
-    out = (row * P + p) * 4
-    if tl.load(Temp + row * s_t) == 0:
-        best = tl.full([BLOCK], -2147483647 - 1, tl.int32)  # below every key
-        at_id = tl.zeros([BLOCK], tl.int32)
-        for s in range(start, end, BLOCK):
-            idx = s + offs
-            ok = idx < end
-            key = tl.where(ok, elem_key(tl.load(xs + idx, mask=ok, other=0.0), BITS, INF_KEY), -2147483647 - 1)
-            up = key > best  # strictly: a lane keeps its first id among equal keys
-            best = tl.where(up, key, best)
-            at_id = tl.where(up, idx, at_id)
-        top = tl.max(best, 0)
-        tl.store(RI + out + 2, top)
-        tl.store(RI + out + 3, tl.min(tl.where(best == top, at_id, 2147483647), 0))
-    else:
-        mx = tl.full([BLOCK], float("-inf"), tl.float32)
-        mn = tl.full([BLOCK], float("inf"), tl.float32)
-        s1 = tl.zeros([BLOCK], tl.float32)
-        s2 = tl.zeros([BLOCK], tl.float32)
-        nf = tl.zeros([BLOCK], tl.int32)
-        nok = tl.zeros([BLOCK], tl.int32)
-        nxt = tl.load(xs + start + offs, mask=start + offs < end, other=float("nan"))
-        for s in range(start, end, BLOCK):
-            x = nxt.to(tl.float32)
-            idx = s + BLOCK + offs
-            nxt = tl.load(xs + idx, mask=idx < end, other=float("nan"))  # the next block's load in flight
-            num = x == x  # noqa: PLR0124 (not NaN; past the segment's end loads NaN)
-            fin = tl.abs(x) < float("inf")
-            mx = tl.maximum(mx, tl.where(num, x, float("-inf")))
-            mn = tl.minimum(mn, tl.where(num, x, float("inf")))
-            xf = tl.where(fin, x, 0.0)
-            s1 += xf
-            s2 += xf * xf
-            nf += fin.to(tl.int32)
-            nok += num.to(tl.int32)
-        tl.store(RF + out, tl.max(mx, 0))
-        tl.store(RF + out + 1, tl.min(mn, 0))
-        tl.store(RF + out + 2, tl.sum(s1, 0))
-        tl.store(RF + out + 3, tl.sum(s2, 0))
-        tl.store(RI + out, tl.sum(nf, 0))
-        tl.store(RI + out + 1, tl.sum(nok, 0))
-
-
-@triton.jit
-def _seg_round(xs, start, end, Mw, c, pk, R: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr,
-               DT: tl.constexpr):
-    """Over [start, end) (a stretch of a segment): its sum of W, and per pivot (R,) the count and mass of the
-    values >= it. Read as (1, BLOCK) so the (R, BLOCK) compares share its layout; each lane and pivot accumulates
-    count x 2^50 + mass in one int64 (under MAX_STEPS steps neither field overflows), split once at the end."""
-    offs = tl.arange(0, BLOCK)[None, :]  # (1, BLOCK)
-    piv = to_value(pk, BITS, DT)[:, None]  # (R, 1): above -inf, so lanes past the end (-inf) pass none
-    acc_z = tl.zeros([1, BLOCK], tl.int64)
-    acc = tl.zeros([R, BLOCK], tl.int64)
-    nxt = tl.load(xs + start + offs, mask=start + offs < end, other=float("-inf"))
-    for s in range(start, end, BLOCK):
-        x = nxt.to(tl.float32)
-        idx = s + BLOCK + offs
-        nxt = tl.load(xs + idx, mask=idx < end, other=float("-inf"))  # the next block's load in flight
-        w = _weight(x, Mw, c)  # (1, BLOCK)
-        acc_z += w
-        acc += tl.where(x >= piv, w + _CNT, 0)
-    cnt = tl.sum(acc >> 50, 1)
-    mss = tl.sum(acc & _MASS, 1)
-    return tl.sum(tl.sum(acc_z, 1), 0), cnt, mss
-
-
-@triton.jit
-def _seg_z(xs, start, end, Mw, c, BLOCK: tl.constexpr):
-    """Over [start, end): its sum of W (a row with no threshold: its kept mass)."""
-    offs = tl.arange(0, BLOCK)
-    acc = tl.zeros([BLOCK], tl.int64)
-    for s in range(start, end, BLOCK):
-        idx = s + offs
-        acc += _weight(tl.load(xs + idx, mask=idx < end, other=float("-inf")).to(tl.float32), Mw, c)
-    return tl.sum(acc, 0)
-
-
-@triton.jit
-def _round_kernel(X, Temp, TopP, TopK, RF, RI, RS, ZS, PIV, CNT, MSS,
-                  stride_x, s_t, s_p, s_k, vocab, seg, sub, cap,
-                  ROUND: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr, PB: tl.constexpr,
-                  R: tl.constexpr):
-    # grid (n, P, Q): program (p, q) passes over [p x seg + q x sub, + sub) of segment p and adds its sums into
-    # the segment's (zeroed by the range launch; int64 atomics, exact in any order). Round 1 writes RS (n, 8)
-    # float32 (program (0, 0): the row's constants), ZS (n, P) int64 and, with a threshold on, its pivots
-    # PIV[:, 0] (n, P, R) int64 keys (each program's copy, all equal) and CNT, MSS[:, 0] (n, P, R) int64; round 2,
-    # where the bracket holds more than cap values, PIV, CNT, MSS[:, 1]
-    DT: tl.constexpr = X.dtype.element_ty
-    row = tl.program_id(0).to(tl.int64)
-    p = tl.program_id(1)
-    q = tl.program_id(2)
-    P = tl.num_programs(1)
-    xs = X + row * stride_x
-    start = p * seg + q * sub
-    end = tl.minimum(tl.minimum(start + sub, p * seg + seg), vocab)
-    if tl.load(Temp + row * s_t) != 0:
-        if ROUND == 1:
-            t, top_p, top_k, M, m, Mw, c, k_on, p_on, on, nok, nf, mu, sd = _row_setup(
-                Temp, TopP, TopK, RF, RI, row, s_t, s_p, s_k, vocab, P, PB)
-            if (p == 0) & (q == 0):
-                tl.store(RS + row * 8 + tl.arange(0, 8),
-                         tl.where(tl.arange(0, 8) == 0, M, tl.where(tl.arange(0, 8) == 1, m,
-                                  tl.where(tl.arange(0, 8) == 2, Mw, tl.where(tl.arange(0, 8) == 3, c,
-                                           tl.where(tl.arange(0, 8) == 4, nok.to(tl.float32), on.to(tl.float32)))))))
-            if on:
-                lo = to_key(m, BITS, DT)
-                pk = _first_pivots(lo, to_key(M, BITS, DT) + 1, M, t, mu, sd, top_p, top_k.to(tl.float32) / nf, p_on,
-                                   k_on, R, BITS, DT)
-                pk = _pin(PIV + (row * 2 * P + p) * R, pk, R)
-                z, cnt, mss = _seg_round(xs, start, end, Mw, c, pk, R, BLOCK, BITS, DT)
-                at = (row * 2 * P + p) * R + tl.arange(0, R)
-                tl.atomic_add(CNT + at, cnt)
-                tl.atomic_add(MSS + at, mss)
-            else:
-                z = _seg_z(xs, start, end, Mw, c, BLOCK)
-            tl.atomic_add(ZS + row * P + p, z)
-        else:
-            lo, hi, c_lo, _s_lo, c_hi, _s_hi, _src_lo, _src_hi, Mw, c, _k, _pz, on = _bracket(
-                TopP, TopK, RS, ZS, PIV, CNT, MSS, row, s_p, s_k, vocab, P, cap, 1, BITS, DT, PB, R)
-            if on & (c_lo - c_hi > cap) & (hi - lo > 1):
-                pk = _pin(PIV + ((row * 2 + 1) * P + p) * R, _even_pivots(lo, hi, R, BITS, DT), R)
-                z, cnt, mss = _seg_round(xs, start, end, Mw, c, pk, R, BLOCK, BITS, DT)
-                at = ((row * 2 + 1) * P + p) * R + tl.arange(0, R)
-                tl.atomic_add(CNT + at, cnt)
-                tl.atomic_add(MSS + at, mss)
-
-
-@triton.jit
-def _list_place(RI, ZS, CNT, MSS, row, p, P, src_lo, src_hi, PB: tl.constexpr, R: tl.constexpr):
-    """Where segment p's values in [lo, hi) go in the row's list: (its offset, its count, the list's length)."""
-    pi = tl.arange(0, PB)
-    c_lo, _m_lo = _seg_at(RI, ZS, CNT, MSS, row, P, src_lo, PB, R)
-    c_hi, _m_hi = _seg_at(RI, ZS, CNT, MSS, row, P, src_hi, PB, R)
-    cand = c_lo - c_hi  # (PB,)
-    off = tl.sum(tl.where(pi < p, cand, 0), 0)
-    return off, tl.sum(tl.where(pi == p, cand, 0), 0), tl.sum(cand, 0)
-
-
-@triton.jit
-def _compact_kernel(X, Temp, TopP, TopK, RI, RS, ZS, PIV, CNT, MSS, LV, ST, CTR,
-                    stride_x, s_t, s_p, s_k, stride_l, vocab, seg, sub, cap,
-                    BITS: tl.constexpr, BLOCK: tl.constexpr, PB: tl.constexpr, R: tl.constexpr):
-    # grid (n, P, Q): an open bracket's values in [lo, hi) into LV (n, >= vocab) in X's dtype, segment p's at its
-    # offset in the row's list, in no particular order among themselves (everything that reads the list sums it
-    # exactly): program (p, q) passes over its stretch of the segment and takes room a block at a time from the
-    # segment's counter CTR (n, P) (zeroed by the range launch). Program (0, 0) stores the final bracket in ST
-    # (n, 10) int64 [lo, hi, c_lo, s_lo, c_hi, s_hi, src_lo, src_hi, k, pz]
-    DT: tl.constexpr = X.dtype.element_ty
-    row = tl.program_id(0).to(tl.int64)
-    p = tl.program_id(1)
-    q = tl.program_id(2)
-    P = tl.num_programs(1)
-    if tl.load(Temp + row * s_t) != 0:
-        lo, hi, c_lo, s_lo, c_hi, s_hi, src_lo, src_hi, _mw, _c, k, pz, _on = _bracket(
-            TopP, TopK, RS, ZS, PIV, CNT, MSS, row, s_p, s_k, vocab, P, cap, 2, BITS, DT, PB, R)
-        if (p == 0) & (q == 0):
-            f = tl.arange(0, 16)
-            st = tl.where(f == 0, lo, tl.where(f == 1, hi, tl.where(f == 2, c_lo, tl.where(f == 3, s_lo, tl.where(
-                f == 4, c_hi, tl.where(f == 5, s_hi, tl.where(f == 6, src_lo.to(tl.int64), tl.where(
-                    f == 7, src_hi.to(tl.int64), tl.where(f == 8, k, pz)))))))))
-            tl.store(ST + row * 10 + f, st, mask=f < 10)
-        if hi - lo > 1:
-            off, _mine, _n = _list_place(RI, ZS, CNT, MSS, row, p, P, src_lo, src_hi, PB, R)
-            lo_v, hi_v = to_value(lo, BITS, DT), to_value(hi, BITS, DT)
-            xs = X + row * stride_x
-            lv = LV + row * stride_l
-            offs = tl.arange(0, BLOCK)
-            start = p * seg + q * sub
-            end = tl.minimum(tl.minimum(start + sub, p * seg + seg), vocab)
-            nxt = tl.load(xs + start + offs, mask=start + offs < end, other=float("nan"))
-            for s in range(start, end, BLOCK):
-                raw = nxt
-                idx = s + BLOCK + offs
-                nxt = tl.load(xs + idx, mask=idx < end, other=float("nan"))  # the next block's load in flight
-                x = raw.to(tl.float32)
-                flag = ((x >= lo_v) & (x < hi_v)).to(tl.int32)  # NaN (past the end too): never
-                got = tl.sum(flag, 0)
-                if got > 0:
-                    at = off + tl.atomic_add(CTR + row * P + p, got.to(tl.int64))  # this block's room
-                    tl.store(lv + at + tl.cumsum(flag, 0) - 1, raw, mask=flag > 0)
 
 
 @triton.jit
@@ -512,11 +111,11 @@ def _search_kernel(Temp, RI, RS, ZS, CNT, MSS, LV, ST, LPIV, KSEG, KCNT, TAU,
                                           tl.load(st + 4), tl.load(st + 5))
         src_lo, src_hi = tl.load(st + 6).to(tl.int32), tl.load(st + 7).to(tl.int32)
         k, pz = tl.load(st + 8), tl.load(st + 9)
-        _M, _m, Mw, c, _nok, _on = _row_consts(RS, row)
+        _M, _m, Mw, c, _nok, _on = row_consts(RS, row)
         pi = tl.arange(0, PB)
         if hi - lo > 1:
-            off, mine, n = _list_place(RI, ZS, CNT, MSS, row, p, P, src_lo, src_hi, PB, R)
-            seg_c, seg_m = _seg_at(RI, ZS, CNT, MSS, row, P, src_hi, PB, R)
+            off, mine, n = list_place(RI, ZS, CNT, MSS, row, p, P, src_lo, src_hi, PB, R)
+            seg_c, seg_m = seg_at(RI, ZS, CNT, MSS, row, P, src_hi, PB, R)
             kcnt = tl.sum(tl.where(pi == p, seg_c, 0), 0)  # this segment's values >= hi
             kseg = tl.sum(tl.where(pi == p, seg_m, 0), 0)
             c_off, s_off = c_hi, s_hi  # the list holds [lo, hi): the values >= hi enter as their count and mass
@@ -524,33 +123,33 @@ def _search_kernel(Temp, RI, RS, ZS, CNT, MSS, LV, ST, LPIV, KSEG, KCNT, TAU,
             offs = tl.arange(0, LBLOCK)[None, :]  # (1, LBLOCK)
             rounds = 0
             while (hi - lo > 1) & (rounds < MAX_ROUNDS):
-                pk = _pin(LPIV + (row * P + p) * RL, mixed_pivots(lo, hi, RL, BITS, DT), RL)
+                pk = pin(LPIV + (row * P + p) * RL, mixed_pivots(lo, hi, RL, BITS, DT), RL)
                 piv = to_value(pk, BITS, DT)[:, None]  # (RL, 1)
                 lo_v, hi_v = to_value(lo, BITS, DT), to_value(hi, BITS, DT)
                 acc_c = tl.zeros([RL, LBLOCK], tl.int32)
                 acc_m = tl.zeros([RL, LBLOCK], tl.int64)
-                least = tl.full([1, LBLOCK], _BIG, tl.int64)  # the smallest and largest keys in [lo, hi)
-                most = tl.full([1, LBLOCK], -_BIG, tl.int64)
+                least = tl.full([1, LBLOCK], BIG, tl.int64)  # the smallest and largest keys in [lo, hi)
+                most = tl.full([1, LBLOCK], -BIG, tl.int64)
                 for s in range(0, n, LBLOCK):
                     j = s + offs
                     x = tl.load(lv + j, mask=j < n, other=float("-inf")).to(tl.float32)
                     ge = x >= piv  # (RL, LBLOCK); -inf past the end: below every pivot
                     acc_c += ge.to(tl.int32)
-                    acc_m += tl.where(ge, _weight(x, Mw, c), 0)
+                    acc_m += tl.where(ge, weight(x, Mw, c), 0)
                     inb = (x >= lo_v) & (x < hi_v)
                     kx = to_key(x, BITS, DT)
-                    least = tl.minimum(least, tl.where(inb, kx, _BIG))
-                    most = tl.maximum(most, tl.where(inb, kx, -_BIG))
+                    least = tl.minimum(least, tl.where(inb, kx, BIG))
+                    most = tl.maximum(most, tl.where(inb, kx, -BIG))
                 cnt = tl.sum(acc_c, 1).to(tl.int64) + c_off
                 mss = tl.sum(acc_m, 1) + s_off
                 # the ends onto the values: no value lies in [lo, least) or above most below hi, so the count and
                 # mass at least are lo's (pred true) and above most hi's (pred false)
                 least = tl.min(tl.min(least, 1), 0)
                 most = tl.max(tl.max(most, 1), 0)
-                lo = tl.where(least < _BIG, least, lo)
-                hi = tl.where(most > -_BIG, most + 1, hi)
-                lo, hi, c_lo, s_lo, c_hi, s_hi, src_lo, src_hi = _narrow(lo, hi, c_lo, s_lo, c_hi, s_hi, src_lo,
-                                                                         src_hi, pk, cnt, mss, k, pz, 0, RL)
+                lo = tl.where(least < BIG, least, lo)
+                hi = tl.where(most > -BIG, most + 1, hi)
+                lo, hi, c_lo, s_lo, c_hi, s_hi, src_lo, src_hi = narrow(lo, hi, c_lo, s_lo, c_hi, s_hi, src_lo,
+                                                                        src_hi, pk, cnt, mss, k, pz, 0, RL)
                 rounds += 1
             tau_v = to_value(lo, BITS, DT)
             o1 = tl.arange(0, LBLOCK)
@@ -559,9 +158,9 @@ def _search_kernel(Temp, RI, RS, ZS, CNT, MSS, LV, ST, LPIV, KSEG, KCNT, TAU,
                 x = tl.load(lv + j, mask=j < off + mine, other=float("-inf")).to(tl.float32)
                 kept = (j < off + mine) & (x >= tau_v)
                 kcnt += tl.sum(kept.to(tl.int64), 0)
-                kseg += tl.sum(tl.where(kept, _weight(x, Mw, c), 0), 0)
+                kseg += tl.sum(tl.where(kept, weight(x, Mw, c), 0), 0)
         else:  # closed by the row rounds (or no threshold): tau = lo, its per-segment partials
-            seg_c, seg_m = _seg_at(RI, ZS, CNT, MSS, row, P, src_lo, PB, R)
+            seg_c, seg_m = seg_at(RI, ZS, CNT, MSS, row, P, src_lo, PB, R)
             kcnt = tl.sum(tl.where(pi == p, seg_c, 0), 0)
             kseg = tl.sum(tl.where(pi == p, seg_m, 0), 0)
         tl.store(KCNT + row * P + p, kcnt)
@@ -584,7 +183,7 @@ def _draw_kernel(X, Temp, Seed, Pos, RI, RS, KSEG, KCNT, TAU, Out,
         ids = tl.load(RI + (row * P + pi) * 4 + 3, mask=pm, other=2147483647)
         tok = tl.min(tl.where(keys == tl.max(keys, 0), ids, 2147483647), 0).to(tl.int64)
     else:
-        _M, _m, Mw, c, _nok, _on = _row_consts(RS, row)
+        _M, _m, Mw, c, _nok, _on = row_consts(RS, row)
         tau_v = to_value(tl.load(TAU + row), BITS, DT)
         kseg = tl.load(KSEG + row * P + pi, mask=pm, other=0)  # (PB,)
         kcnt = tl.load(KCNT + row * P + pi, mask=pm, other=0)
@@ -595,7 +194,7 @@ def _draw_kernel(X, Temp, Seed, Pos, RI, RS, KSEG, KCNT, TAU, Out,
         passed = at < PB
         last = tl.max(tl.where(kcnt > 0, pi, -1), 0)  # else the last kept id: the last segment keeping any
         q = tl.where(passed, at, last)
-        tgt = tl.where(passed, tgt, _BIG)
+        tgt = tl.where(passed, tgt, BIG)
         carry = tl.sum(tl.where(pi < q, kseg, 0), 0)
         xs = X + row * stride_x
         offs = tl.arange(0, BLOCK)
@@ -610,7 +209,7 @@ def _draw_kernel(X, Temp, Seed, Pos, RI, RS, KSEG, KCNT, TAU, Out,
             x = nxt.to(tl.float32)
             nxt = tl.load(xs + idx + BLOCK, mask=idx + BLOCK < end, other=float("-inf"))  # the next block in flight
             kept = ok & (x >= tau_v)
-            w = tl.where(kept, _weight(x, Mw, c), 0)
+            w = tl.where(kept, weight(x, Mw, c), 0)
             total = tl.sum(w, 0)
             if carry + total > tgt:  # the target is in this block: its running sum
                 first = tl.min(tl.where(kept & (tl.cumsum(w, 0) + carry > tgt), idx, 2147483647), 0)
@@ -686,13 +285,13 @@ def sample_triton(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.
     strides = (temperature.stride(0), top_p.stride(0), top_k.stride(0))
     sx = logits.stride(0)
     grid, stream = (n, P), (n, P, Q)
-    _range_kernel[grid](logits, temperature, rf, ri, zs, cnt, mss, ctr, sx, strides[0], vocab, seg, BITS=bits,
-                        INF_KEY=INF_BITS[logits.dtype], BLOCK=stream_block, R=R, num_warps=num_warps)
+    range_kernel[grid](logits, temperature, rf, ri, zs, cnt, mss, ctr, sx, strides[0], vocab, seg, BITS=bits,
+                       INF_KEY=INF_BITS[logits.dtype], BLOCK=stream_block, R=R, num_warps=num_warps)
     for rnd in (1, 2):
-        _round_kernel[stream](logits, *params, rf, ri, rs, zs, piv, cnt, mss, sx, *strides, vocab, seg, sub, cap,
-                              ROUND=rnd, BITS=bits, BLOCK=block, PB=PB, R=R, num_warps=num_warps)
-    _compact_kernel[stream](logits, *params, ri, rs, zs, piv, cnt, mss, lv, st, ctr, sx, *strides, lv.stride(0),
-                            vocab, seg, sub, cap, BITS=bits, BLOCK=stream_block, PB=PB, R=R, num_warps=num_warps)
+        round_kernel[stream](logits, *params, rf, ri, rs, zs, piv, cnt, mss, sx, *strides, vocab, seg, sub, cap,
+                             ROUND=rnd, BITS=bits, BLOCK=block, PB=PB, R=R, num_warps=num_warps)
+    compact_kernel[stream](logits, *params, ri, rs, zs, piv, cnt, mss, lv, st, ctr, sx, *strides, lv.stride(0),
+                           vocab, seg, sub, cap, BITS=bits, BLOCK=stream_block, PB=PB, R=R, num_warps=num_warps)
     _search_kernel[grid](temperature, ri, rs, zs, cnt, mss, lv, st, lpiv, kseg, kcnt, tau, strides[0], lv.stride(0),
                          BITS=bits, LBLOCK=list_block, PB=PB, R=R, RL=RL, MAX_ROUNDS=MAX_ROUNDS,
                          num_warps=search_warps)

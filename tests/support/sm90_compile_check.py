@@ -86,7 +86,8 @@ def _sample(ts, dtype, n: int, vocab: int) -> int:
     again and again, each launch whose variant compiled before skipped, until a call compiles nothing. Returns
     how many compiled."""
     seen: set[tuple] = set()
-    kernels = [ts._range_kernel, ts._round_kernel, ts._compact_kernel, ts._search_kernel, ts._draw_kernel]
+    from kvtransfer.kernels import triton_sample_passes as tp
+    kernels = [tp.range_kernel, tp.round_kernel, tp.compact_kernel, ts._search_kernel, ts._draw_kernel]
     real = {k: k.run for k in kernels}
 
     def skip_seen(k):
