@@ -167,3 +167,63 @@ def test_long_prompts_are_drawn_apart_from_the_others():
     assert length_range("16384,32768") == (16384, 32768)
     with pytest.raises(Exception, match="LO,HI"):
         length_range("16k")
+
+
+def test_serve_samples_when_told(server, capsys, tmp_path):
+    """--temperature/--top-p: every request carries them (gRPC: GenerateRequest.sampling, no seed, so the server
+    draws one; HTTP: the body's temperature and top_p), and a sampled run completes as a greedy one does."""
+    import asyncio
+
+    from bench.measure import openai_stream, serve_doors
+
+    rc, r = run_cli(["serve", "--addr", server.addr, "--model", "tiny", "--concurrency", "4", "--num-prompts", "6",
+                     "--input-len", "16", "--output-len", "5", "--temperature", "1", "--top-p", "0.9",
+                     "--out", str(tmp_path)], capsys)
+    assert rc == 0 and r["ok"] and r["completed"] == 6 and r["output_lens"] == [5] * 6, r["failures"]
+    assert (r["config"]["temperature"], r["config"]["top_p"]) == (1.0, 0.9)
+    assert "sampling at temperature 1, top_p 0.9" in (tmp_path / "report.md").read_text()
+
+    sent = []
+
+    class Stub:
+        def Generate(self, req, timeout, metadata):  # noqa: N802 (the gRPC method's name)
+            sent.append(req)
+
+            async def stream():
+                return
+                yield
+            return stream()
+
+    for temperature in (0.7, 0.0):
+        cfg = ServeConfig(model="tiny", temperature=temperature, top_p=0.8)
+        asyncio.run(serve_doors.one_request(Stub(), [1, 2], cfg, 5.0, None))
+    assert sent[0].HasField("sampling") and not sent[0].sampling.HasField("seed")
+    assert sent[0].sampling.temperature == pytest.approx(0.7) and sent[0].sampling.top_p == pytest.approx(0.8)
+    assert not sent[1].HasField("sampling")  # greedy: absent, as before the field existed
+
+    bodies = []
+
+    class Response:
+        status = 400
+
+        async def __aenter__(self):
+            return self
+
+        async def __aexit__(self, *exc):
+            return False
+
+        async def text(self):
+            return "{}"
+
+    class Session:
+        def post(self, url, json, headers, timeout):
+            bodies.append(json)
+            return Response()
+
+    asyncio.run(openai_stream.one_request(Session(), "http://127.0.0.1:1", "m", [1], 4, 5.0, {}, temperature=0.7,
+                                          top_p=0.8))
+    assert (bodies[0]["temperature"], bodies[0]["top_p"]) == (0.7, 0.8)
+    with pytest.raises(ValueError, match="--temperature"):
+        ServeConfig(model="tiny", temperature=-1)
+    with pytest.raises(ValueError, match="--top-p"):
+        ServeConfig(model="tiny", temperature=1, top_p=0)

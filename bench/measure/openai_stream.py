@@ -3,8 +3,8 @@
 Why its own file: `serve` times the same load through two front doors (the decode server's gRPC and the OpenAI
 front, api_server/), and both must produce one record shape, so the figures differ only by the door. The
 request is what OpenAI's tools send (`vllm bench serve --backend openai`): a token-id prompt to
-/v1/completions, `stream` with usage, `ignore_eos` so every request makes exactly `max_tokens`, greedy, and
-`return_token_ids` (vLLM's extension). A token's time is the arrival of the SSE chunk that carries its id (a
+/v1/completions, `stream` with usage, `ignore_eos` so every request makes exactly `max_tokens`, greedy unless
+`serve --temperature` says otherwise, and `return_token_ids` (vLLM's extension). A token's time is the arrival of the SSE chunk that carries its id (a
 token with no text of its own, such as a character's first bytes, rides in the next chunk: its gap is then 0);
 the count is checked against the final usage chunk.
 """
@@ -33,10 +33,11 @@ async def served_model(session: aiohttp.ClientSession, base: str, headers: dict)
 
 
 async def one_request(session: aiohttp.ClientSession, base: str, model: str, ids: list[int], output_len: int,
-                      timeout: float, headers: dict) -> dict:
+                      timeout: float, headers: dict, *, temperature: float = 0.0, top_p: float = 1.0) -> dict:
     """Token arrival times of one streamed completion, or its failure as `HTTP <code>` (or the exception's name)."""
     body = {"model": model, "prompt": ids, "max_tokens": output_len, "stream": True, "ignore_eos": True,
-            "temperature": 0.0, "stream_options": {"include_usage": True}, "return_token_ids": True}
+            "temperature": temperature, "top_p": top_p, "stream_options": {"include_usage": True},
+            "return_token_ids": True}
     out = {"input_len": len(ids), "times": [], "code": None, "error": "", "mode": ""}
     t0 = out["start"] = time.perf_counter()
     usage = None

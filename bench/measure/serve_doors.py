@@ -24,6 +24,8 @@ from proto import kvtransfer_pb2_grpc as pbg
 async def one_request(stub, ids: list[int], cfg, timeout: float, metadata) -> dict:
     """Token arrival times of one Generate stream, or its failure as a status code name."""
     req = pb.GenerateRequest(token_ids=ids, max_new_tokens=cfg.output_len, mode=MODES[cfg.mode])
+    if cfg.temperature > 0:  # absent: greedy
+        req.sampling.CopyFrom(pb.Sampling(temperature=cfg.temperature, top_p=cfg.top_p))
     return await stream_record(stub, req, timeout, metadata)
 
 
@@ -72,7 +74,8 @@ def http_door(cfg, metadata):
                                                  timeout=aiohttp.ClientTimeout(total=None))
             model = await openai_stream.served_model(self.session, cfg.api.rstrip("/"), headers)
             return lambda ids, timeout: openai_stream.one_request(self.session, cfg.api.rstrip("/"), model, ids,
-                                                                  cfg.output_len, timeout, headers)
+                                                                  cfg.output_len, timeout, headers,
+                                                                  temperature=cfg.temperature, top_p=cfg.top_p)
 
         async def __aexit__(self, *exc):
             await self.session.close()

@@ -9,7 +9,9 @@ def tables(result: dict) -> list[Table]:
     cfg = result["config"]
     rate = result["request_rate"]
     head = Table(f"Serving benchmark -- {cfg['addr']}, {cfg['num_prompts']} prompts, input {cfg['input_len']} "
-                 f"(range {cfg['input_len_range']}), output {cfg['output_len']}, mode {cfg['mode']}",
+                 f"(range {cfg['input_len_range']}), output {cfg['output_len']}, mode {cfg['mode']}"
+                 + (f", sampling at temperature {cfg['temperature']:g}, top_p {cfg['top_p']:g}"
+                    if cfg.get("temperature") else ", greedy"),
                  ["metric", "value"])
     head.rows = [["max concurrency", str(result["max_concurrency"] or "unlimited")],
                  ["request rate (req/s)", f"{rate} (Poisson)" if rate != "inf" else "inf (all at once)"],

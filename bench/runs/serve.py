@@ -178,6 +178,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", default="auto", help="auto, layerwise, bulk or colocated")
     p.add_argument("--warmup", type=int, default=1, help="requests before the clock starts")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="> 0: every request samples at this temperature, the server drawing its seed (default 0: "
+                        "greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature: nucleus sampling's top_p")
     p.add_argument("--timeout", type=float, default=120.0, help="per request, s")
     p.add_argument("--max-duration", type=float, default=600.0, help="whole run, s; later requests are not sent")
     p.add_argument("--auth-token", help="bearer token, when the server requires one (the API key, with --api)")
@@ -199,7 +203,7 @@ def config(args: argparse.Namespace) -> ServeConfig:
                        output_len=args.output_len, vocab_size=args.vocab_size, model=args.model, mode=args.mode,
                        warmup=args.warmup, seed=args.seed, timeout_s=args.timeout, max_duration_s=args.max_duration,
                        server_metrics=args.server_metrics, long_share=args.long_share, long_len=args.long_len_range,
-                       api=args.api)
+                       api=args.api, temperature=args.temperature, top_p=args.top_p)
 
 
 def job(args: argparse.Namespace) -> Job:

@@ -45,6 +45,8 @@ class ServeConfig:
     long_share: float = 0.0            # this fraction of the prompts is long instead (a prefill that stalls decode)
     long_len: tuple[int, int] = (16384, 32768)  # a long prompt's length: uniform in [lo, hi]
     api: str = ""                      # the OpenAI front's base URL (api_server/); empty: the gRPC door at addr
+    temperature: float = 0.0           # > 0: every request samples (with top_p; the server draws each seed)
+    top_p: float = 1.0
 
     def __post_init__(self):
         if not is_loopback(self.addr):
@@ -64,6 +66,9 @@ class ServeConfig:
                              "local dir), or --vocab-size N: the token ids must stay in the server's vocabulary")
         if (self.vocab_size or 1) < 1 or self.mode not in MODES or self.warmup < 0:
             raise ValueError(f"vocab size >= 1, warmup >= 0, mode one of {', '.join(MODES)}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0) or not 0 < self.top_p <= 1:
+            raise ValueError(f"--temperature must be finite and >= 0 (0: greedy) and --top-p in (0, 1] (got "
+                             f"{self.temperature:g} and {self.top_p:g})")
         if self.timeout_s <= 0 or self.max_duration_s <= 0:
             raise ValueError("timeouts must be > 0")
         if not 0 <= self.long_share <= 1 or not 1 <= self.long_len[0] <= self.long_len[1]:
