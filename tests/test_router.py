@@ -229,7 +229,7 @@ def test_a_skewed_load_stays_balanced_with_least_loaded_where_round_robin_stacks
         runs = {}
         for name, addr in (("round_robin", rr_addr), ("least_loaded", fleet.router_addr)):
             asyncio.run(until_idle(addr))
-            runs[name] = asyncio.run(run_skew(addr, fleet.addrs))
+            runs[name] = asyncio.run(run_skew(addr, fleet.addrs, in_order=True))  # placed in arrival order
     finally:
         stop([rr.proc])
     figures = {name: {"figures": r["figures"], "placed": r["placed"], "seconds": r["seconds"]}
@@ -240,6 +240,7 @@ def test_a_skewed_load_stays_balanced_with_least_loaded_where_round_robin_stacks
     for name, r in runs.items():
         assert r["codes"] == ["OK"], (name, r["codes"])
     rr, ll = runs["round_robin"]["figures"], runs["least_loaded"]["figures"]
+    assert sorted(p["long"] for p in runs["round_robin"]["placed"].values()) == [0, 4], figures  # the order held
     assert sorted(p["long"] for p in runs["least_loaded"]["placed"].values()) == [2, 2], figures
     # what placement decides: within +-25 % with least_loaded, far outside with round robin
     assert ll["footprint_tokens"]["median"] <= TOLERANCE < 2 * TOLERANCE < rr["footprint_tokens"]["median"], figures

@@ -79,10 +79,12 @@ async def _sample(workers: list[str], every_s: float, done: asyncio.Event
 
 
 async def run_skew(router: str, workers: list[str], requests=None, every_s: float = 0.02, gap_s: float = GAP_S,
-                   timeout_s: float = 120.0) -> dict:
+                   timeout_s: float = 120.0, in_order: bool = False) -> dict:
     """Send `requests` (default: skew_requests()) through `router`, one every `gap_s`, and sample the workers'
     running tokens until the last one ends. Returns the samples, each request's worker and outcome, and the
-    figures."""
+    figures. in_order: each request is sent once the one before has its first token (the router's initial
+    metadata, sent once it placed it), so the router places them in arrival order however loaded the machine
+    (gaps alone do not hold the order on busy cores); the burst then takes one first token per request."""
     requests = requests if requests is not None else skew_requests()
     done = asyncio.Event()
     sampler = asyncio.ensure_future(_sample(workers, every_s, done))
@@ -92,10 +94,20 @@ async def run_skew(router: str, workers: list[str], requests=None, every_s: floa
     async with grpc.aio.insecure_channel(router) as channel:
         stub = pbg.DecodeStub(channel)
 
+        started = [asyncio.Event() for _ in requests]  # in_order: request i has its first token
+
         async def one(i: int, ids: list[int], n: int) -> dict:
-            await asyncio.sleep(i * gap_s)
+            if in_order and i:
+                await started[i - 1].wait()
+            else:
+                await asyncio.sleep(i * gap_s)
             call = stub.Generate(pb.GenerateRequest(token_ids=ids, max_new_tokens=n), timeout=timeout_s)
             try:
+                if in_order:
+                    try:
+                        await call.initial_metadata()
+                    finally:
+                        started[i].set()
                 tokens = [m.token_id async for m in call]
                 code = "OK"
             except grpc.aio.AioRpcError as e:
