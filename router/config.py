@@ -27,7 +27,10 @@ class RouterConfig:
     listen: str = flag("127.0.0.1:50050", "the router's front door (gRPC Decode service), HOST:PORT (loopback "
                        "unless told otherwise)")
     worker: tuple = flag((), "a decode worker's front door, HOST:PORT; repeat the flag (or give a comma-separated "
-                         "list) for each worker; at least one")
+                         "list) for each worker; at least one, here or in --worker-file")
+    worker_file: str = flag("", "a file of decode workers, HOST:PORT a line (# starts a comment), beside --worker: "
+                            "read at start and again on SIGHUP (a worker added takes requests once a poll finds it "
+                            "serving; one removed takes no new request and its requests in flight finish)")
     policy: str = flag("least_loaded", "placement: least_loaded (the fewest context + still-to-generate tokens, with "
                        "prefix affinity) or round_robin (the baseline: healthy workers in turn)", choices=POLICIES)
     load_poll_s: float = flag(0.2, "ask every worker for its Load this often, s (its health follows the answer)")
@@ -60,12 +63,13 @@ class RouterConfig:
     def __post_init__(self):
         workers = tuple(a.strip() for item in self.worker for a in str(item).split(",") if a.strip())
         object.__setattr__(self, "worker", workers)
-        if not workers:
-            raise ValueError("--worker: give at least one decode worker, HOST:PORT (repeat the flag for more)")
         if len(set(workers)) != len(workers):
             raise ValueError(f"--worker: {', '.join(workers)} names a worker twice")
         for addr in workers:
             check_address("--worker", addr, allow_port_zero=False)
+        if not self.workers():  # reads --worker-file: a bad line is a ValueError naming it
+            raise ValueError("--worker: give at least one decode worker, HOST:PORT (repeat the flag for more), or "
+                             "list them in --worker-file")
         check_address("--listen", self.listen)
         check_positive(self, "load_poll_s", "load_timeout_s", "request_timeout_s", "affinity_max_keys",
                        "max_message_bytes")
@@ -80,6 +84,34 @@ class RouterConfig:
 
     def one_line(self) -> str:
         return one_line(self)
+
+    def workers(self) -> tuple[str, ...]:
+        """Every worker now: --worker's, then --worker-file's as the file reads now (once each, in that order)."""
+        listed = read_worker_file(self.worker_file) if self.worker_file else ()
+        return tuple(dict.fromkeys([*self.worker, *listed]))
+
+
+def read_worker_file(path: str) -> tuple[str, ...]:
+    """--worker-file's workers: HOST:PORT a line, blank lines and # comments skipped. ValueError when it cannot be
+    read, or naming the file and line of a bad address or a worker listed twice."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--worker-file {path}: cannot read it: {e}") from None
+    out: list[str] = []
+    for n, line in enumerate(lines, 1):
+        addr = line.split("#", 1)[0].strip()
+        if not addr:
+            continue
+        try:
+            check_address("--worker-file", addr, allow_port_zero=False)
+        except ValueError as e:
+            raise ValueError(f"{path}:{n}: {e}") from None
+        if addr in out:
+            raise ValueError(f"{path}:{n}: {addr} is listed twice")
+        out.append(addr)
+    return tuple(out)
 
 
 def from_args(argv: list[str] | None, prog: str = "kvtransfer-router") -> RouterConfig:

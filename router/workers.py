@@ -9,6 +9,11 @@ does not publish under the Decode service's health name; a worker without Load (
 grpc health instead. A poll that fails or says not serving marks the worker unhealthy; the next one that
 succeeds marks it healthy again.
 
+Why the set can change while it serves (`update`, on SIGHUP with --worker-file): adding a decode worker, or taking
+one out for maintenance, should not restart the router and drop every stream through it. A worker added is polled
+like the others and takes requests once a poll finds it serving; one removed leaves the set at once, so placement
+no longer sees it, and its channel stays open until this router's requests there end (at most `drain_s`).
+
 Why short reconnect backoff: gRPC's default backs off up to two minutes after a refused connection, so a worker
 restarted on its address would rejoin only minutes later. At 0.5-1 s, it rejoins within a poll or two of
 listening; keepalive pings turn a silent peer into UNAVAILABLE instead of a hang.
@@ -98,22 +103,61 @@ class WorkerSet:
         self.workers = [Worker(a) for a in addrs]
         self.security, self.poll_s, self.timeout_s, self.metrics = security, poll_s, timeout_s, metrics
         self._options = worker_channel_options(max_message_bytes)
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: dict[str, asyncio.Task] = {}  # each worker's poll, by address
+        self._leaving: set[asyncio.Task] = set()  # removed workers' drains (`update`)
         self.on_change: Callable[[], Awaitable[None]] | None = None  # awaited when a worker turns (un)healthy
+
+    def _open(self, w: Worker) -> None:
+        w.channel = self.security.channel(w.addr, options=self._options)
+        w.decode, w.health = pbg.DecodeStub(w.channel), health_pb2_grpc.HealthStub(w.channel)
 
     def open(self) -> None:
         """Channels, made on the server's loop (grpc.aio binds a channel to the loop it was made on)."""
         for w in self.workers:
-            w.channel = self.security.channel(w.addr, options=self._options)
-            w.decode, w.health = pbg.DecodeStub(w.channel), health_pb2_grpc.HealthStub(w.channel)
+            self._open(w)
 
     def start(self) -> None:
-        self._tasks = [asyncio.ensure_future(self._poll_forever(w)) for w in self.workers]
+        self._tasks = {w.addr: asyncio.ensure_future(self._poll_forever(w)) for w in self.workers}
+
+    async def update(self, addrs: tuple[str, ...], drain_s: float) -> tuple[list[str], list[str]]:
+        """Make the set `addrs` (started: on the loop): each new worker opened and polled, each one missing taken out
+        of the set now and its channel closed once this router's requests there end (at most `drain_s`, then they
+        fail as the channel closes). Returns (added, removed) addresses."""
+        removed = [w for w in self.workers if w.addr not in addrs]
+        added = [a for a in addrs if a not in {w.addr for w in self.workers}]
+        for w in removed:
+            self.workers.remove(w)
+            self._tasks.pop(w.addr).cancel()
+            w.healthy, w.why = False, "removed from --worker-file"
+            self.metrics.reported(w.addr, False)
+            task = asyncio.ensure_future(self._drain(w, drain_s))
+            self._leaving.add(task)
+            task.add_done_callback(self._leaving.discard)
+        for a in added:
+            w = Worker(a)
+            self._open(w)
+            self.workers.append(w)
+            self._tasks[a] = asyncio.ensure_future(self._poll_forever(w))
+        if (added or removed) and self.on_change is not None:
+            await self.on_change()
+        return added, [w.addr for w in removed]
+
+    @staticmethod
+    async def _drain(w: Worker, drain_s: float) -> None:
+        deadline = time.monotonic() + drain_s
+        while w.tickets and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        if w.tickets:
+            log.warning("worker %s removed: closing its channel with %d requests still in flight (%.0f s passed)",
+                        w.addr, len(w.tickets), drain_s)
+        await w.channel.close()
+        log.info("worker %s removed: channel closed", w.addr)
 
     async def close(self) -> None:
-        for t in self._tasks:
+        tasks = [*self._tasks.values(), *self._leaving]
+        for t in tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         for w in self.workers:
             if w.channel is not None:
                 await w.channel.close()

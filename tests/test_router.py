@@ -368,3 +368,88 @@ def test_a_conversation_goes_back_to_the_worker_holding_its_prefix_unless_too_lo
         raise AssertionError(f"{e}\n" + "\n".join(h.log_text()[-3000:] for h in everyone)) from e
     finally:
         stop([h.proc for h in everyone])
+
+
+def test_the_worker_file_is_read_at_start_and_checked_line_by_line(tmp_path):
+    from router.config import RouterConfig
+
+    f = tmp_path / "workers.txt"
+    f.write_text("# the fleet\n127.0.0.1:7001\n\n  127.0.0.1:7002   # the new one\n")
+    assert RouterConfig(worker=("127.0.0.1:7000",), worker_file=str(f)).workers() == (
+        "127.0.0.1:7000", "127.0.0.1:7001", "127.0.0.1:7002")
+    assert RouterConfig(worker_file=str(f)).workers() == ("127.0.0.1:7001", "127.0.0.1:7002")  # no --worker needed
+    for text, says in (("127.0.0.1:7001\nnot-an-address\n", ":2:"), ("127.0.0.1:7001\n127.0.0.1:7001\n", "twice"),
+                       ("# nobody\n", "at least one decode worker")):
+        f.write_text(text)
+        with pytest.raises(ValueError, match=says):
+            RouterConfig(worker_file=str(f))
+    with pytest.raises(ValueError, match="cannot read it"):
+        RouterConfig(worker_file=str(tmp_path / "missing.txt"))
+
+
+LONG_NEW = 400  # tokens: decoding long enough on the CPU to be removed from the file while it runs
+
+
+def test_sighup_reads_the_worker_file_again(fleet, tmp_path):
+    """A router over --worker-file: a worker added to the file and SIGHUP takes requests; one removed takes no new
+    request while its request in flight finishes OK; a file that does not parse, or lists nobody, changes nothing;
+    the removed worker listed again takes requests again."""
+    import signal
+
+    a, b = fleet.addrs
+    f = tmp_path / "workers.txt"
+    f.write_text(f"{a}\n")
+    r, addr, _ = router(tmp_path, [], "--worker-file", str(f))
+
+    def hup(text: str, log_says: str) -> None:
+        f.write_text(text)
+        seen = r.log_text().count(log_says)
+        r.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 20
+        while r.log_text().count(log_says) == seen:
+            assert time.monotonic() < deadline and r.proc.poll() is None, r.log_text()[-3000:]
+            time.sleep(0.05)
+
+    async def served(n: int) -> list[str]:
+        async with grpc.aio.insecure_channel(addr) as ch:
+            outs = [await call(pbg.DecodeStub(ch), [5, 6, 7], 2) for _ in range(n)]
+        assert all(o.code == S.OK for o in outs), [(o.code, o.details) for o in outs]
+        return [o.trailing for o in outs]
+
+    try:
+        wait_serving(addr, [r.proc], 30)
+        assert set(asyncio.run(served(4))) == {a}
+        hup(f"{a}\n{b}  # added\n", "SIGHUP: --worker-file read again")
+        deadline = time.monotonic() + 20  # b takes requests once a poll finds it serving
+        while b not in asyncio.run(served(2)):
+            assert time.monotonic() < deadline, r.log_text()[-3000:]
+
+        async def remove_one_while_it_serves() -> tuple[Outcome, str, list[str]]:
+            async with grpc.aio.insecure_channel(addr) as ch:
+                stub = pbg.DecodeStub(ch)
+                c = stub.Generate(pb.GenerateRequest(token_ids=[9, 8, 7], max_new_tokens=LONG_NEW), timeout=60)
+                w = dict(await c.initial_metadata())[KEY]  # placed, its first token out
+                other = b if w == a else a
+                await asyncio.to_thread(hup, f"{other}\n", "SIGHUP: --worker-file read again")
+                after = [(await call(stub, [5, 6, 7], 2)).trailing for _ in range(4)]
+                tokens, code = [], S.OK
+                try:
+                    tokens = [m.token_id async for m in c]
+                except grpc.aio.AioRpcError as e:
+                    code = e.code()
+                return Outcome(tokens, code, "", w, None, 0.0, None), other, after
+
+        long, other, after = asyncio.run(remove_one_while_it_serves())
+        assert set(after) == {other}  # the removed worker takes no new request
+        assert long.code == S.OK and len(long.tokens) == LONG_NEW, (long.code, len(long.tokens))  # ran to its end
+        for text in ("127.0.0.1:1\nno-port-here\n", "# nobody\n"):  # nothing changes; it keeps serving
+            hup(text, "SIGHUP: ")
+            assert "the workers stay" in r.log_text()
+            assert set(asyncio.run(served(2))) == {other}
+        hup(f"{a}\n{b}\n", "SIGHUP: --worker-file read again")  # the removed one back: a new worker again
+        deadline = time.monotonic() + 20
+        while set(asyncio.run(served(2))) != {a, b}:
+            assert time.monotonic() < deadline, r.log_text()[-3000:]
+        assert r.proc.poll() is None
+    finally:
+        stop([r.proc])
