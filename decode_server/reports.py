@@ -1,8 +1,9 @@
-"""What the decode server says about itself: Info (the model and the limits a request must keep) and Load (how
-busy it is now).
+"""What the decode server says about itself: Info (the model and the limits a request must keep), Load (how
+busy it is now) and the Prometheus gauges read live from the same state.
 
-Why apart from the servicer: both are read by other programs (the OpenAI front asks Info once; a router polls Load
-to place requests), so their fields are a contract of their own, built here from the engine's state.
+Why apart from the servicer: all are read by other programs (the OpenAI front asks Info once; a router polls Load
+to place requests; Prometheus scrapes the gauges), so their fields are a contract of their own, built here from
+the engine's state.
 """
 
 from __future__ import annotations
@@ -38,3 +39,20 @@ def load_response(requests, engine, serving: bool) -> pb.LoadResponse:
     out.free_slots = pool.slots - pool.used()  # cached slots count: they are taken back on demand
     out.cached_slots = cache.cached_slots() if cache is not None else 0
     return out
+
+
+def watch_gauges(metrics, engine, peers, inflight) -> None:
+    """The gauges that read their value when scraped: requests admitted (`inflight()`), pool slots used, cached
+    slots and host-tier bytes (with the prefix cache), sequences running, and with prefill peers the data plane's
+    buffers, expected frames and receivers."""
+    metrics.inflight.set_function(inflight)
+    metrics.pool_slots.set_function(engine.pool.used)
+    if engine.cache is not None:
+        metrics.cached_slots.set_function(engine.cache.cached_slots)
+        metrics.host_cache_bytes.set_function(engine.cache.host_bytes)
+    metrics.running.set_function(engine.scheduler.active)
+    if peers is not None:
+        metrics.buffer_bytes.set_function(peers.buffer_bytes)
+        metrics.expected.set_function(peers.pending)
+        metrics.receivers.set_function(peers.receivers)
+        metrics.receive_loops.set_function(peers.receive_loops)

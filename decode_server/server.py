@@ -24,7 +24,7 @@ import numpy as np
 from decode_server.config import DecodeConfig
 from decode_server.peer.peers import PrefillPeers
 from decode_server.peer.remote import PeerFailure, RequestError
-from decode_server.reports import info_response, load_response
+from decode_server.reports import info_response, load_response, watch_gauges
 from decode_server.reuse import count_reuse, slot_taker
 from decode_server.streams import Mailbox, TokenStream, acquire_slot, slot_ready
 from decode_server.validate import request_problem
@@ -70,18 +70,7 @@ class DecodeService(pbg.DecodeServicer):
         self.running = RunningRequests(self.metrics)
         self._mailbox: Mailbox | None = None  # tokens from the scheduler thread to this server's loop, one wake a burst
         self.failed = ""  # set by fail_all: a thread the server depends on died; every request ends INTERNAL
-        self.metrics.inflight.set_function(lambda: self.admit.count)
-        self.metrics.pool_slots.set_function(engine.pool.used)
-        if engine.cache is not None:
-            self.metrics.cached_slots.set_function(engine.cache.cached_slots)
-            self.metrics.host_cache_bytes.set_function(engine.cache.host_bytes)
-        self.metrics.running.set_function(engine.scheduler.active)
-        if peers is not None:
-            m = self.metrics
-            m.buffer_bytes.set_function(peers.buffer_bytes)
-            m.expected.set_function(peers.pending)
-            m.receivers.set_function(peers.receivers)
-            m.receive_loops.set_function(peers.receive_loops)
+        watch_gauges(self.metrics, engine, peers, lambda: self.admit.count)
 
     def _box(self) -> Mailbox:
         """The Mailbox of the running loop: made on first use (the servicer is built before its loop may run)."""

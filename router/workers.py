@@ -145,12 +145,14 @@ class WorkerSet:
     @staticmethod
     async def _drain(w: Worker, drain_s: float) -> None:
         deadline = time.monotonic() + drain_s
-        while w.tickets and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
-        if w.tickets:
-            log.warning("worker %s removed: closing its channel with %d requests still in flight (%.0f s passed)",
-                        w.addr, len(w.tickets), drain_s)
-        await w.channel.close()
+        try:
+            while w.tickets and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            if w.tickets:
+                log.warning("worker %s removed: closing its channel with %d requests still in flight (%.0f s "
+                            "passed)", w.addr, len(w.tickets), drain_s)
+        finally:  # also when the router stops first (`close` cancels the drain)
+            await w.channel.close()
         log.info("worker %s removed: channel closed", w.addr)
 
     async def close(self) -> None:

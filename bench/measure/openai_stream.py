@@ -4,9 +4,9 @@ Why its own file: `serve` times the same load through two front doors (the decod
 front, api_server/), and both must produce one record shape, so the figures differ only by the door. The
 request is what OpenAI's tools send (`vllm bench serve --backend openai`): a token-id prompt to
 /v1/completions, `stream` with usage, `ignore_eos` so every request makes exactly `max_tokens`, greedy unless
-`serve --temperature` says otherwise, and `return_token_ids` (vLLM's extension). A token's time is the arrival of the SSE chunk that carries its id (a
-token with no text of its own, such as a character's first bytes, rides in the next chunk: its gap is then 0);
-the count is checked against the final usage chunk.
+`serve --temperature` says otherwise, and `return_token_ids` (vLLM's extension). A token's time is the arrival
+of the SSE chunk that carries its id (a token with no text of its own, such as a character's first bytes, rides
+in the next chunk: its gap is then 0); the count is checked against the final usage chunk.
 """
 
 from __future__ import annotations

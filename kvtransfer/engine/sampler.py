@@ -35,8 +35,9 @@ On CUDA the decode step's draw is `Sampler`: `sample` captured as CUDA graphs pe
 step when the batch has a sampling row. Each bucket has a graph that reads the step graph's own logits buffer in
 place (the plain decode step: no copy of the (n, vocab) logits), and one over a buffer of the Sampler's own that
 other logits are copied into (a mixed step's rows with its finished prompts' last rows). The per-row parameters
-go up in one host-to-device copy (`Draws.packed`) into a static buffer. Eagerly (CPU, --no-cuda-graphs, a batch past the largest bucket, a prompt's first
-token) `sample` runs as it is: the same function, the same kernel, the same bits.
+go up in one host-to-device copy (`Draws.packed`) into a static buffer. Eagerly (CPU, --no-cuda-graphs, a batch
+past the largest bucket, a prompt's first token) `sample` runs as it is: the same function, the same kernel, the
+same bits.
 """
 
 from __future__ import annotations

@@ -56,12 +56,10 @@ graph); a row with nothing to do in a launch skips it. Per row of V values in se
    passes the target; in it, block sums, then one block's running sum (int64) to the first id past the target.
    Past the end (K = 0, or u x K rounding up to K): the last kept id.
 
-Where: launches 1 to 4 (every value of a row) are in triton_sample_passes.py, 5 and 6 here with the launcher, and
-what every launch computes alike (weights, pivots, the bracket from the partials) in triton_sample_bracket.py.
-
 Round passes carry an exp2 and 8 compare-and-adds a value (count and mass packed in one int64 accumulator per
 lane and pivot, the count from bit 50), range and compact a compare or two. A peaked row does passes 1, 2 and
 4; a flat row also 3. The rest (reductions over P partials, the list's rounds, one segment's scan) is small.
+Launches 1-4 are in triton_sample_passes.py, 5 and 6 here, what all compute alike in triton_sample_bracket.py.
 """
 
 from __future__ import annotations
