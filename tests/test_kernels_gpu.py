@@ -273,3 +273,29 @@ def test_chunk_attention_qwen_shapes(dtype):
         rows = sum(r for _, r, _, _ in pieces.tolist())
         assert row_rel_err(out[:rows], gold(pieces)[:rows]) <= ATT_TOL[dtype]
         assert (out[rows:] == 0).all()
+
+
+@pytest.mark.parametrize("page", [16, 32, 64, 256])
+def test_paged_kernels_equal_the_slot_layout_bit_for_bit(page):
+    """Qwen shapes, bf16: decode (64 x 8k, the split count of the slot layout), chunk and rope+store through a block
+    table over shuffled blocks give the slot layout's bits (the same tiles read from elsewhere)."""
+    from bench.measure.kernel_inputs import paged_copy
+
+    lengths = ragged_lengths(64, 8192, seed=3)
+    case = decode_case(lengths, *QWEN, max_seq=8192, dtype=torch.bfloat16, device="cuda", seed=3, pad_rows=2)
+    kp, table = paged_copy(case.k_pool, page, seed=page)
+    vp, _ = paged_copy(case.v_pool, page, seed=page)
+    got = K.decode_attention(case.q, kp, vp, case.slots, case.lengths, case.scale, block_table=table)
+    assert torch.equal(got, attention(case))
+    pieces = torch.tensor([[0, 40, 1, 3000], [40, 24, 5, 0]], dtype=torch.int32, device="cuda")
+    want = K.chunk_attention(case.q, case.k_pool, case.v_pool, pieces, case.scale)
+    assert torch.equal(K.chunk_attention(case.q, kp, vp, pieces, case.scale, block_table=table), want)
+    k, v = case.q[:, :4].contiguous(), case.q[:, 4:8].contiguous()
+    cs = torch.randn(66, 128, device="cuda")
+    positions = torch.tensor(lengths + [0, 0], device="cuda") - 1
+    slot_pools = [case.k_pool.clone(), case.v_pool.clone()]
+    want_q = K.rope_store(case.q, k, v, cs, cs, *slot_pools, case.slots, positions)
+    got_q = K.rope_store(case.q, k, v, cs, cs, kp, vp, case.slots, positions, block_table=table)
+    assert torch.equal(got_q, want_q)
+    for want, got in zip(slot_pools, (kp, vp)):
+        assert torch.equal(paged_copy(want, page, seed=page)[0].nan_to_num(7.0), got.nan_to_num(7.0))

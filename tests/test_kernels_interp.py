@@ -23,7 +23,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 pytest.importorskip("triton")
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the interpreter's numpy use
 
-from bench.measure.kernel_inputs import attention_gold, decode_case
+from bench.measure.kernel_inputs import attention_gold, decode_case, paged_copy
 from kvtransfer.kernels import ops as K
 from kvtransfer.kernels.triton_attention import choose_num_splits
 
@@ -207,3 +207,65 @@ def test_attention_kernels_round_p_to_the_kv_dtype():
     pieces = torch.tensor([[0, 1, 0, 1]], dtype=torch.int32)  # one prompt row at position 1: keys 0 and 1
     chunk = K.chunk_attention(q, k_pool, v_pool, pieces, scale, use_triton=True)
     assert abs(chunk[0, 0, 0].item()) < 1e-3, chunk[0, 0, 0].item()
+
+
+# The paged pool (kernels/triton_paging.py): the same K/V scattered over shuffled blocks through a block table
+# must give the bits the slot layout gives. The tiles, splits and reduction order are the same; only where each
+# position is read from changes. Pages below BLOCK_N (a tile spans blocks: a table load per position) and at or
+# above it (a tile in one block: one load per tile), and table columns past the rows' lengths naming a NaN block.
+PAGES = [16, 32, 64, 128]
+
+
+@pytest.mark.parametrize("page", PAGES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_paged_equals_slots(page, dtype):
+    case = decode_case([150, 1, 64, 65, 256, 17], 9, 3, 64, max_seq=256, dtype=dtype, seed=21, pad_rows=2)
+    kp, table = paged_copy(case.k_pool, page, seed=page, width=256 // page + 2)
+    vp, _ = paged_copy(case.v_pool, page, seed=page, width=256 // page + 2)
+    for use_triton in (False, True):
+        want = _att(case, use_triton=use_triton, num_splits=3 if use_triton else None)
+        got = K.decode_attention(case.q, kp, vp, case.slots, case.lengths, case.scale, use_triton=use_triton,
+                                 block_table=table, **({"num_splits": 3} if use_triton else {}))
+        assert torch.equal(got, want), (use_triton, page)
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_chunk_attention_paged_equals_slots(page):
+    g = torch.Generator().manual_seed(12)
+    k_pool, v_pool = (torch.randn(4, 2, 256, 16, generator=g).to(torch.bfloat16) for _ in range(2))
+    q = (torch.randn(96, 4, 16, generator=g) * 2).to(torch.bfloat16)
+    pieces = torch.tensor([[0, 5, 1, 130], [5, 73, 0, 0], [80, 1, 3, 17], [0, 0, 0, 0]], dtype=torch.int32)
+    kp, table = paged_copy(k_pool, page, seed=page)
+    vp, _ = paged_copy(v_pool, page, seed=page)
+    for use_triton in (False, True):
+        want = K.chunk_attention(q, k_pool, v_pool, pieces, 0.25, use_triton=use_triton)
+        got = K.chunk_attention(q, kp, vp, pieces, 0.25, use_triton=use_triton, block_table=table)
+        assert torch.equal(got, want), (use_triton, page)
+
+
+@pytest.mark.parametrize("page", [16, 64])
+def test_rope_store_paged_writes_the_slot_layouts_positions(page):
+    q, k, v, cos, sin, pools, slots, positions = _rope_case(torch.bfloat16, max_seq=128)
+    paged = [paged_copy(p, page, seed=page) for p in pools]
+    table = paged[0][1]
+    for use_triton in (False, True):
+        want_pools = [p.clone() for p in pools]
+        got_pools = [p.clone() for p, _ in paged]
+        want_q = K.rope_store(q, k, v, cos, sin, *want_pools, slots, positions, use_triton=use_triton)
+        got_q = K.rope_store(q, k, v, cos, sin, *got_pools, slots, positions, use_triton=use_triton,
+                             block_table=table)
+        assert torch.equal(got_q, want_q)
+        for want, got in zip(want_pools, got_pools):  # every block, written or not, as the slot layout has it
+            assert torch.equal(paged_copy(want, page, seed=page)[0].nan_to_num(7.0), got.nan_to_num(7.0)), use_triton
+
+
+def test_rope_store_paged_skips_positions_past_the_table():
+    q, k, v, cos, sin, pools, slots, positions = _rope_case(torch.float32, max_seq=64)
+    paged = [paged_copy(p, 16, seed=1, spare=0) for p in pools]
+    table = paged[0][1]
+    positions = torch.tensor([64, 0, 1000, -1], dtype=torch.int32)  # row 1 alone is inside its row's 4 blocks
+    got = [p.clone() for p, _ in paged]
+    K.rope_store(q, k, v, cos, sin, *got, slots, positions, use_triton=True, block_table=table)
+    for before, after in zip(paged, got):
+        changed = (before[0] != after).flatten(1).any(1).nonzero().flatten().tolist()
+        assert changed == [int(table[slots[1], 0])], changed

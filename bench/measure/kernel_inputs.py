@@ -87,3 +87,29 @@ def attention_gold(case: DecodeCase) -> torch.Tensor:
         probs = torch.softmax((k @ q[b][:, :, None])[:, :, 0] * case.scale, dim=-1)  # (Hq, L)
         out[b] = (probs[:, None, :] @ v)[:, 0, :]
     return out.float()
+
+
+def paged_copy(pool: torch.Tensor, page: int, seed: int = 0, spare: int = 3,
+               width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same K or V as a slot pool (S, Hkv, T, D) laid out in blocks of `page` positions, in shuffled order.
+
+    Returns (paged pool (S * T / page + spare, Hkv, page, D), table (S, width) int32): slot s's position n is block
+    table[s, n // page] at offset n % page. The blocks of a slot are scattered (a random permutation of all
+    blocks), `spare` blocks hold garbage no table names, and table columns past T / page (width > T / page) name
+    a garbage block: a kernel that reads a wrong block, or past a row's length, shows up in its output."""
+    slots, hkv, t, d = pool.shape
+    if t % page:
+        raise ValueError(f"{t} positions per slot are not a whole number of {page}-position blocks")
+    per_slot = t // page
+    width = width or per_slot
+    gen = torch.Generator().manual_seed(seed)
+    total = slots * per_slot + spare
+    perm = torch.randperm(total, generator=gen)
+    out = torch.full((total, hkv, page, d), float("nan"), dtype=pool.dtype, device=pool.device)
+    table = torch.full((slots, width), int(perm[-1]) if spare else 0, dtype=torch.int32)
+    blocks = pool.reshape(slots, hkv, per_slot, page, d).transpose(1, 2)  # (S, per_slot, Hkv, page, D)
+    for s in range(slots):
+        ids = perm[s * per_slot:(s + 1) * per_slot]
+        out[ids.to(pool.device)] = blocks[s]
+        table[s, :per_slot] = ids.to(torch.int32)
+    return out, table.to(pool.device)

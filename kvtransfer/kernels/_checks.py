@@ -30,6 +30,17 @@ def check_index(name: str, t: torch.Tensor, batch: int, device: torch.device) ->
     require(t.device == device, f"{name} is on {t.device}, expected {device}")
 
 
+def check_table(table: torch.Tensor | None, device: torch.device) -> None:
+    """A block table: None (the slot layout) or (rows, width) int32 on the device, unit stride on its width."""
+    if table is None:
+        return
+    require(isinstance(table, torch.Tensor), "block_table must be a tensor")
+    require(table.dtype == torch.int32 and table.dim() == 2, f"block_table must be a 2-D int32 tensor, got "
+            f"{table.dtype} {tuple(table.shape)}")
+    require(table.shape[1] >= 1 and table.stride(1) == 1, "block_table needs >= 1 column and unit stride on it")
+    require(table.device == device, f"block_table is on {table.device}, expected {device}")
+
+
 def check_pools(k_pool: torch.Tensor, v_pool: torch.Tensor, head_dim: int, dtype: torch.dtype) -> None:
     check_float("k_pool", k_pool, 4)
     require(v_pool.shape == k_pool.shape, f"v_pool shape {tuple(v_pool.shape)} != k_pool {tuple(k_pool.shape)}")

@@ -11,7 +11,10 @@ interpreter in tests); False forces the reference. Nothing here reads environmen
 triton is imported lazily, so this package imports without it.
 
 KV pool, one layer: k_pool, v_pool (slots, kv_heads, max_seq, head_dim), contiguous. Row b
-lives in slot slots[b] with lengths[b] valid positions (including this step's token).
+lives in slot slots[b] with lengths[b] valid positions (including this step's token). Paged
+(`block_table` given, (R, W) int32): the pool is (blocks, kv_heads, PAGE, head_dim) and slots[b]
+names a table row: row b's position n lives in block block_table[slots[b], n // PAGE] at offset
+n % PAGE (kernels/triton_paging.py); the slot layout is the case of one block of the whole context.
 Padded rows should have length 1 and a scratch slot: they produce garbage, never crash and
 write only inside their slot. Out-of-range slots are the caller's bug (not checked: a check
 would sync); out-of-range lengths are clamped to [0, max_seq] by the kernel, out-of-range
@@ -29,6 +32,7 @@ from kvtransfer.kernels._checks import (
     check_groups,
     check_index,
     check_pools,
+    check_table,
     last_dim_unit,
     require,
 )
@@ -92,8 +96,10 @@ def decode_attention(
     *,
     use_triton: bool | None = None,
     num_splits: int | None = None,
+    block_table: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of one query per row over the first lengths[b] positions of slot slots[b].
+    """Attention of one query per row over the first lengths[b] positions of slot slots[b] (paged: of table row
+    slots[b]).
 
     q: (B, Hq, D); k_pool/v_pool: (S, Hkv, T, D), q's dtype; slots, lengths: (B,) int32/int64.
     Returns a new (B, Hq, D) tensor in q.dtype. GQA: q head j reads kv head j // (Hq // Hkv).
@@ -106,12 +112,13 @@ def decode_attention(
     require(q.device == k_pool.device, f"q is on {q.device}, pools on {k_pool.device}")
     check_index("slots", slots, batch, q.device)
     check_index("lengths", lengths, batch, q.device)
+    check_table(block_table, q.device)
     if not _use_triton(use_triton, q.device):
-        return decode_attention_ref(q, k_pool, v_pool, slots, lengths, scale)
+        return decode_attention_ref(q, k_pool, v_pool, slots, lengths, scale, block_table)
     from kvtransfer.kernels.triton_attention import decode_attention_triton
 
     return decode_attention_triton(
-        last_dim_unit(q), k_pool, v_pool, slots, lengths, scale, num_splits=num_splits
+        last_dim_unit(q), k_pool, v_pool, slots, lengths, scale, num_splits=num_splits, block_table=block_table
     )
 
 
@@ -123,11 +130,12 @@ def chunk_attention(
     scale: float,
     *,
     use_triton: bool | None = None,
+    block_table: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of prompt-chunk rows over their slot's cache (a mixed step's prompt rows).
 
     q: (R, Hq, D); k_pool/v_pool: (S, Hkv, T, D), q's dtype; pieces: (P, 4) int32 on q's device, one row per
-    chunk: first row in q, rows, slot, position of the first row (unused: 0 rows). Row r of a chunk attends
+    chunk: first row in q, rows, slot (paged: table row), position of the first row (unused: 0 rows). Row r of a chunk attends
     over positions 0..start + r of its slot, as `decode_attention` with length start + r + 1 would. Returns a
     new (R, Hq, D) tensor in q.dtype, zero on rows outside every chunk. Pieces must not overlap or run past R.
     """
@@ -139,11 +147,12 @@ def chunk_attention(
     require(isinstance(pieces, torch.Tensor) and pieces.dtype == torch.int32 and pieces.dim() == 2
             and pieces.shape[1] == 4, "pieces must be a (P, 4) int32 tensor: first row, rows, slot, start")
     require(pieces.device == q.device, f"pieces is on {pieces.device}, expected {q.device}")
+    check_table(block_table, q.device)
     if not _use_triton(use_triton, q.device):
-        return chunk_attention_ref(q, k_pool, v_pool, pieces, scale)
+        return chunk_attention_ref(q, k_pool, v_pool, pieces, scale, block_table)
     from kvtransfer.kernels.triton_chunk_attention import chunk_attention_triton
 
-    return chunk_attention_triton(last_dim_unit(q), k_pool, v_pool, pieces, scale)
+    return chunk_attention_triton(last_dim_unit(q), k_pool, v_pool, pieces, scale, block_table)
 
 
 def rope_store(
@@ -158,8 +167,10 @@ def rope_store(
     positions: torch.Tensor,
     *,
     use_triton: bool | None = None,
+    block_table: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """RoPE on q and k; rotated k and plain v written to k_pool/v_pool[slots[b], :, positions[b]].
+    """RoPE on q and k; rotated k and plain v written to k_pool/v_pool[slots[b], :, positions[b]] (paged: at the
+    position's block of table row slots[b]).
 
     q: (B, Hq, D); k, v: (B, Hkv, D) pre-RoPE, all in the pools' dtype; cos, sin: (B, D) for
     each row's position (HF layout, attention scaling folded in; any float dtype, rounded to
@@ -182,12 +193,13 @@ def rope_store(
         require(t.device == q.device, f"{name} is on {t.device}, q on {q.device}")
     check_index("slots", slots, batch, q.device)
     check_index("positions", positions, batch, q.device)
+    check_table(block_table, q.device)
     if not _use_triton(use_triton, q.device):
-        return rope_store_ref(q, k, v, cos, sin, k_pool, v_pool, slots, positions)
+        return rope_store_ref(q, k, v, cos, sin, k_pool, v_pool, slots, positions, block_table)
     from kvtransfer.kernels.triton_rope import rope_store_triton
 
     q, k, v, cos, sin = (last_dim_unit(t) for t in (q, k, v, cos, sin))
-    return rope_store_triton(q, k, v, cos, sin, k_pool, v_pool, slots, positions)
+    return rope_store_triton(q, k, v, cos, sin, k_pool, v_pool, slots, positions, block_table)
 
 
 def _check_norm(x: torch.Tensor, weight: torch.Tensor) -> None:

@@ -30,6 +30,17 @@ def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x[:, None].expand(hkv, groups, length, dim).reshape(hkv * groups, length, dim)
 
 
+def row_positions(pool: torch.Tensor, row: int, length: int, table: torch.Tensor | None) -> torch.Tensor:
+    """A row's first `length` positions of one layer's pool -> (Hkv, length, D): slot `row` of a (S, Hkv, T, D)
+    pool, or (paged) the blocks of table row `row`, T positions each, in order. Host sync: reads the table."""
+    if table is None:
+        return pool[row, :, :length]
+    page = pool.shape[2]
+    blocks = table[row, :-(-length // page)].long()  # (nb,)
+    hkv, dim = pool.shape[1], pool.shape[3]
+    return pool[blocks].transpose(0, 1).reshape(hkv, -1, dim)[:, :length]  # (nb, Hkv, T, D) -> (Hkv, L, D)
+
+
 def decode_attention_ref(
     q: torch.Tensor,
     k_pool: torch.Tensor,
@@ -37,6 +48,7 @@ def decode_attention_ref(
     slots: torch.Tensor,
     lengths: torch.Tensor,
     scale: float,
+    block_table: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per row over its slot's first lengths[b] positions, HF eager math.
 
@@ -48,8 +60,8 @@ def decode_attention_ref(
     groups = hq // k_pool.shape[1]
     out = torch.empty_like(q)
     for b, (slot, length) in enumerate(zip(slots.tolist(), lengths.tolist())):
-        k = repeat_kv(k_pool[slot, :, :length], groups)  # (Hq, L, D)
-        v = repeat_kv(v_pool[slot, :, :length], groups)  # (Hq, L, D)
+        k = repeat_kv(row_positions(k_pool, slot, length, block_table), groups)  # (Hq, L, D)
+        v = repeat_kv(row_positions(v_pool, slot, length, block_table), groups)  # (Hq, L, D)
         qb = q[b][:, None, :]  # (Hq, 1, D)
         scores = torch.matmul(qb, k.transpose(1, 2)) * scale  # (Hq, 1, L)
         probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
@@ -63,8 +75,9 @@ def chunk_attention_ref(
     v_pool: torch.Tensor,
     pieces: torch.Tensor,
     scale: float,
+    block_table: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of prompt-chunk rows over their slot, HF eager math.
+    """Causal attention of prompt-chunk rows over their slot (paged: table row), HF eager math.
 
     q: (R, Hq, D); pools: (S, Hkv, T, D); pieces: (P, 4) int32, one row per chunk: first row in q, rows, slot,
     position of the first row -> out (R, Hq, D) in q.dtype, zero outside the pieces. Row r of a chunk at
@@ -77,8 +90,8 @@ def chunk_attention_ref(
         if rows <= 0:
             continue
         end = start + rows
-        k = repeat_kv(k_pool[slot, :, :end], groups)  # (Hq, end, D)
-        v = repeat_kv(v_pool[slot, :, :end], groups)
+        k = repeat_kv(row_positions(k_pool, slot, end, block_table), groups)  # (Hq, end, D)
+        v = repeat_kv(row_positions(v_pool, slot, end, block_table), groups)
         qc = q[row0:row0 + rows].transpose(0, 1)  # (Hq, rows, D)
         scores = torch.matmul(qc, k.transpose(1, 2)) * scale  # (Hq, rows, end)
         future = torch.arange(end, device=q.device)[None, :] > torch.arange(start, end, device=q.device)[:, None]
@@ -108,8 +121,10 @@ def rope_store_ref(
     v_pool: torch.Tensor,
     slots: torch.Tensor,
     positions: torch.Tensor,
+    block_table: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """RoPE on q and k, then k (rotated) and v (plain) into the pools at (slots[b], :, positions[b]).
+    """RoPE on q and k, then k (rotated) and v (plain) into the pools at (slots[b], :, positions[b]) (paged: at
+    (block_table[slots[b], positions[b] // T], :, positions[b] % T)).
 
     q: (B, Hq, D), k/v: (B, Hkv, D), cos/sin: (B, D); returns a new rotated q (B, Hq, D).
     The pools are written in place; nothing else in them is touched.
@@ -118,6 +133,9 @@ def rope_store_ref(
     k_rot = apply_rope_ref(k, cos, sin)
     slot_idx = slots.long()
     pos_idx = positions.long()
+    if block_table is not None:
+        page = k_pool.shape[2]
+        slot_idx, pos_idx = block_table.long()[slot_idx, pos_idx // page], pos_idx % page
     # Advanced indices on dims 0 and 2 around a slice: the result dims are (B, Hkv, D).
     k_pool[slot_idx, :, pos_idx] = k_rot.to(k_pool.dtype)
     v_pool[slot_idx, :, pos_idx] = v.to(v_pool.dtype)

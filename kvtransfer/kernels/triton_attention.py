@@ -1,4 +1,4 @@
-"""Triton flash-decoding (split-K) attention over the slot-layout KV pool.
+"""Triton flash-decoding (split-K) attention over the KV pool, slot-shaped or paged (triton_paging.py).
 
 Why: a decode step is memory bound on reading K/V; one program per (row, head) cannot fill an
 H200 when B is small and the rows are long, so each row's valid length is cut into
@@ -6,9 +6,9 @@ H200 when B is small and the rows are long, so each row's valid length is cut in
 
 Design after SGLang's Triton decode attention (`_fwd_grouped_kernel_stage1` and
 `_fwd_kernel_stage2` in python/sglang/srt/layers/attention/triton_ops/decode_attention.py,
-Apache-2.0, itself after LightLLM), rewritten for this layout: no req_to_token indirection,
-row b reads the contiguous (max_seq, D) matrix k_pool[slots[b], h]. As there, one program
-takes all G query heads of one kv head (padded to BLOCK_H = 16 rows for tl.dot, masked), so
+Apache-2.0, itself after LightLLM), rewritten for this pool: row b finds its positions through
+`triton_paging.tile_offsets` (its slot's (max_seq, D) matrix, or its blocks through the block
+table). As there, one program takes all G query heads of one kv head (padded to BLOCK_H = 16 rows for tl.dot, masked), so
 K/V are read once per group and never repeated in memory; and a row's valid length is cut
 into num_splits equal chunks (rounded up to BLOCK_N), so every split of a long row does
 work. Splits whose chunk starts at or past the length (short rows, padded rows of length 1)
@@ -30,6 +30,8 @@ import functools
 import torch
 import triton
 import triton.language as tl
+
+from kvtransfer.kernels.triton_paging import table_args, tile_offsets
 
 BLOCK_N = 64  # positions per inner step of stage 1
 BLOCK_H = 16  # query heads per stage-1 program (tl.dot needs M >= 16): G is padded / tiled by it
@@ -106,17 +108,17 @@ def online_softmax_step(acc, l_i, m_i, s, v, UPCAST_DOT: tl.constexpr):
 
 @triton.jit
 def _decode_stage1(
-    Q, K, V, Slots, Lengths, MidO, MidLse,
+    Q, K, V, Slots, Table, Lengths, MidO, MidLse,
     qk_scale_log2,
     stride_qb, stride_qh,
-    stride_ks, stride_kh, stride_kt,
-    stride_vs, stride_vh, stride_vt,
+    stride_ks, stride_kh, stride_kt, stride_tr,
     max_seq, num_splits,
     Q_HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    PAGE: tl.constexpr, PAGED: tl.constexpr,
 ):
-    # grid (B, Hkv * HEAD_BLOCKS, NUM_SPLITS); MidO (B, Hq, S, D), MidLse (B, Hq, S) fp32.
+    # grid (B, Hkv * HEAD_BLOCKS, NUM_SPLITS); MidO (B, Hq, S, D), MidLse (B, Hq, S) fp32. K and V share strides.
     b = tl.program_id(0)
     pid_h = tl.program_id(1)
     split = tl.program_id(2)
@@ -137,10 +139,9 @@ def _decode_stage1(
             Q + b64 * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
             mask=mask_h[:, None] & mask_d[None, :], other=0.0,
         )  # (BLOCK_H, BLOCK_D)
-        # int64: slot * stride exceeds 2^31 elements in a pool of more than 4 GiB of bf16.
-        slot = tl.load(Slots + b).to(tl.int64)
-        k_base = K + slot * stride_ks + kv_head.to(tl.int64) * stride_kh
-        v_base = V + slot * stride_vs + kv_head.to(tl.int64) * stride_vh
+        slot = tl.load(Slots + b).to(tl.int64)  # the row's slot, or its block-table row when PAGED
+        k_base = K + kv_head.to(tl.int64) * stride_kh
+        v_base = V + kv_head.to(tl.int64) * stride_kh
 
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -148,14 +149,16 @@ def _decode_stage1(
         for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
+            off = tile_offsets(Table, slot, stride_tr, n0, offs_n, mask_n, stride_ks, stride_kt,
+                               PAGE, BLOCK_N, PAGED)  # (BLOCK_N,) int64
             k = tl.load(
-                k_base + offs_n[None, :] * stride_kt + offs_d[:, None],
+                k_base + off[None, :] + offs_d[:, None],
                 mask=mask_n[None, :] & mask_d[:, None], other=0.0,
             )  # (BLOCK_D, BLOCK_N)
             # Every step has >= 1 valid position, so m_new is finite for every row.
             s = tl.where(mask_n[None, :], dot(q, k, UPCAST_DOT) * qk_scale_log2, float("-inf"))  # (BLOCK_H, BLOCK_N)
             v = tl.load(
-                v_base + offs_n[:, None] * stride_vt + offs_d[None, :],
+                v_base + off[:, None] + offs_d[None, :],
                 mask=mask_n[:, None] & mask_d[None, :], other=0.0,
             )  # (BLOCK_N, BLOCK_D)
             acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, v, UPCAST_DOT)
@@ -219,14 +222,19 @@ def decode_attention_triton(
     lengths: torch.Tensor,
     scale: float,
     num_splits: int | None = None,
+    block_table: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Split-K decode attention; shapes as `kvtransfer.kernels.ops.decode_attention` (checked there).
 
     q: (B, Hq, D) with unit stride on D; pools (S, Hkv, T, D) contiguous; returns (B, Hq, D).
-    num_splits: None picks `choose_num_splits` (static shapes only); an int overrides (bench).
+    block_table: None (slot layout: row b reads slot slots[b]) or (R, W) int32 (paged: row b reads blocks
+    block_table[slots[b]], T positions each). The split count depends on the context a row can hold (T, or W * T),
+    never on the paging. num_splits: None picks `choose_num_splits` (static shapes only); an int overrides (bench).
     """
     batch, q_heads, head_dim = q.shape
-    _, kv_heads, max_seq, _ = k_pool.shape
+    kv_heads = k_pool.shape[1]
+    table, stride_tr, width, page, paged = table_args(block_table, k_pool)
+    max_seq = width * page  # the positions a row can hold
     groups = q_heads // kv_heads
     head_blocks = triton.cdiv(groups, BLOCK_H)
     if num_splits is None:
@@ -237,15 +245,14 @@ def decode_attention_triton(
     mid_lse = torch.empty((batch, q_heads, num_splits), dtype=torch.float32, device=q.device)
     out = torch.empty((batch, q_heads, head_dim), dtype=q.dtype, device=q.device)
     _decode_stage1[(batch, kv_heads * head_blocks, num_splits)](
-        q, k_pool, v_pool, slots, lengths, mid_o, mid_lse,
+        q, k_pool, v_pool, slots, table, lengths, mid_o, mid_lse,
         float(scale) * _LOG2E,
         q.stride(0), q.stride(1),
-        k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
-        v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
+        k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), stride_tr,
         max_seq, num_splits,
         Q_HEADS=q_heads, GROUPS=groups, HEAD_BLOCKS=head_blocks, HEAD_DIM=head_dim,
         BLOCK_D=block_d, BLOCK_N=BLOCK_N, BLOCK_H=BLOCK_H,
-        UPCAST_DOT=_upcast_dots(q),
+        UPCAST_DOT=_upcast_dots(q), PAGE=page, PAGED=paged,
         num_warps=4, num_stages=2,
     )
     block_s = max(2, triton.next_power_of_2(num_splits))

@@ -1,4 +1,4 @@
-"""Causal attention of prompt-chunk rows over their slot's cache, flash style (Triton).
+"""Causal attention of prompt-chunk rows over their row's cache (slot or block table), flash style (Triton).
 
 Why: a mixed step (kvtransfer/engine/mixed.py) carries up to MAX_PIECES prompt chunks as rows of the
 decode step. Through the decode kernel each such row streams its slot's K/V on its own: an
@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from kvtransfer.kernels import triton_attention
+from kvtransfer.kernels.triton_paging import table_args, tile_offsets
 
 BLOCK_M = 64
 BLOCK_N = 64
@@ -30,17 +31,18 @@ BLOCK_N = 64
 
 @triton.jit(do_not_specialize=["blocks_per_piece"])  # one compile for every graph size and bucket
 def _chunk_attention(
-    Q, K, V, Pieces, Out,
+    Q, K, V, Pieces, Table, Out,
     qk_scale_log2,
     stride_qr, stride_qh,
-    stride_ks, stride_kh, stride_kt,
-    stride_vs, stride_vh, stride_vt,
+    stride_ks, stride_kh, stride_kt, stride_tr,
     stride_or, stride_oh,
     blocks_per_piece,
     GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    PAGE: tl.constexpr, PAGED: tl.constexpr,
 ):
-    # grid (P * blocks_per_piece, Hq); Pieces (P, 4) int32: first row, rows, slot, start position.
+    # grid (P * blocks_per_piece, Hq); Pieces (P, 4) int32: first row, rows, slot (table row when PAGED), start
+    # position. K and V share strides.
     pid = tl.program_id(0)
     h = tl.program_id(1)
     piece = pid // blocks_per_piece
@@ -58,8 +60,8 @@ def _chunk_attention(
         q = tl.load(Q + rows[:, None] * stride_qr + h * stride_qh + offs_d[None, :],
                     mask=mask_m[:, None] & mask_d[None, :], other=0.0)  # (BLOCK_M, BLOCK_D)
         kv_head = (h // GROUPS).to(tl.int64)
-        k_base = K + slot * stride_ks + kv_head * stride_kh
-        v_base = V + slot * stride_vs + kv_head * stride_vh
+        k_base = K + kv_head * stride_kh
+        v_base = V + kv_head * stride_kh
         pos = start + offs_m  # (BLOCK_M,) each row's position
         end = start + tl.minimum((block + 1) * BLOCK_M, n_rows)  # keys 0..end - 1 cover every row's past
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -68,12 +70,14 @@ def _chunk_attention(
         for n0 in range(0, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
-            k = tl.load(k_base + offs_n[None, :] * stride_kt + offs_d[:, None],
+            off = tile_offsets(Table, slot, stride_tr, n0, offs_n, mask_n, stride_ks, stride_kt,
+                               PAGE, BLOCK_N, PAGED)  # (BLOCK_N,) int64
+            k = tl.load(k_base + off[None, :] + offs_d[:, None],
                         mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # (BLOCK_D, BLOCK_N)
             # causal: key n <= the row's position; key 0 always qualifies, so every row has a finite score
             s = tl.where((offs_n[None, :] <= pos[:, None]) & mask_n[None, :],
                          triton_attention.dot(q, k, UPCAST_DOT) * qk_scale_log2, float("-inf"))  # (BLOCK_M, BLOCK_N)
-            v = tl.load(v_base + offs_n[:, None] * stride_vt + offs_d[None, :],
+            v = tl.load(v_base + off[:, None] + offs_d[None, :],
                         mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # (BLOCK_N, BLOCK_D)
             acc, l_i, m_i = triton_attention.online_softmax_step(acc, l_i, m_i, s, v, UPCAST_DOT)
         tl.store(Out + rows[:, None] * stride_or + h * stride_oh + offs_d[None, :],
@@ -81,23 +85,24 @@ def _chunk_attention(
 
 
 def chunk_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, pieces: torch.Tensor,
-                           scale: float) -> torch.Tensor:
+                           scale: float, block_table: torch.Tensor | None = None) -> torch.Tensor:
     """Shapes as `kvtransfer.kernels.ops.chunk_attention` (checked there): q (R, Hq, D) unit stride on D, pools
-    (S, Hkv, T, D) contiguous, pieces (P, 4) int32 -> a new (R, Hq, D) tensor, zero outside the pieces."""
+    (S, Hkv, T, D) contiguous, pieces (P, 4) int32, block_table None (a piece's slot) or (rows, W) int32 (a
+    piece's table row) -> a new (R, Hq, D) tensor, zero outside the pieces."""
+    table, stride_tr, _, page, paged = table_args(block_table, k_pool)
     rows, q_heads, head_dim = q.shape
     groups = q_heads // k_pool.shape[1]
     out = torch.zeros_like(q)
     blocks = max(1, triton.cdiv(rows, BLOCK_M))  # a piece has at most R rows
     upcast = triton_attention._upcast_dots(q)  # as the decode kernel (fp32 pools, the interpreter: fp32 dots)
     _chunk_attention[(pieces.shape[0] * blocks, q_heads)](
-        q, k_pool, v_pool, pieces, out,
+        q, k_pool, v_pool, pieces, table, out,
         scale * 1.4426950408889634,  # log2(e): exp2 in the kernel
         q.stride(0), q.stride(1),
-        k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
-        v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
+        k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), stride_tr,
         out.stride(0), out.stride(1),
         blocks,
         GROUPS=groups, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, UPCAST_DOT=upcast, num_warps=4, num_stages=2,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, UPCAST_DOT=upcast, PAGE=page, PAGED=paged, num_warps=4, num_stages=2,
     )
     return out

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvtransfer.kernels.triton_paging import position_offset, table_args
+
 
 @triton.jit
 def _rotate(X, row_off, stride_h, offs_h, mask, c1, c2, s1, s2, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
@@ -29,13 +31,14 @@ def _rotate(X, row_off, stride_h, offs_h, mask, c1, c2, s1, s2, HALF: tl.constex
 
 @triton.jit
 def _rope_store_kernel(
-    Q, K, V, Cos, Sin, KPool, VPool, Slots, Positions, QOut,
+    Q, K, V, Cos, Sin, KPool, VPool, Slots, Table, Positions, QOut,
     stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
     stride_cb, stride_sb, stride_ob, stride_oh,
-    stride_ps, stride_ph, stride_pt,
-    num_slots, max_seq,
+    stride_ps, stride_ph, stride_pt, stride_tr,
+    num_blocks, width,
     Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr, PAGED: tl.constexpr,
 ):
     # grid (B,): one program rotates all heads of one row and writes its K/V position.
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -57,11 +60,12 @@ def _rope_store_kernel(
     tl.store(o_ptr, q1.to(QOut.dtype.element_ty), mask=mask_q)
     tl.store(o_ptr + HALF, q2.to(QOut.dtype.element_ty), mask=mask_q)
 
-    # k (rotated) and v (plain) -> pools at (slot, :, pos, :); skipped if slot/pos are out of range.
+    # k (rotated) and v (plain) -> pools at (slot, :, pos, :), or (table[slot, pos // PAGE], :, pos % PAGE, :) when
+    # PAGED; skipped if the slot, the block or pos are out of range.
     slot = tl.load(Slots + b).to(tl.int64)
     pos = tl.load(Positions + b).to(tl.int64)
-    in_range = (slot >= 0) & (slot < num_slots) & (pos >= 0) & (pos < max_seq)
-    base = slot * stride_ps + pos * stride_pt  # int64: pools can exceed 2^31 elements
+    base, in_range = position_offset(Table, slot, stride_tr, pos, num_blocks, stride_ps, stride_pt, width,
+                                     PAGE, PAGED)  # int64: pools can exceed 2^31 elements
     offs_hk = tl.arange(0, BLOCK_HKV)
     mask_k = (offs_hk < KV_HEADS)[:, None] & mask_half[None, :] & in_range
     k1, k2 = _rotate(K, b * stride_kb, stride_kh, offs_hk, mask_k, c1, c2, s1, s2, HALF, BLOCK_HALF)
@@ -75,23 +79,25 @@ def _rope_store_kernel(
     tl.store(VPool + base + offs_hk[:, None] * stride_ph + offs_d[None, :], v.to(VPool.dtype.element_ty), mask=mask_v)
 
 
-def rope_store_triton(q, k, v, cos, sin, k_pool, v_pool, slots, positions) -> torch.Tensor:
+def rope_store_triton(q, k, v, cos, sin, k_pool, v_pool, slots, positions, block_table=None) -> torch.Tensor:
     """Shapes as `kvtransfer.kernels.ops.rope_store` (checked there); returns a new rotated q.
 
-    Requires unit stride on the last dim of q, k, v, cos, sin; pools contiguous and alike.
+    Requires unit stride on the last dim of q, k, v, cos, sin; pools contiguous and alike. block_table: None (row b
+    writes slot slots[b]) or (R, W) int32 (row b writes through table row slots[b]).
     """
     batch, q_heads, head_dim = q.shape
-    num_slots, kv_heads, max_seq, _ = k_pool.shape
+    num_blocks, kv_heads = k_pool.shape[:2]
+    table, stride_tr, width, page, paged = table_args(block_table, k_pool)
     q_out = torch.empty((batch, q_heads, head_dim), dtype=q.dtype, device=q.device)
     _rope_store_kernel[(batch,)](
-        q, k, v, cos, sin, k_pool, v_pool, slots, positions, q_out,
+        q, k, v, cos, sin, k_pool, v_pool, slots, table, positions, q_out,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos.stride(0), sin.stride(0), q_out.stride(0), q_out.stride(1),
-        k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
-        num_slots, max_seq,
+        k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), stride_tr,
+        num_blocks, width,
         Q_HEADS=q_heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim,
         BLOCK_HQ=max(2, triton.next_power_of_2(q_heads)), BLOCK_HKV=max(2, triton.next_power_of_2(kv_heads)),
         BLOCK_HALF=triton.next_power_of_2(head_dim // 2), BLOCK_D=triton.next_power_of_2(head_dim),
-        num_warps=4,
+        PAGE=page, PAGED=paged, num_warps=4,
     )
     return q_out

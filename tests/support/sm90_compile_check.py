@@ -137,6 +137,16 @@ def main() -> int:
         pool = torch.empty(3, hkv, 1024, d, dtype=dtype)
         _run(lambda: tc.chunk_attention_triton(torch.empty(224, hq, d, dtype=dtype), pool, pool,
                                                torch.zeros(4, 4, dtype=torch.int32), 0.1))
+    for page in (16, 64):  # the paged pool: a table load per position (page < BLOCK_N) or per tile
+        q, pool = torch.empty(64, 28, 128, dtype=bf16), torch.empty(4096, 4, page, 128, dtype=bf16)
+        idx, table = torch.zeros(64, dtype=torch.int64), torch.zeros(65, 8192 // page, dtype=torch.int32)
+        _run(lambda: ta.decode_attention_triton(q, pool, pool, idx, idx, 0.1, block_table=table))  # stage 1
+    pool = torch.empty(4096, 4, 16, 128, dtype=bf16)
+    _run(lambda: tc.chunk_attention_triton(torch.empty(224, 28, 128, dtype=bf16), pool, pool,
+                                           torch.zeros(4, 4, dtype=torch.int32), 0.1, block_table=table))
+    q, k = torch.empty(64, 28, 128, dtype=bf16), torch.empty(64, 4, 128, dtype=bf16)
+    cs, pos = torch.empty(64, 128), torch.zeros(64, dtype=torch.int32)
+    _run(lambda: tr.rope_store_triton(q, k, k, cs, cs, pool, pool, idx, pos, block_table=table))
     x, w = torch.empty(64, 3584, dtype=bf16), torch.empty(3584, dtype=bf16)
     _run(lambda: tn.rms_norm_triton(x, w, 1e-6))
     _run(lambda: tn.rms_norm_triton(x, w, 1e-6, residual=x))
@@ -145,7 +155,7 @@ def main() -> int:
     sampled = _sample(ts, bf16, 64, 152064) + _sample(ts, torch.float32, 1, 152064)  # P 4 and Q 4; P 32 and Q 4
     if sampled != 12:
         print(f"the draw: {sampled} of 12 launches ran to a compile")
-    expected = 2 * 10 + 2 + 3 + 3 + 12
+    expected = 2 * 10 + 2 + 3 + 3 + 12 + 4  # + 4: the paged decode (two pages), chunk and rope+store
     print(f"compiled {len(done)} of {expected} kernels for sm_90")
     return 0 if len(done) == expected else 1
 
