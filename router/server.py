@@ -8,10 +8,12 @@ not (a worker's token is the router's own, --worker-auth-token).
 
 Why retry only before the first token: until then the caller has seen nothing, so another worker can serve the
 request as if it were the first (a failed worker's UNAVAILABLE: gone, refusing connections, shutting down; its
-RESOURCE_EXHAUSTED: full). After a token, a retry would repeat tokens the caller already has; the request ends
-with the worker's status, its message naming the worker. Bad input (INVALID_ARGUMENT) is the caller's to fix: it
-comes back unchanged. Every response names its worker: initial metadata `kvt-worker` before the first message,
-and the same key in the trailing metadata (errors included).
+RESOURCE_EXHAUSTED: full). With no other worker to retry on, or a retry that fails too, the caller gets the
+worker's own status (a full worker's RESOURCE_EXHAUSTED, which callers back off on, stays that). After a token, a
+retry would repeat tokens the caller already has; the request ends with the worker's status, its message naming
+the worker. Bad input (INVALID_ARGUMENT) is the caller's to fix: it comes back unchanged. Every response names its
+worker: initial metadata `kvt-worker` before the first message, and the same key in the trailing metadata (errors
+included).
 """
 
 from __future__ import annotations
@@ -102,11 +104,16 @@ class RouterService(pbg.DecodeServicer):
         """One attempt per worker tried (at most ATTEMPTS), streaming the one that sends a first token."""
         tried: list[Worker] = []
         earlier = ""  # what the first worker said, when this is the retry
+        earlier_code = grpc.StatusCode.UNAVAILABLE
         while True:
             choice = self.placement.choose(request, exclude=tried)
-            if choice is None:
-                why = self._none_healthy() if not tried else f"no other healthy worker to retry on ({earlier})"
-                await self._abort(context, grpc.StatusCode.UNAVAILABLE, why, tried[-1] if tried else None)
+            if choice is None:  # none at all, or none to retry on: then the first worker's own status
+                why = self._none_healthy() if not tried else f"{earlier} (no other healthy worker to retry on)"
+                await self._abort(context, earlier_code, why, tried[-1] if tried else None)
+            if tried:
+                self.metrics.retried.labels(tried[-1].addr).inc()
+                log.info("retrying a request that failed on %s before its first token on %s: %s", tried[-1].addr,
+                         choice.worker.addr, earlier)
             w = choice.worker
             tried.append(w)
             self.metrics.routed.labels(w.addr, choice.reason).inc()
@@ -122,10 +129,7 @@ class RouterService(pbg.DecodeServicer):
                 except grpc.aio.AioRpcError as e:
                     await self._failed(w, e)
                     if e.code() in RETRYABLE and len(tried) < ATTEMPTS:
-                        self.metrics.retried.labels(w.addr).inc()
-                        earlier = f"decode worker {w.addr}: {e.code().name} {e.details()}"
-                        log.info("retrying a request that failed on %s before its first token: %s %s", w.addr,
-                                 e.code().name, e.details())
+                        earlier, earlier_code = f"decode worker {w.addr}: {e.code().name} {e.details()}", e.code()
                         continue
                     message = e.details() if e.code() in PASS_THROUGH else f"decode worker {w.addr}: {e.details()}"
                     if earlier:
