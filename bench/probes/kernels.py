@@ -6,7 +6,8 @@ over the device-to-device copy bandwidth measured in the same run) and beside SD
 mask, plus a split-count sweep to tune `choose_num_splits`, and the small fused ops at
 B=1 and B=64. Shapes: Qwen2.5-7B (28 q / 4 kv heads, D=128, hidden 3584, MLP 18944), bf16,
 lengths ragged in [L/2, L]. Times are medians of triton.testing.do_bench (L2 flushed per
-call). Run on the GPU machine: python3 -m bench.probes.kernels
+call). Run on the GPU machine: python3 -m bench.probes.kernels; `--only paging`: the decode kernel through a
+block table at several page sizes beside the slot layout (paging_rows).
 """
 
 from __future__ import annotations
@@ -84,6 +85,41 @@ def attention_rows(bandwidth: float) -> tuple[list[dict], dict]:
     return rows, sweeps
 
 
+PAGING_CASES = [(1, 1024), (1, 32768), (64, 1024), (64, 8192), (256, 2048)]
+PAGES = [16, 32, 64, 128, 256]
+
+
+def paging_rows(bandwidth: float) -> list[dict]:
+    """decode_attention through a block table over shuffled blocks (bench.measure.kernel_inputs.paged_copy) beside
+    the slot layout, per page size: what a page costs the decode kernel. Outputs checked equal bit for bit."""
+    from bench.measure.kernel_inputs import paged_copy
+
+    rows = []
+    for batch, max_len in PAGING_CASES:
+        lengths = ragged_lengths(batch, max_len, seed=batch + max_len)
+        case = decode_case(lengths, Q_HEADS, KV_HEADS, HEAD_DIM, max_seq=max_len, dtype=torch.bfloat16,
+                           device="cuda", seed=1, garbage=None, shuffle=True)
+        valid_bytes = sum(lengths) * KV_HEADS * HEAD_DIM * 2 * case.k_pool.element_size()
+        want = K.decode_attention(case.q, case.k_pool, case.v_pool, case.slots, case.lengths, case.scale)
+        row = {"batch": batch, "max_len": max_len, "floor_us": round(valid_bytes / bandwidth * 1e6, 2),
+               "slots_us": _us(lambda: K.decode_attention(case.q, case.k_pool, case.v_pool, case.slots, case.lengths,
+                                                          case.scale))}
+        for page in PAGES:
+            kp, table = paged_copy(case.k_pool, page, seed=page)
+            vp, _ = paged_copy(case.v_pool, page, seed=page)
+            got = K.decode_attention(case.q, kp, vp, case.slots, case.lengths, case.scale, block_table=table)
+            row[f"page{page}_us"] = _us(lambda: K.decode_attention(case.q, kp, vp, case.slots, case.lengths,
+                                                                   case.scale, block_table=table))
+            row[f"page{page}_equal"] = bool(torch.equal(got, want))
+            del kp, vp
+            torch.cuda.empty_cache()
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+        del case, want
+        torch.cuda.empty_cache()
+    return rows
+
+
 def small_ops() -> list[dict]:
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -119,6 +155,11 @@ def main() -> int:
 
     start = time.monotonic()
     bandwidth = copy_bandwidth()
+    if sys.argv[1:] == ["--only", "paging"]:
+        print(json.dumps({"bench": "kernels-paging", "device": torch.cuda.get_device_name(0),
+                          "copy_bandwidth_GBps": round(bandwidth / 1e9, 1), "paging": paging_rows(bandwidth),
+                          "wall_s": round(time.monotonic() - start, 1)}))
+        return 0
     attention, sweeps = attention_rows(bandwidth)
     result = {
         "bench": "kernels",

@@ -77,6 +77,10 @@ class KVPool:
         self.kv = torch.zeros((g.num_layers, 2, slots + 1, g.kv_heads, max_seq, g.head_dim), dtype=g.dtype,
                               device=device)
         self.scratch = slots
+        # The block table every step's kernels read (kernels/triton_paging.py), (slots + 1, 1) int32 on the device:
+        # slot s is block s here, one block of the whole context, the scratch slot's row names the scratch block.
+        self.page = max_seq  # positions per block
+        self.table = torch.arange(slots + 1, dtype=torch.int32, device=device).view(slots + 1, 1)
         self._lock = threading.Lock()
         self._free = list(range(slots - 1, -1, -1))  # pop() hands out slot 0 first
         self._listeners: set = set()  # called (on the releasing thread) each time a slot is freed

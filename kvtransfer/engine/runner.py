@@ -68,16 +68,20 @@ class StepRunner:
         lengths = (positions + 1).to(torch.int32)  # (B,)
         cos, sin = self.cos[positions], self.sin[positions]  # (B, D)
 
+        table = self.pool.table  # (slots + 1, width) int32: a slot's blocks, read in place by the kernels
+
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            kp, vp = self.pool.layer(i)  # (slots + 1, Hkv, max_seq, D) each
-            q = ops.rope_store(q, k, v, cos, sin, kp, vp, slots, positions, use_triton=tri)
+            kp, vp = self.pool.layer(i)  # (blocks + 1, Hkv, page, D) each
+            q = ops.rope_store(q, k, v, cos, sin, kp, vp, slots, positions, use_triton=tri, block_table=table)
             if chunks is None:
-                return ops.decode_attention(q, kp, vp, slots, lengths, self.scale, use_triton=tri)  # (B, Hq, D)
+                return ops.decode_attention(q, kp, vp, slots, lengths, self.scale, use_triton=tri,
+                                            block_table=table)  # (B, Hq, D)
             d, pieces = chunks
-            o = ops.chunk_attention(q[d:], kp, vp, pieces, self.scale, use_triton=tri)  # (B - d, Hq, D)
+            o = ops.chunk_attention(q[d:], kp, vp, pieces, self.scale, use_triton=tri,
+                                    block_table=table)  # (B - d, Hq, D)
             if d:
                 o = torch.cat([ops.decode_attention(q[:d], kp, vp, slots[:d], lengths[:d], self.scale,
-                                                    use_triton=tri), o])  # (B, Hq, D)
+                                                    use_triton=tri, block_table=table), o])  # (B, Hq, D)
             return o
 
         def project(name: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
