@@ -140,7 +140,7 @@ class PrefillPairing:
                 self._from_thread(self._publish_any())
 
     def _rejoin(self, pair: Pair, epoch: int, gone: list[Pair]) -> None:
-        from kvtransfer.transport.rendezvous import PairingAbandoned, join_pair, pairing_prefix
+        from kvtransfer.transport.rendezvous import PairingAbandoned, join_pair, pairing_prefix, store_address
         self._forget(gone)
         if epoch != pair.epoch:
             log.info("pairing epoch %d superseded by %d before it started", epoch, pair.epoch)
@@ -150,7 +150,8 @@ class PrefillPairing:
         try:
             pair.group = join_pair(0, self.store, pairing_prefix(self.instance_id, epoch), self.worker.m.device,
                                    self.config.dist_timeout_s, self.config.dist_op_timeout_s,
-                                   abandoned=lambda: epoch != pair.epoch or self.stopping)
+                                   abandoned=lambda: epoch != pair.epoch or self.stopping,
+                                   rendezvous_host=store_address(self.config.dist_init)[0])
             pair.link = self.connect(group=pair.group)
             self.worker.warmup(self.config.warmup_tokens, pair.link)
         except PairingAbandoned:

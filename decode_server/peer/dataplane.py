@@ -65,13 +65,13 @@ class DataPlane:
         """Process-group transports: join the group the prefill worker named (instance, epoch); a loop serves it."""
         if self.addressed:
             return
-        from kvtransfer.transport.rendezvous import join_pair, open_store, pairing_prefix
+        from kvtransfer.transport.rendezvous import join_pair, open_store, pairing_prefix, store_address
         c = self.config
         log.info("joining process group epoch %d as rank 1 (%s, %s)", resp.epoch, self.transport, self.dist_init)
         store = await asyncio.to_thread(open_store, self.dist_init, 1, c.dist_timeout_s)
         self.group = await asyncio.to_thread(join_pair, 1, store, pairing_prefix(resp.instance_id, resp.epoch),
                                              self.m.device, c.dist_timeout_s, c.dist_op_timeout_s,
-                                             lambda: self.closing)
+                                             lambda: self.closing, store_address(self.dist_init)[0])
         self._start_loop(self._new_link(self.group), f"kv-receive-{resp.epoch}")
 
     async def down(self, reason: str) -> None:

@@ -17,6 +17,12 @@ an old pairing that wakes up fails in its old group and never touches a new one.
 drops the group (NCCL: aborts it); a thread still blocked in it wakes when the peer's side
 closes.
 
+Why the store's socket is made here: torch's TCPStore server listens on every interface whatever host it is
+given; handed a socket already bound to the --dist-init address (master_listen_fd), it listens there only, so
+tcp://127.0.0.1:PORT stays on loopback. The gloo group's own listener is bound the same way: to this host's
+address toward the rendezvous (GLOO_SOCKET_IFNAME, when set, still decides), not to whatever the host name
+resolves to.
+
 Why each side first says "here" under the prefix and waits for the other's word: a join that
 blocked inside torch could not be abandoned (a superseded pairing, a server stopping), and it
 held the prefill worker's device thread, and a stopping process, up to --dist-timeout-s. The
@@ -27,7 +33,9 @@ only once both are there does torch build the group.
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import os
+import socket
 import time
 from collections.abc import Callable
 from urllib.parse import urlparse
@@ -55,12 +63,69 @@ def store_address(init_method: str) -> tuple[str, int]:
                      "or env://")
 
 
+LISTEN_BACKLOG = 128
+
+
+def _listening_socket(host: str, port: int) -> int:
+    """A socket bound to HOST:PORT only (not every interface) and listening; its file descriptor, now the caller's."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        s = socket.socket(family, kind, proto)
+    except OSError as e:
+        raise RuntimeError(f"cannot resolve {host}: {e}") from None
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(addr)
+        s.listen(LISTEN_BACKLOG)
+    except OSError as e:
+        s.close()
+        raise RuntimeError(f"cannot listen at {host}:{port}: {e.strerror or e}") from None
+    return s.detach()
+
+
 def open_store(init_method: str, rank: int, timeout_s: float) -> dist.TCPStore:
-    """Rank 0 hosts the store (unless torchrun's agent does); rank 1 connects to it. Does not wait for the peer."""
+    """Rank 0 hosts the store (unless torchrun's agent does), listening at the --dist-init address only; rank 1
+    connects to it. Does not wait for the peer."""
     host, port = store_address(init_method)
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's contract, not our config
-    return dist.TCPStore(host, port, None, rank == 0 and not agent, datetime.timedelta(seconds=timeout_s),
-                         wait_for_workers=False)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if rank != 0 or agent:
+        return dist.TCPStore(host, port, None, False, timeout, wait_for_workers=False)
+    fd = _listening_socket(host, port)
+    try:
+        return dist.TCPStore(host, port, None, True, timeout, wait_for_workers=False, master_listen_fd=fd)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def local_address(host: str) -> str | None:
+    """This host's address toward `host` (the rendezvous): the source address its packets would leave from. None
+    for a wildcard host (0.0.0.0, ::) or one that does not resolve: then gloo's own choice stands."""
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(host, 1, type=socket.SOCK_DGRAM)[0]
+        if ipaddress.ip_address(addr[0]).is_unspecified:
+            return None
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(addr)  # UDP: no packet sent, only the route chosen
+            return s.getsockname()[0]
+    except (OSError, ValueError):
+        return None
+
+
+def gloo_options(rendezvous_host: str, timeout: datetime.timedelta):
+    """A gloo group's options: its operations' timeout, and its device bound to this host's address toward the
+    rendezvous (loopback for a loopback rendezvous) unless GLOO_SOCKET_IFNAME names the interface."""
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timeout
+    interfaces = [i for i in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if i]  # as torch reads it
+    if interfaces:
+        opts._devices = [dist.ProcessGroupGloo.create_device(interface=i) for i in interfaces]
+    elif local := local_address(rendezvous_host):
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=local)]
+    else:
+        opts._devices = [dist.ProcessGroupGloo.create_default_device()]
+    return opts
 
 
 def pairing_prefix(instance_id: int, epoch: int) -> str:
@@ -88,8 +153,9 @@ def wait_for_peer(store: dist.Store, rank: int, timeout_s: float, abandoned: Cal
 
 
 def join_pair(rank: int, store: dist.Store, prefix: str, device: torch.device, timeout_s: float,
-              op_timeout_s: float = 0.0, abandoned: Callable[[], bool] = lambda: False):
+              op_timeout_s: float = 0.0, abandoned: Callable[[], bool] = lambda: False, rendezvous_host: str = ""):
     """A fresh two-rank group (0 prefill, 1 decode) under `prefix`, joined within `timeout_s`; returns it.
+    `rendezvous_host`: the store's host (gloo binds its listener to this host's address toward it).
 
     NCCL's watchdog timeout is per operation from the moment it is enqueued, and the decode
     side keeps the next frame's header receive posted while idle: with the rendezvous
@@ -101,7 +167,7 @@ def join_pair(rank: int, store: dist.Store, prefix: str, device: torch.device, t
     pair_store = dist.PrefixStore(prefix, store)
     wait_for_peer(pair_store, rank, timeout_s, abandoned)
     if device.type != "cuda":
-        return dist.ProcessGroupGloo(pair_store, rank, 2, op_timeout)
+        return dist.ProcessGroupGloo(pair_store, rank, 2, gloo_options(rendezvous_host, op_timeout))
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = op_timeout
     group = dist.ProcessGroupNCCL(pair_store, rank, 2, opts)
