@@ -69,10 +69,15 @@ class EngineOptions:
     fail_scheduler_after_steps: int = -1  # fault injection: the scheduler thread dies after this many steps
     prefix_cache: bool = False  # finished requests' KV stays in free slots for later prompts (prefix_cache.py)
     host_cache_gib: float = 0.0  # with prefix_cache: a pinned host tier of this size for evicted slots (0: none)
+    kv_block_tokens: int = 0  # the pool's page: positions per KV block (0: one block of max_seq_len per slot)
+    kv_blocks: int = 0  # with kv_block_tokens: blocks in the pool (0: a whole context for every slot)
 
     def __post_init__(self):
         if self.host_cache_gib < 0 or (self.host_cache_gib and not self.prefix_cache):
             raise ValueError("--host-cache-gib must be >= 0, and needs the prefix cache (drop --no-prefix-cache)")
+        if self.kv_block_tokens < 0 or self.kv_blocks < 0 or (self.kv_blocks and not self.kv_block_tokens):
+            raise ValueError("--kv-block-tokens and the pool's block count must be >= 0; a block count needs "
+                             "--kv-block-tokens")
         if self.max_batch < 1 or self.prefill_chunk < 0:
             raise ValueError(f"engine options not resolved: max_batch {self.max_batch}, prefill_chunk "
                              f"{self.prefill_chunk} (decode_server/sizing.py chooses them)")
@@ -84,7 +89,8 @@ class DecodeEngine:
     def __init__(self, loaded: LoadedModel, options: EngineOptions, on_step=None, on_fatal=None):
         """`on_fatal(what, error)`: called once if the scheduler thread dies (the server must then stop)."""
         self.m, self.options = loaded, options
-        self.pool = KVPool(loaded.geometry, loaded.device, options.max_batch, options.max_seq_len)
+        self.pool = KVPool(loaded.geometry, loaded.device, options.max_batch, options.max_seq_len,
+                           options.kv_block_tokens, options.kv_blocks)
         self.runner = StepRunner(loaded.model, self.pool)
         self.step = Step(self.runner, options.max_batch, options.cuda_graphs,
                          options.prefill_chunk if options.mixed_prefill else 0, options.mixed_max_rows)
@@ -116,15 +122,14 @@ class DecodeEngine:
         lease.hold()
         try:
             n, chunk = len(token_ids), self.options.prefill_chunk or len(token_ids)
-            views = self.pool.views(lease.slot, n)
+            pool, slot = self.pool, lease.slot
             ids = torch.tensor([token_ids], dtype=torch.long).to(self.m.device)  # (1, seq)
             sync(self.m.device)
             t0, c0 = time.perf_counter(), time.thread_time()
-            cache = past_cache(self.m.model.config, views, start) if start else None
+            cache = past_cache(self.m.model.config, pool.layers_of(slot, start)) if start else None
 
             def land(i: int, k: torch.Tensor, v: torch.Tensor) -> None:  # k, v: (1, kv_heads, end, head_dim) so far
-                views[i][0][:, :, start:end].copy_(k[:, :, start:end])
-                views[i][1][:, :, start:end].copy_(v[:, :, start:end])
+                pool.write_layer(slot, i, start, k[:, :, start:end], v[:, :, start:end])
             while start < n:
                 end = min(n, start + chunk)
                 with chunk_attention_on(self.m.model) if start else nullcontext():
@@ -153,18 +158,18 @@ class DecodeEngine:
 
     def digest(self, slot: int, seq_len: int):
         """Future -> digest of the slot's cache, byte for byte as the transports' cache_digest of the same cache."""
-        return self.scheduler.call(lambda: cache_digest(self.pool.views(slot, seq_len)))
+        return self.scheduler.call(lambda: cache_digest(self.pool.layers_of(slot, seq_len)))
 
     def close(self) -> None:
         self.scheduler.close()
 
 
-def past_cache(config, views: list[tuple[torch.Tensor, torch.Tensor]], n: int) -> StreamingCache:
-    """A cache holding the slot's positions 0..n - 1 (views: per layer (k, v), each (1, kv_heads, >= n, head_dim)),
-    for a prefill that continues after them: each layer's update concatenates onto copies, never into the pool."""
+def past_cache(config, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> StreamingCache:
+    """A cache holding a slot's positions 0..n - 1 (layers: per layer (k, v), each (1, kv_heads, n, head_dim), views
+    of the pool or gathered copies), for a prefill that continues after them: each layer's update concatenates onto
+    copies, never into the pool."""
     cache = StreamingCache(config=config)
-    for layer, (k, v) in zip(cache.layers, views):
-        k, v = k[:, :, :n], v[:, :, :n]  # (1, kv_heads, n, head_dim)
+    for layer, (k, v) in zip(cache.layers, layers):
         layer.lazy_initialization(k, v)
         layer.keys, layer.values = k, v
     return cache

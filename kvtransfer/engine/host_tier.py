@@ -39,9 +39,8 @@ class HostEntry:
 
 
 class HostTier:
-    """`store(slot_kv, entry)` copies a slot's first entry.length tokens out; `load(entry, n, slot_kv)` copies n
-    back. slot_kv is a pool slot, (layers, 2, kv_heads, max_seq, head_dim). Page allocation is the caller's to
-    lock."""
+    """`store(read, entry)` copies a slot's first entry.length tokens out; `load(entry, n, write)` copies n back,
+    through the pool's token-major read and write of one slot. Page allocation is the caller's to lock."""
 
     def __init__(self, geometry: CacheGeometry, device: torch.device, gib: float, stream: torch.cuda.Stream | None,
                  page_tokens: int = PAGE_TOKENS):
@@ -89,20 +88,21 @@ class HostTier:
                 break
             yield page, p0, min(n, p0 + self.page_tokens)
 
-    def store(self, slot_kv: torch.Tensor, entry: HostEntry) -> torch.cuda.Event | None:
-        """Queue the copy of the slot's first entry.length tokens into entry's pages; the event follows it."""
+    def store(self, read, entry: HostEntry) -> torch.cuda.Event | None:
+        """Queue the copy of a slot's first entry.length tokens into entry's pages; the event follows it.
+        read(p0, p1) -> the slot's positions p0..p1 - 1, (p1 - p0, layers, 2, heads, dim) (KVPool.read)."""
         with self._on_stream():
             for page, p0, p1 in self._spans(entry, entry.length):
-                part = slot_kv[:, :, :, p0:p1].permute(3, 0, 1, 2, 4).contiguous()  # (p1 - p0, layers, 2, heads, dim)
+                part = read(p0, p1).contiguous()  # (p1 - p0, layers, 2, heads, dim)
                 self.arena[page, :p1 - p0].copy_(part, non_blocking=True)
             return self._event()
 
-    def load(self, entry: HostEntry, n: int, slot_kv: torch.Tensor) -> torch.cuda.Event | None:
-        """Queue the copy of entry's first n tokens into the slot's positions 0..n - 1; the event follows it."""
+    def load(self, entry: HostEntry, n: int, write) -> torch.cuda.Event | None:
+        """Queue the copy of entry's first n tokens into a slot's positions 0..n - 1; the event follows it.
+        write(p0, data) puts data (n, layers, 2, heads, dim) at the slot's positions p0.. (KVPool.write)."""
         with self._on_stream():
             for page, p0, p1 in self._spans(entry, n):
-                part = self.arena[page, :p1 - p0].to(self.device, non_blocking=True)  # (p1 - p0, layers, 2, heads, dim)
-                slot_kv[:, :, :, p0:p1].copy_(part.permute(1, 2, 3, 0, 4))
+                write(p0, self.arena[page, :p1 - p0].to(self.device, non_blocking=True))  # (p1 - p0, layers, 2, ..)
             return self._event()
 
     def _on_stream(self):

@@ -1,21 +1,30 @@
-"""The decode worker's KV pool: one preallocated block on the device, handed out by slot.
+"""The decode worker's KV pool: preallocated blocks on the device, a block table, and rows handed out by lease.
 
-Why slots (gpt-fast's static cache, per-row lengths) and not pages: a slot is one request's
-whole context, so a request's prefix of one layer is a plain strided view that every
-transport can land into (one device-local copy per layer, as it arrives), and the step reads
-row b's K/V at `slots[b]` with no block table. The price is capacity: every slot reserves
-`--max-seq-len` tokens, so the pool holds `--max-batch` requests of any length up to that.
+Two limits, kept apart: rows (`slots`, --max-batch) bound how many requests run at once; blocks bound the memory.
+A row is a request's place in the step (its row of the block table, what the kernels index by); its blocks hold
+its K/V, `page` positions each: row r's position n is block table[r, n // page] at offset n % page
+(kernels/triton_paging.py reads it so). A lease takes a free row and the blocks its tokens need (admission reserves
+the prompt plus its answer limit up front), and gives both back when its last holder lets go.
 
-A slot is leased, not owned: the request holds it until it ends, and the receive loop holds it
-while a frame is landing in it, so a request that gives up while its cache is still arriving
-never lets a second request's cache be written over by the late frame.
+The slot layout is the case page == max_seq (the default): one block of the whole context per row, row r owning
+block r for good, so `kv[:, :, r]` is row r's cache and `views` hands transports strided views of it. Paged
+(page < max_seq), a row's positions are spread over blocks anywhere in the pool: `read`/`write` (token-major, the
+host tier's layout), `read_layer`/`write_layer` (one layer, the transports' and prefill's layout) gather and
+scatter them, one indexed copy each, and `copy_prefix` copies whole blocks from row to row.
 
-With a prefix cache (prefix_cache.py, the pool's `keeper`), a slot let go with `lease.keep` set (the tokens
-whose KV it holds) stays cached instead of free, and a lease taken when no slot is free takes back the least
-recently used cached one. `used()` counts leased slots only; cached ones are as good as free.
+A lease is held, not owned: the request holds it until it ends, and the receive loop holds it while a frame is
+landing in its blocks, so a request that gives up while its cache is still arriving never lets a second request's
+cache be written over by the late frame.
 
-Layout, one tensor: (layers, 2, slots + 1, kv_heads, max_seq, head_dim). The extra last slot is
-scratch: rows that pad a batch up to its CUDA-graph bucket point there.
+With a prefix cache (prefix_cache.py, the pool's `keeper`), a row let go with `lease.keep` set (the tokens whose KV
+it holds) stays cached with its blocks instead of free, and a lease that finds no free row, or too few free blocks,
+takes back the least recently used cached rows. `used()` counts leased rows only; cached ones are as good as free.
+Blocks freed by taking back a cached row may still be read by a copy on the cache's copy stream (to the host tier,
+or into another row): `fence` is an event after those copies, and every lease that takes blocks while it has not
+fired carries it as `ready` (its holder waits for it before writing).
+
+Layout, one tensor: (layers, 2, blocks + 1, kv_heads, page, head_dim). The extra last block is scratch: rows that
+pad a batch up to its CUDA-graph bucket (the scratch row, `scratch`) and table entries past a row's blocks name it.
 """
 
 from __future__ import annotations
@@ -31,18 +40,18 @@ log = logging.getLogger("kvtransfer.decode.pool")
 
 
 class PoolFull(Exception):
-    """No free slot (the caller decides how long to wait)."""
+    """No free row, or too few free blocks (the caller decides how long to wait)."""
 
 
 class Lease:
-    """One slot, released when its last holder lets go."""
+    """One row and its blocks, released when the last holder lets go."""
 
-    def __init__(self, pool: "KVPool", slot: int):
-        self.pool, self.slot, self._holders = pool, slot, 1
-        self.keep = None  # (n,) token ids whose KV the slot holds at positions 0..n - 1: cached when let go
-        self.ready = None  # torch.cuda.Event: copies into (or out of) the slot queued on a copy stream; wait for it
-        # before writing the slot (None: nothing queued)
-        self.reuse = None  # prefix_cache.Reuse: the prompt's prefix already in the slot once `ready` fired
+    def __init__(self, pool: "KVPool", slot: int, blocks: list[int]):
+        self.pool, self.slot, self.blocks, self._holders = pool, slot, blocks, 1
+        self.keep = None  # (n,) token ids whose KV the row holds at positions 0..n - 1: cached when let go
+        self.ready = None  # torch.cuda.Event: copies into (or out of) the row's blocks queued on a copy stream; wait
+        # for it before writing them (None: nothing queued)
+        self.reuse = None  # prefix_cache.Reuse: the prompt's prefix already in the row once `ready` fired
 
     def hold(self) -> None:
         with self.pool._lock:
@@ -57,60 +66,126 @@ class Lease:
             self._holders -= 1
             if self._holders:
                 return
-            if self.ready is not None:  # a copy into the slot may still read its source (rare: a request that
+            if self.ready is not None:  # a copy into the row may still read its source (rare: a request that
                 self.ready.synchronize()  # gave up before waiting for it)
             keeper = self.pool.keeper
             if keeper is None or self.keep is None or not keeper.keep(self.slot, self.keep):
-                self.pool._free.append(self.slot)
+                self.pool._free_row_locked(self.slot)
             listeners = list(self.pool._listeners)
-        for wake in listeners:  # outside the lock: a listener may take a slot
+        for wake in listeners:  # outside the lock: a listener may take a row
             wake()
 
 
 class KVPool:
-    def __init__(self, geometry: CacheGeometry, device: torch.device, slots: int, max_seq: int):
+    def __init__(self, geometry: CacheGeometry, device: torch.device, slots: int, max_seq: int, page: int = 0,
+                 blocks: int = 0):
         if slots < 1 or max_seq < 2:
             raise ValueError(f"KV pool needs >= 1 slot of >= 2 tokens (got --max-batch {slots}, --max-seq-len {max_seq})")
-        self.geometry, self.device, self.slots, self.max_seq = geometry, device, slots, max_seq
+        page = page or max_seq
+        if page < 1 or page > max_seq:
+            raise ValueError(f"a KV block of {page} tokens does not fit a context of --max-seq-len {max_seq}")
+        self.geometry, self.device, self.slots, self.max_seq, self.page = geometry, device, slots, max_seq, page
+        self.width = -(-max_seq // page)  # blocks a row can hold
+        self.fixed = self.width == 1 and not blocks  # the slot layout: row r owns block r
+        self.blocks = slots if self.fixed else (blocks or slots * self.width)
+        if self.blocks < 1:
+            raise ValueError(f"KV pool needs >= 1 block (got {blocks})")
         g = geometry
-        # (layers, 2, slots + 1, kv_heads, max_seq, head_dim); zeros: masked kernels never see NaN garbage
-        self.kv = torch.zeros((g.num_layers, 2, slots + 1, g.kv_heads, max_seq, g.head_dim), dtype=g.dtype,
+        # (layers, 2, blocks + 1, kv_heads, page, head_dim); zeros: masked kernels never see NaN garbage
+        self.kv = torch.zeros((g.num_layers, 2, self.blocks + 1, g.kv_heads, page, g.head_dim), dtype=g.dtype,
                               device=device)
-        self.scratch = slots
-        # The block table every step's kernels read (kernels/triton_paging.py), (slots + 1, 1) int32 on the device:
-        # slot s is block s here, one block of the whole context, the scratch slot's row names the scratch block.
-        self.page = max_seq  # positions per block
-        self.table = torch.arange(slots + 1, dtype=torch.int32, device=device).view(slots + 1, 1)
+        self.scratch = slots  # the padding rows' row; its table row names only the scratch block
+        self.null = self.blocks  # the scratch block
+        # The block table every step's kernels read in place, (slots + 1, width) int32 on the device, and its host copy
+        self._rows: list[list[int]] = [[r] if self.fixed else [] for r in range(slots)]
+        self.table = torch.full((slots + 1, self.width), self.null, dtype=torch.int32, device=device)
+        if self.fixed:
+            self.table[:slots, 0] = torch.arange(slots, dtype=torch.int32, device=device)
         self._lock = threading.Lock()
-        self._free = list(range(slots - 1, -1, -1))  # pop() hands out slot 0 first
-        self._listeners: set = set()  # called (on the releasing thread) each time a slot is freed
+        self._free = list(range(slots - 1, -1, -1))  # pop() hands out row 0 first
+        self._free_blocks = [] if self.fixed else list(range(self.blocks - 1, -1, -1))
+        self._listeners: set = set()  # called (on the releasing thread) each time a row is freed
         self.keeper = None  # the prefix cache, when there is one (it sets itself here)
-        log.info("KV pool: %d slots x %d tokens x %d B/token = %.2f GiB on %s (+1 scratch slot)", slots, max_seq,
-                 g.bytes_per_token, self.capacity_bytes / 2**30, device)
+        self.fence = None  # torch.cuda.Event after copies still reading freed blocks (see the module docstring)
+        log.info("KV pool: %d rows, %d blocks x %d tokens x %d B/token = %.2f GiB on %s (+1 scratch block)", slots,
+                 self.blocks, page, g.bytes_per_token, self.capacity_bytes / 2**30, device)
 
     @property
     def capacity_bytes(self) -> int:
-        return self.slots * self.max_seq * self.geometry.bytes_per_token
+        return self.blocks * self.page * self.geometry.bytes_per_token
+
+    def blocks_for(self, tokens: int) -> int:
+        return 1 if self.fixed else -(-max(1, tokens) // self.page)
 
     def used(self) -> int:
-        """Slots leased to requests (cached slots are not)."""
+        """Rows leased to requests (cached rows are not)."""
         with self._lock:
             return self.slots - len(self._free) - (self.keeper.cached_slots_locked() if self.keeper else 0)
 
-    def try_lease(self) -> Lease:
-        """A free slot, else (with a prefix cache) a cached one taken back; raises PoolFull."""
+    def free_blocks(self) -> int:
+        """Blocks held by no row (cached rows' blocks are not free, though they are taken back on demand)."""
+        with self._lock:
+            return len(self._free) if self.fixed else len(self._free_blocks)
+
+    def try_lease(self, tokens: int | None = None) -> Lease:
+        """A free row with blocks for `tokens` positions (None: a whole context), else (with a prefix cache) cached
+        rows taken back for them; raises PoolFull."""
+        need = self.blocks_for(self.max_seq if tokens is None else min(tokens, self.max_seq))
         with self._lock:
             if self.keeper is not None:
                 slot, ready = self.keeper.take_slot()
-                lease = Lease(self, slot)
+                try:
+                    ready = self.grow_locked(slot, need) or ready
+                except PoolFull:
+                    self._free_row_locked(slot)
+                    raise
+                lease = Lease(self, slot, self._rows[slot])
                 lease.ready = ready
                 return lease
-            if not self._free:
+            if not self._free or (not self.fixed and len(self._free_blocks) < need):
                 raise PoolFull()
-            return Lease(self, self._free.pop())
+            slot = self._free.pop()
+            self.grow_locked(slot, need)
+            return Lease(self, slot, self._rows[slot])
+
+    def grow_locked(self, slot: int, need: int):
+        """Row `slot` holds at least `need` blocks after this (free ones, else cached rows' taken back through the
+        keeper); returns the event its writer must wait for (None: none). Raises PoolFull, the row unchanged."""
+        have = self._rows[slot]
+        more = need - len(have)
+        if self.fixed or more <= 0:
+            return None
+        if len(self._free_blocks) < more and self.keeper is not None:
+            self.keeper.free_blocks_locked(more)
+        if len(self._free_blocks) < more:
+            raise PoolFull()
+        new = [self._free_blocks.pop() for _ in range(more)]
+        have.extend(new)
+        self.table[slot, len(have) - more:len(have)] = torch.tensor(new, dtype=torch.int32).to(self.device)
+        fence = self.fence
+        return fence if fence is not None and not fence.query() else None
+
+    def trim_locked(self, slot: int, tokens: int) -> None:
+        """Row `slot` keeps only the blocks of its first `tokens` positions (a row going into the prefix cache gives
+        back what its answer limit reserved and never filled)."""
+        keep = self.blocks_for(tokens)
+        rows = self._rows[slot]
+        if self.fixed or len(rows) <= keep:
+            return
+        self._free_blocks.extend(reversed(rows[keep:]))
+        del rows[keep:]
+        self.table[slot, keep:].fill_(self.null)
+
+    def _free_row_locked(self, slot: int) -> None:
+        """Row `slot` and its blocks back to the free lists (a cached row taken back, or a lease let go)."""
+        if not self.fixed:
+            self._free_blocks.extend(reversed(self._rows[slot]))
+            self._rows[slot] = []
+            self.table[slot].fill_(self.null)
+        self._free.append(slot)
 
     def subscribe(self, wake) -> None:
-        """Call `wake()` (no arguments, must not block) on whichever thread frees a slot, until unsubscribed."""
+        """Call `wake()` (no arguments, must not block) on whichever thread frees a row, until unsubscribed."""
         with self._lock:
             self._listeners.add(wake)
 
@@ -119,13 +194,83 @@ class KVPool:
             self._listeners.discard(wake)
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer i's K and V pools, each (slots + 1, kv_heads, max_seq, head_dim)."""
+        """Layer i's K and V pools, each (blocks + 1, kv_heads, page, head_dim)."""
         return self.kv[i, 0], self.kv[i, 1]
 
+    def row_blocks(self, slot: int) -> list[int]:
+        return self._rows[slot]
+
     def views(self, slot: int, seq_len: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer (k, v) over `slot`'s first `seq_len` positions, each (1, kv_heads, seq_len, head_dim): where a
-        transport or a local prefill lands a cache. Strided views into the pool, not copies."""
+        """Per layer (k, v) over `slot`'s first `seq_len` positions, each (1, kv_heads, seq_len, head_dim): strided
+        views into the pool, not copies. The slot layout only (or positions inside one block): paged, use
+        read_layer / write_layer."""
         if not 0 < seq_len <= self.max_seq:
             raise ValueError(f"{seq_len} tokens do not fit a slot of --max-seq-len {self.max_seq}")
-        s = self.kv[:, :, slot:slot + 1, :, :seq_len]  # (layers, 2, 1, kv_heads, seq, head_dim)
+        if seq_len > self.page:
+            raise ValueError(f"{seq_len} positions span several {self.page}-token blocks: not one view")
+        b = self._rows[slot][0]
+        s = self.kv[:, :, b:b + 1, :, :seq_len]  # (layers, 2, 1, kv_heads, seq, head_dim)
         return [(s[i, 0], s[i, 1]) for i in range(self.geometry.num_layers)]
+
+    # --- gathers and scatters of a row's positions (the paged layout's copies; views in the slot layout) ---
+
+    def _index(self, slot: int, p0: int, p1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(blocks, offsets), each (p1 - p0,) int64 on the device: where positions p0..p1 - 1 of `slot` live."""
+        pos = torch.arange(p0, p1)
+        rows = self._rows[slot]
+        if len(rows) * self.page < p1:
+            raise ValueError(f"slot {slot} holds {len(rows) * self.page} positions, not {p1}")
+        blocks = torch.tensor(rows, dtype=torch.long)[pos // self.page]
+        return blocks.to(self.device), (pos % self.page).to(self.device)
+
+    def read(self, slot: int, p0: int, p1: int) -> torch.Tensor:
+        """Positions p0..p1 - 1 of every layer, token-major: (p1 - p0, layers, 2, kv_heads, head_dim) (a view in the
+        slot layout, a gathered copy paged)."""
+        if self.fixed:
+            return self.kv[:, :, slot, :, p0:p1].permute(3, 0, 1, 2, 4)
+        blocks, offs = self._index(slot, p0, p1)
+        return self.kv[:, :, blocks, :, offs]  # advanced indices on dims 2 and 4: (n, layers, 2, kv_heads, head_dim)
+
+    def write(self, slot: int, p0: int, data: torch.Tensor) -> None:
+        """data (n, layers, 2, kv_heads, head_dim) into positions p0..p0 + n - 1 of every layer."""
+        p1 = p0 + data.shape[0]
+        if self.fixed:
+            self.kv[:, :, slot, :, p0:p1].copy_(data.permute(1, 2, 3, 0, 4))
+            return
+        blocks, offs = self._index(slot, p0, p1)
+        self.kv[:, :, blocks, :, offs] = data
+
+    def read_layer(self, slot: int, i: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's positions 0..n - 1 of `slot`: (k, v), each (1, kv_heads, n, head_dim)."""
+        if self.fixed:
+            b = self._rows[slot][0]
+            return self.kv[i, 0, b:b + 1, :, :n], self.kv[i, 1, b:b + 1, :, :n]
+        blocks, offs = self._index(slot, 0, n)
+        kv = self.kv[i][:, blocks, :, offs]  # (n, 2, kv_heads, head_dim)
+        return kv[:, 0].transpose(0, 1)[None], kv[:, 1].transpose(0, 1)[None]
+
+    def layers_of(self, slot: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's (k, v) over `slot`'s positions 0..n - 1, each (1, kv_heads, n, head_dim) (read_layer)."""
+        return [self.read_layer(slot, i, n) for i in range(self.geometry.num_layers)]
+
+    def write_layer(self, slot: int, i: int, p0: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v (1, kv_heads, n, head_dim) into layer i's positions p0..p0 + n - 1 of `slot`: one scatter each."""
+        n = k.shape[2]
+        if self.fixed:
+            b = self._rows[slot][0]
+            self.kv[i, 0, b, :, p0:p0 + n].copy_(k[0])
+            self.kv[i, 1, b, :, p0:p0 + n].copy_(v[0])
+            return
+        blocks, offs = self._index(slot, p0, p0 + n)
+        self.kv[i, 0][blocks, :, offs] = k[0].transpose(0, 1)  # (n, kv_heads, head_dim)
+        self.kv[i, 1][blocks, :, offs] = v[0].transpose(0, 1)
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Row src's first n positions into row dst (whole blocks: one indexed copy; the slot layout: one copy)."""
+        if self.fixed:
+            self.kv[:, :, dst, :, :n].copy_(self.kv[:, :, src, :, :n])
+            return
+        k = self.blocks_for(n)
+        to = torch.tensor(self._rows[dst][:k], dtype=torch.long).to(self.device)
+        frm = torch.tensor(self._rows[src][:k], dtype=torch.long).to(self.device)
+        self.kv[:, :, to] = self.kv[:, :, frm]

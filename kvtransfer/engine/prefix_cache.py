@@ -98,20 +98,44 @@ class PrefixCache:
 
     def keep(self, slot: int, tokens: np.ndarray) -> bool:
         """A released slot's KV covers `tokens`: cache it (False: too short to match, the slot is freed)."""
-        return self.index.add((DEVICE, slot), tokens) is not None
+        if self.index.add((DEVICE, slot), tokens) is None:
+            return False
+        self.pool.trim_locked(slot, len(tokens))  # paged: the blocks its answer limit reserved and did not fill
+        return True
 
     def take_slot(self) -> tuple[int, torch.cuda.Event | None]:
-        """A slot for a new lease: a free one, else the least recently used cached one (its context copied to the
-        host tier first, when there is one: the event follows that copy). Raises PoolFull."""
+        """A row for a new lease: a free one, else the least recently used cached one (its context copied to the
+        host tier first, when there is one: the event follows that copy). Paged, a row taken back gives its blocks
+        back to the pool first (the pool's fence follows the copies that may still read them). Raises PoolFull."""
         if self.pool._free:
             return self.pool._free.pop(), None
         e = self.index.oldest(lambda e: e.where[0] == DEVICE)
         if e is None:
             raise PoolFull()
+        ready = self._evict(e)
+        if not self.pool.fixed:
+            return self.pool._free.pop(), None
+        return e.where[1], ready
+
+    def free_blocks_locked(self, want: int) -> None:
+        """Paged: take back least recently used cached rows until `want` blocks are free, or none is left."""
+        while len(self.pool._free_blocks) < want:
+            e = self.index.oldest(lambda e: e.where[0] == DEVICE)
+            if e is None:
+                return
+            self._evict(e)
+
+    def _evict(self, e: Entry) -> torch.cuda.Event | None:
+        """A cached row taken back: stored to the host tier first when there is one; paged, its row and blocks go
+        back to the pool, fenced after every copy queued so far. Returns the event its next writer waits for."""
         self.index.remove(e.where)
         self.stats.evicted_device += 1
         slot = e.where[1]
-        return slot, self._store(slot, e.tokens) or self._mark()
+        ready = self._store(slot, e.tokens) or self._mark()
+        if not self.pool.fixed:
+            self.pool.fence = ready
+            self.pool._free_row_locked(slot)
+        return ready
 
     def _mark(self) -> torch.cuda.Event | None:
         """An event after every copy queued so far: a slot taken from the cache is written only after it, so a
@@ -134,7 +158,7 @@ class PrefixCache:
         self._host_entries[hid] = entry
         self.index.add((HOST, hid), tokens)
         self.stats.stored_bytes += len(tokens) * self.geometry.bytes_per_token
-        return self.host.store(self.pool.kv[:, :, slot], entry)
+        return self.host.store(lambda p0, p1: self.pool.read(slot, p0, p1), entry)
 
     def _drop_host(self, e: Entry) -> None:
         self.index.remove(e.where)
@@ -143,15 +167,17 @@ class PrefixCache:
 
     # --- requests (the server's thread) ---
 
-    def acquire(self, tokens, reuse: bool = True, max_suffix: int | None = None) -> Lease:
+    def acquire(self, tokens, reuse: bool = True, max_suffix: int | None = None, need: int | None = None) -> Lease:
         """A lease on a slot for the prompt `tokens`, with `lease.reuse` set when a cached prefix was taken (then
         only tokens[reuse.length:] need a prefill) and `lease.ready` when copies into the slot are queued.
-        `max_suffix`: take a prefix only when at most this many prompt tokens are left to prefill. Raises PoolFull."""
+        `max_suffix`: take a prefix only when at most this many prompt tokens are left to prefill. `need`: the
+        positions the request reserves (paged: its blocks; None: a whole context). Raises PoolFull."""
         arr = np.asarray(tokens, dtype=np.int64)
+        blocks = self.pool.blocks_for(self.pool.max_seq if need is None else min(need, self.pool.max_seq))
         with self.pool._lock:
             choice = self._choose(arr, max_suffix) if reuse else None
             if choice is None:
-                slot, ready = self.take_slot()
+                slot, ready = self._fresh(blocks)
                 return self._lease(slot, ready, None)
             m, n = choice
             e = m.entry
@@ -159,7 +185,7 @@ class PrefixCache:
                 if m.length < e.length:  # the entry holds more than the prompt shares: copy, keep it for others
                     e.pins += 1
                     try:
-                        slot, ready = self.take_slot()
+                        slot, ready = self._fresh(blocks)
                     except PoolFull:
                         slot = None
                     finally:
@@ -169,15 +195,20 @@ class PrefixCache:
                         self.index.touch(e.where)
                         ready = self._copy(src, slot, n, ready)
                         return self._lease(slot, ready, Reuse(DEVICE, n, "copied", n * self.geometry.bytes_per_token))
-                self.index.remove(e.where)  # claimed: its slot is the request's now (after copies reading it)
-                return self._lease(e.where[1], self._mark(), Reuse(DEVICE, n, "claimed", 0))
+                e.pins += 1  # claimed: its slot is the request's now (after copies reading it), grown to `need`
+                try:
+                    ready = self.pool.grow_locked(e.where[1], blocks)
+                finally:
+                    e.pins -= 1
+                self.index.remove(e.where)
+                return self._lease(e.where[1], self._mark() or ready, Reuse(DEVICE, n, "claimed", 0))
             e.pins += 1  # a host entry: not dropped while the slot is found
             try:
-                slot, ready = self.take_slot()
+                slot, ready = self._fresh(blocks)
             finally:
                 e.pins -= 1
             entry = self._host_entries[e.where[1]]
-            ready = self.host.load(entry, n, self.pool.kv[:, :, slot]) or ready
+            ready = self.host.load(entry, n, lambda p0, data: self.pool.write(slot, p0, data)) or ready
             if m.length >= e.length:  # moved back whole: the slot is its copy now (a page given back is only written
                 self._drop_host(e)  # by a later store, after this load on the one copy stream)
                 self.stats.evicted_host -= 1  # not an eviction
@@ -205,20 +236,30 @@ class PrefixCache:
             return m, n
         return None
 
+    def _fresh(self, blocks: int) -> tuple[int, torch.cuda.Event | None]:
+        """A row with `blocks` blocks for a new lease (take_slot, then its blocks); raises PoolFull."""
+        slot, ready = self.take_slot()
+        try:
+            return slot, self.pool.grow_locked(slot, blocks) or ready
+        except PoolFull:
+            self.pool._free_row_locked(slot)
+            raise
+
     def _copy(self, src: int, dst: int, n: int, after: torch.cuda.Event | None) -> torch.cuda.Event | None:
         """One device copy of slot src's first n positions into slot dst, on the copy stream (after any store
         queued out of dst)."""
-        kv = self.pool.kv  # (layers, 2, slots + 1, kv_heads, max_seq, head_dim)
         if self.stream is None:
-            kv[:, :, dst, :, :n].copy_(kv[:, :, src, :, :n])
+            self.pool.copy_prefix(src, dst, n)
             return None
         with torch.cuda.stream(self.stream):
-            kv[:, :, dst, :, :n].copy_(kv[:, :, src, :, :n])
+            if after is not None:
+                self.stream.wait_event(after)
+            self.pool.copy_prefix(src, dst, n)
             ev = torch.cuda.Event()
             ev.record(self.stream)
         return ev
 
     def _lease(self, slot: int, ready, reuse: Reuse | None) -> Lease:
-        lease = Lease(self.pool, slot)
+        lease = Lease(self.pool, slot, self.pool.row_blocks(slot))
         lease.ready, lease.reuse = ready, reuse
         return lease

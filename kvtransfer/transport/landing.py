@@ -8,14 +8,28 @@ layer as it arrives; and a destination that does not match the frame fails that 
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from kvtransfer.transport.base import Destination, DestinationProvider, TransferError, TransferHeader, fresh_destination
 from kvtransfer.transport.layout import contiguous_run, kv_block, kv_pair_view
 
 
-def check_destination(h: TransferHeader, device: torch.device, dest: Destination) -> list:
+class Landed:
+    """A destination that is no tensors but a hand-off: each layer, once received (into the backend's staging or a
+    block of its own), goes to `land(i, k, v)` exactly once, k and v (batch, kv_heads, seq, head_dim) on the
+    receiving device, ordered before the current stream's work. The decode server's paged pool lands so: one
+    scatter per layer into the request's blocks."""
+
+    def __init__(self, land: Callable[[int, torch.Tensor, torch.Tensor], None]):
+        self.land = land
+
+
+def check_destination(h: TransferHeader, device: torch.device, dest: Destination | Landed) -> list | Landed:
     """A provider's destination must hold exactly the header's layers, shapes and dtype, on `device`."""
+    if isinstance(dest, Landed):
+        return dest
     dest, device = list(dest), torch.device(device)
     if len(dest) != h.num_layers:
         raise TransferError("protocol", f"request {h.request_id}: destination has {len(dest)} layers, "
@@ -47,8 +61,14 @@ class Placement:
     staging: the backend already received into this block (gRPC on CPU): always copy from it.
     """
 
-    def __init__(self, h: TransferHeader, device: torch.device, dest: list | None, staging=None):
+    def __init__(self, h: TransferHeader, device: torch.device, dest: list | Landed | None, staging=None):
         self.dest = dest
+        self.landed = dest if isinstance(dest, Landed) else None
+        if self.landed is not None:  # received into staging (the backend's, or a block of its own), then handed off
+            self.direct, self.dest = False, None
+            self.block = staging if staging is not None else kv_block(h.num_layers, h.layer_shape(), h.dtype, device)
+            self._placed = [False] * h.num_layers
+            return
         run = None
         if dest is not None and staging is None:
             pairs = [kv_pair_view(k, v) for k, v in dest]
@@ -62,6 +82,9 @@ class Placement:
 
     def place(self, i: int) -> None:
         """Layer i is in `block[i]` (ordered before the current stream's work): copy it to its destination."""
+        if self.landed is not None and not self._placed[i]:
+            self.landed.land(i, self.block[i, 0], self.block[i, 1])
+            self._placed[i] = True
         if self._placed[i] or self.dest is None:
             return
         k, v = self.dest[i]
@@ -71,4 +94,4 @@ class Placement:
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         self.place(i)
-        return self.dest[i]
+        return self.dest[i] if self.dest is not None else (self.block[i, 0], self.block[i, 1])

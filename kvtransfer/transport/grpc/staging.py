@@ -136,4 +136,4 @@ class Landing:
         ev = self._events.get(i)
         if ev is not None:
             torch.cuda.current_stream(self.device).wait_event(ev)
-        return self.placement.dest[i]
+        return self.placement.layer(i)
