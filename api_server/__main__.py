@@ -53,7 +53,8 @@ def _prepare(config: ApiConfig):
     security = ClientSecurity(config.backend_tls_ca, config.backend_tls_cert, config.backend_tls_key,
                               resolve_token(config.backend_auth_token, config.backend_auth_token_file,
                                             "--backend-auth-token-file"))
-    codec = TextCodec.load(path) if (path := config.tokenizer_dir()) else None
+    codec = TextCodec.load(path, "--tokenizer" if config.tokenizer else "--model") \
+        if (path := config.tokenizer_dir()) else None
     if codec is None:
         log.warning("no tokenizer (--tokenizer DIR, or --model DIR): only token-id prompts are served")
     backend = Backend(config.backend, security, config.max_message_bytes, config.backend_keepalive_s,

@@ -26,10 +26,12 @@ from fastapi import FastAPI, Request
 from api_server import errors
 from api_server.backend import Backend
 from api_server.config import ApiConfig
-from api_server.errors import ApiError, bad_request
+from api_server.errors import ApiError
 from api_server.generation import Generation
 from api_server.metrics import ApiMetrics
-from api_server.params import Params, params, token_ids
+from api_server.limits import BodyLimit, check_message_size, check_prompt_tokens
+from api_server.params import Params, params
+from api_server.prompts import chat_prompt, completion_prompts, need_codec
 from api_server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -40,6 +42,7 @@ from api_server.protocol import (
 )
 from api_server.streams import collect_all, merge_pieces, sse, sse_response, usage_of
 from api_server.text import TextCodec
+from proto import kvtransfer_pb2 as pb
 
 DEFAULT_CHAT_MAX_TOKENS = 256  # chat without max_tokens, from a decode server that does not say its limits
 STRAY_MESSAGE_S = 0.1  # an ASGI server sending other messages than the disconnect is not read in a busy loop
@@ -57,6 +60,7 @@ def build_app(config: ApiConfig, backend: Backend, codec: TextCodec | None, metr
     app = FastAPI(title="kvtransfer OpenAI-compatible API", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
     errors.install(app)
+    app.add_middleware(BodyLimit, limit=config.max_body_bytes)
     started = int(time.time())
     front = Front(config, backend, codec, metrics)
 
@@ -139,45 +143,31 @@ class Front:
                            "model", "model_not_found")
         return name
 
-    def _need_codec(self, param: str, needs: str = "", instead: str = "send token ids") -> TextCodec:
-        if self.codec is None:
-            raise bad_request(f"{needs or param + ' as text needs'} a tokenizer, and this server has none: {instead}, "
-                              "or start kvtransfer-api with --tokenizer DIR (or --model DIR, a local model directory)",
-                              param, code="no_tokenizer")
-        return self.codec
-
-    def _prompts(self, prompt) -> list[list[int]]:
-        if isinstance(prompt, str):
-            return [self._need_codec("prompt").encode(prompt)]
-        if not prompt:
-            raise bad_request("prompt is empty: send text, token ids, or a list of either", "prompt")
-        if isinstance(prompt[0], int):
-            return [token_ids(prompt, "prompt", low=-(1 << 63))]
-        if isinstance(prompt[0], str):
-            codec = self._need_codec("prompt")
-            return [codec.encode(p) for p in prompt]
-        return [token_ids(p, "prompt", low=-(1 << 63)) for p in prompt]
-
-    def _messages(self, req: ChatCompletionRequest) -> list[dict]:
+    async def _requests(self, p: Params, prompts: list[list[int]], max_tokens: list[int],
+                        param: str) -> list[pb.GenerateRequest]:
+        """The GenerateRequests, each checked against the decode server's prompt limit (its Info) and the
+        channel's message limit; a prompt of more ids than the limit has bytes is never built (an id takes one
+        byte at least)."""
+        eos, limit = self.codec.eos_token_ids if self.codec else [], self.config.max_message_bytes
+        try:
+            most = (await self.backend.info()).max_prompt_tokens
+        except ApiError:  # not reachable: its Generate call will say so
+            most = 0
         out = []
-        for i, m in enumerate(req.messages):
-            content = m.content
-            if isinstance(content, list):
-                kinds = {part.get("type") for part in content} - {"text"}
-                if kinds:
-                    raise bad_request(f"messages[{i}].content: part type {min(map(str, kinds))!r} is not "
-                                      "supported (text only)", f"messages[{i}].content", code="unsupported_parameter")
-                content = "".join(str(part.get("text", "")) for part in content)
-            out.append({**m.model_dump(exclude_none=True), "content": content or ""})
+        for ids, n in zip(prompts, max_tokens):
+            check_prompt_tokens(len(ids), most, param)
+            request = p.request(ids, n, eos) if len(ids) <= limit else None
+            check_message_size(len(ids), None if request is None else request.ByteSize(), limit, param)
+            out.append(request)
         return out
 
     async def _start(self, p: Params, prompts: list[list[int]], max_tokens: list[int], endpoint: str,
-                     t0: float) -> list[Generation]:
+                     t0: float, param: str = "prompt") -> list[Generation]:
         """Every generation started (its first token in); the first refusal cancels the others at once, so it
         is answered without waiting for their prefill."""
-        eos = self.codec.eos_token_ids if self.codec else []
-        gens = [Generation(self.backend, p.request(ids, n, eos), self.codec.detokenizer(ids) if self.codec else None,
-                           p.stop, self.metrics, endpoint, t0) for ids, n in zip(prompts, max_tokens)]
+        requests = await self._requests(p, prompts, max_tokens, param)
+        gens = [Generation(self.backend, r, self.codec.detokenizer(ids) if self.codec else None, p.stop,
+                           self.metrics, endpoint, t0) for r, ids in zip(requests, prompts)]
         tasks = [asyncio.ensure_future(g.start()) for g in gens]
         for t in tasks:  # an error a cancelled start still ends with is nobody's to hear
             t.add_done_callback(lambda t: t.cancelled() or t.exception())
@@ -199,8 +189,8 @@ class Front:
         p = params(req)
         name = await self._check_model(req.model)
         if p.stop:  # matched on the generated text, which is empty without a tokenizer: they would never stop it
-            self._need_codec("stop", "stop strings need", "use stop_token_ids")
-        prompts = self._prompts(req.prompt)
+            need_codec(self.codec, "stop", "stop strings need", "use stop_token_ids")
+        prompts = await completion_prompts(self.codec, req.prompt, self.config.max_prompts_per_request)
         max_tokens = [p.max_tokens or await self._fill(len(ids)) for ids in prompts]  # null: as chat's default
         gens = await self._start(p, prompts, max_tokens, "/v1/completions", t0)
         rid, created, ids = f"cmpl-{uuid.uuid4().hex}", int(time.time()), req.return_token_ids or self.codec is None
@@ -224,13 +214,9 @@ class Front:
         t0 = time.perf_counter()
         p = params(req)
         name = await self._check_model(req.model)
-        codec = self._need_codec("messages")
-        try:
-            prompt = codec.chat(self._messages(req))
-        except ValueError as e:
-            raise bad_request(str(e), "messages") from None
+        prompt = await chat_prompt(self.codec, req)
         max_tokens = p.max_tokens or await self._fill(len(prompt))
-        gens = await self._start(p, [prompt], [max_tokens], "/v1/chat/completions", t0)
+        gens = await self._start(p, [prompt], [max_tokens], "/v1/chat/completions", t0, "messages")
         rid, created, ids = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), req.return_token_ids
         if not req.stream:
             piece = (await collect_all(gens))[0]

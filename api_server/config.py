@@ -17,6 +17,9 @@ from kvtransfer.rpc.limits import CONTROL_MESSAGE_LIMIT
 from kvtransfer.rpc.metrics import check_metrics_flags
 from kvtransfer.rpc.security import check_tls_flags, check_token_flags
 
+MAX_BODY_BYTES = 4 << 20  # a 128k-token prompt is about 1 MiB as JSON token ids, 0.5 MiB as text
+MAX_PROMPTS = 64  # OpenAI's batch form is for a handful; each prompt is a Generate call, all sent at once
+
 
 @dataclass(frozen=True)
 class ApiConfig:
@@ -34,7 +37,13 @@ class ApiConfig:
                                       "fail UNAVAILABLE (503) instead of hanging")
     health_timeout_s: float = flag(2.0, "GET /health: wait this long for the decode server's health answer, s")
     shutdown_grace_s: float = flag(20.0, "on SIGTERM/SIGINT: time requests in flight get to finish, s")
-    max_message_bytes: int = flag(CONTROL_MESSAGE_LIMIT, "gRPC send/receive limit to the decode server")
+    max_message_bytes: int = flag(CONTROL_MESSAGE_LIMIT, "gRPC send/receive limit to the decode server; a prompt "
+                                  "whose request is larger is refused 400")
+    max_body_bytes: int = flag(MAX_BODY_BYTES, "largest HTTP request body, bytes; larger: 413, refused before it is "
+                               "read")
+    max_prompts_per_request: int = flag(MAX_PROMPTS, "most prompts in one /v1/completions body, each one Generate "
+                                        "call, all at once (keep it within the decode server's --max-inflight "
+                                        "when that is set); more: 400")
     tls_cert: str = flag("", "HTTP front: PEM certificate chain, serve HTTPS")
     tls_key: str = flag("", "HTTP front: PEM private key of --tls-cert")
     tls_ca: str = flag("", "HTTP front: require client certificates signed by this CA (mTLS)")
@@ -53,7 +62,8 @@ class ApiConfig:
     def __post_init__(self):
         check_address("--listen", self.listen)
         check_address("--backend", self.backend, allow_port_zero=False)
-        check_positive(self, "request_timeout_s", "backend_keepalive_s", "health_timeout_s")
+        check_positive(self, "request_timeout_s", "backend_keepalive_s", "health_timeout_s", "max_body_bytes",
+                       "max_prompts_per_request")
         if self.max_message_bytes < 1 or self.shutdown_grace_s < 0:
             raise ValueError("--max-message-bytes must be >= 1 and --shutdown-grace-s >= 0")
         if self.tokenizer and not os.path.isdir(self.tokenizer):

@@ -5,6 +5,12 @@ on the HTTP code whether to retry (429, 503) or give up (400). The decode server
 a gRPC status and a message that says what to fix (docs/errors.md); the front only translates the code, keeps the
 message and names the status in `code`. FastAPI's own 422 for a body it cannot parse, and Starlette's 404/405,
 are answered the same way, so a client sees one shape whatever refused it.
+
+Why two gRPC failures are told apart from the table: a request larger than a gRPC message limit (this front's
+or the decode server's) comes back RESOURCE_EXHAUSTED, which the table makes a 429 that no retry can fix, so it
+is a 400 saying which limit; and a call that fails after its first token (the connection to the decode server
+lost, or the server ending it) says that its stream ended mid-answer, not gRPC's transport text ("Stream
+removed (Socket closed)") alone.
 """
 
 from __future__ import annotations
@@ -34,8 +40,14 @@ HTTP_OF_GRPC = {
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
 
+TOO_LARGE = "message larger than max"  # gRPC's own words: "CLIENT: Sent message larger than max (N vs. M)",
+# or from the server, "Received message larger than max (N vs. M)"
+TRANSPORT_TEXTS = ("Socket closed", "Stream removed", "Connection reset", "Broken pipe", "GOAWAY",
+                   "keepalive watchdog timeout", "Connection refused")  # gRPC core's, never the decode server's
+
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "invalid_request_error", 405: "invalid_request_error", 429: "rate_limit_error",
+               404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error",
+               429: "rate_limit_error",
                499: "request_cancelled"}  # 499: the client hung up before its answer (nobody reads it; counted)
 
 
@@ -51,7 +63,15 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return ErrorResponse(self.body(), status_code=self.status)
+
+
+class ErrorResponse(JSONResponse):
+    """JSON as ASCII: a message quoting the client's own text (a model name holding a lone surrogate) is still a
+    body UTF-8 can carry, where Starlette's `ensure_ascii=False` would fail to encode it (a 500)."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode()
 
 
 def bad_request(message: str, param: str | None = None, code: str = "invalid_request") -> ApiError:
@@ -63,15 +83,27 @@ def internal(exc: Exception) -> ApiError:
     return ApiError(500, f"internal error in the API front: {type(exc).__name__}: {exc}", code="internal_error")
 
 
-def from_rpc(e: grpc.aio.AioRpcError, backend: str) -> ApiError:
-    """The decode server's status as this front's error: its message kept, its status name as `code`."""
-    status = HTTP_OF_GRPC.get(e.code(), 500)
+def from_rpc(e: grpc.aio.AioRpcError, backend: str, tokens: int = 0) -> ApiError:
+    """The decode server's status as this front's error: its message kept, its status name as `code`. `tokens`:
+    how many the call had sent before it failed (0: it failed before its first token)."""
+    status, code = HTTP_OF_GRPC.get(e.code(), 500), e.code().name
     message = e.details() or e.code().name
-    if e.code() == grpc.StatusCode.UNAVAILABLE and "failed to connect" in message:
+    if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and TOO_LARGE in message:  # a retry sends the same bytes
+        limit = "this front's gRPC message limit (--max-message-bytes)" if message.startswith("CLIENT:") else \
+            f"the gRPC message limit of the decode server at {backend} (its --max-message-bytes)"
+        return bad_request(f"the request is larger than {limit}: {message}; send a shorter prompt",
+                           code="prompt_too_large")
+    if tokens:
+        if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL) and \
+                any(t in message for t in TRANSPORT_TEXTS):
+            status, code = 503, "backend_connection_lost"
+            message = f"the connection to the decode server at {backend} was lost ({message}); retry the request"
+        message = f"the decode worker's stream ended after {tokens} tokens, before the answer was complete: {message}"
+    elif e.code() == grpc.StatusCode.UNAVAILABLE and "failed to connect" in message:
         message = f"the decode server at {backend} is unreachable (--backend): {message}"
     elif e.code() == grpc.StatusCode.UNAUTHENTICATED:  # the front's own credentials, not the client's API key
         message = f"the decode server refused this front's credentials (--backend-auth-token*): {message}"
-    return ApiError(status, message, code=e.code().name)
+    return ApiError(status, message, code=code)
 
 
 def _loc(error: dict) -> list[str]:
@@ -97,6 +129,15 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return f"{'.'.join(loc)}: {first.get('msg', 'invalid')}", field
 
 
+def _unparsable(cause: BaseException) -> str:
+    if isinstance(cause, UnicodeDecodeError):
+        return (f"the request body is not UTF-8 text (byte {cause.start}: {cause.reason}); send JSON encoded as "
+                "UTF-8")
+    if isinstance(cause, RecursionError):
+        return "the request body nests arrays or objects too deeply to parse; send a flat JSON object"
+    return f"the request body cannot be parsed as JSON ({type(cause).__name__}: {cause}); send a JSON object"
+
+
 def install(app: FastAPI) -> None:
     """Route every refusal through one shape."""
 
@@ -115,7 +156,9 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def _http(_request: Request, exc: HTTPException):
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        if exc.status_code == 400:  # FastAPI's "There was an error parsing the body": say why
+            return bad_request(_unparsable(exc.__cause__) if exc.__cause__ else str(exc.detail)).response()
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
         return ApiError(exc.status_code, str(exc.detail), code=code).response()
 
     @app.exception_handler(Exception)

@@ -56,7 +56,7 @@ class Generation:
         try:
             msg = await self._call.read()
         except grpc.aio.AioRpcError as e:
-            raise from_rpc(e, self.backend.address) from None
+            raise from_rpc(e, self.backend.address, self.completion_tokens) from None
         if msg is grpc.aio.EOF:
             return None
         now = time.perf_counter()

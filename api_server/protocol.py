@@ -3,9 +3,11 @@ ignore_eos, return_token_ids).
 
 Why every refused field is declared here instead of left unknown: a client that asks for `n=2` or `logprobs`
 must hear that this server does not do it (400 naming the field, api_server/params.py), not get one plain answer
-as if it had. Fields no field here names are ignored, as vLLM ignores them. Token ids are strict integers, so a
-prompt of strings is never read as ids. Responses are plain dicts built here: a stream of 32 requests sends one
-chunk per token each, and the front's event loop has better things to do than validate its own output.
+as if it had. Fields no field here names are ignored, as vLLM ignores them. Every field is strict (pydantic's
+strict mode: an int is a number, nothing else is coerced): `"max_tokens": "8"` or `"stream": "yes"` is a client
+bug to be told about (400 naming the field), not a guess to act on, and a prompt of strings is never read as ids.
+Responses are plain dicts built here: a stream of 32 requests sends one chunk per token each, and the front's
+event loop has better things to do than validate its own output.
 """
 
 from __future__ import annotations
@@ -16,14 +18,14 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     include_usage: bool | None = False
 
 
 class _Sampled(BaseModel):
     """The fields both endpoints share."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     model: str | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -53,9 +55,9 @@ class CompletionRequest(_Sampled):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # name, tool_call_id ...: passed to the chat template as given
+    model_config = ConfigDict(extra="allow", strict=True)  # name, tool_call_id ...: to the chat template as given
     role: str
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[dict[str, Any]]  # required, as OpenAI's: a message without it is a client's bug
 
 
 class ChatCompletionRequest(_Sampled):

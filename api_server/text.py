@@ -15,9 +15,11 @@ nothing. Only local directories are read (`local_files_only`): nothing is downlo
 from __future__ import annotations
 
 import logging
+import os
 
 log = logging.getLogger("kvtransfer.api")
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")  # a tokenizer's
 PREFIX_IDS = 6  # prompt ids that seed a Detokenizer (enough context for any merge at the boundary)
 
 
@@ -76,17 +78,21 @@ class TextCodec:
         self.eos_token_ids = [eos] if isinstance(eos, int) else []
 
     @classmethod
-    def load(cls, path: str) -> TextCodec:
-        """Raises ValueError naming the directory when it holds no fast tokenizer."""
+    def load(cls, path: str, flag: str = "--tokenizer") -> TextCodec:
+        """Raises ValueError, one line naming the flag and the directory, when it holds no fast tokenizer (the
+        library's own message runs over several lines: it is joined into this one)."""
         from transformers import AutoTokenizer
 
         try:
             tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        except (OSError, ValueError, KeyError) as e:
-            raise ValueError(f"--tokenizer {path!r}: cannot load a tokenizer from it ({type(e).__name__}: {e})") \
-                from None
+        except (OSError, ValueError, KeyError, ImportError) as e:
+            if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+                why = f"it has none of {', '.join(TOKENIZER_FILES)}: name a local tokenizer or model directory"
+            else:
+                why = f"{type(e).__name__}: {' '.join(str(e).split())}"
+            raise ValueError(f"{flag} {path!r}: cannot load a tokenizer from it ({why})") from None
         if getattr(tok, "backend_tokenizer", None) is None:
-            raise ValueError(f"--tokenizer {path!r}: {type(tok).__name__} is not a fast tokenizer (tokenizer.json); "
+            raise ValueError(f"{flag} {path!r}: {type(tok).__name__} is not a fast tokenizer (tokenizer.json); "
                              "streaming detokenization needs one")
         return cls(tok, path)
 
