@@ -14,7 +14,7 @@ from kvtransfer.model.loaded import resolve_dtype
 from kvtransfer.model.spec import ModelSpec
 from kvtransfer.rpc.configargs import LOG_LEVELS, check_choices, flag, one_line
 from kvtransfer.rpc.flagchecks import check_address, check_device, check_dist_init, check_positive
-from kvtransfer.rpc.limits import CONTROL_MESSAGE_LIMIT, check_message_limit
+from kvtransfer.rpc.limits import CONTROL_MESSAGE_LIMIT, MAX_WAITING, check_message_limit
 from kvtransfer.rpc.metrics import check_metrics_flags
 from kvtransfer.rpc.security import check_tls_flags, check_token_flags
 from kvtransfer.transport.registry import options_from
@@ -47,7 +47,10 @@ class DecodeConfig:
                           "or file:///PATH; with several --prefill-addr, one each, comma-separated, in their order")
     max_prompt_tokens: int = flag(32768, "longest prompt accepted; longer: INVALID_ARGUMENT")
     max_new_tokens: int = flag(4096, "most tokens one request may ask for")
-    max_inflight: int = flag(64, "requests admitted at once; beyond it: RESOURCE_EXHAUSTED at once")
+    max_inflight: int = flag(0, "requests in the server at once, waiting ones included; beyond it: "
+                             "RESOURCE_EXHAUSTED at once (0: no cap; --max-waiting bounds the queue)")
+    max_waiting: int = flag(MAX_WAITING, "requests that may wait for KV memory, admitted in arrival order, each as "
+                            "long as its deadline allows; beyond it: RESOURCE_EXHAUSTED at once (0: none waits)")
     max_batch: int = flag(0, "KV pool slots: requests decoded together (more wait for a slot); 0: as many slots of "
                           "--max-seq-len as the pool holds (at most 128; CPU: 16)")
     max_seq_len: int = flag(0, "tokens per KV pool slot: prompt + max_new_tokens must fit; 0: the model's context, "
@@ -75,7 +78,8 @@ class DecodeConfig:
     local_suffix_max_tokens: int = flag(1024, "disaggregated: a prompt whose cached prefix leaves at most this many "
                                         "tokens to prefill is prefilled here after the prefix; a longer one goes "
                                         "to the prefill worker whole (0: never reuse here)")
-    admission_wait_s: float = flag(10.0, "longest wait for a free pool slot, s; then RESOURCE_EXHAUSTED")
+    admission_wait_s: float = flag(0.0, "longest wait for KV memory, s; then RESOURCE_EXHAUSTED (0: as long as the "
+                                   "request's deadline allows)")
     stream_buffer_tokens: int = flag(1024, "tokens a client may leave unread; then its request ends")
     max_receive_bytes: int = flag(64 << 30, "one transfer's receive buffer limit; larger caches: RESOURCE_EXHAUSTED")
     max_message_bytes: int = flag(CONTROL_MESSAGE_LIMIT, "gRPC send/receive limit, both directions and to the peer")
@@ -120,7 +124,7 @@ class DecodeConfig:
     def __post_init__(self):
         ModelSpec(self.model, "float32" if self.dtype == "auto" else self.dtype, self.seed)
         options_from(self, self.transport)  # the backend's options; refuses another backend's flags
-        for name in ("max_prompt_tokens", "max_new_tokens", "max_inflight", "max_receive_bytes",
+        for name in ("max_prompt_tokens", "max_new_tokens", "max_receive_bytes",
                      "max_message_bytes", "stream_buffer_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
@@ -146,8 +150,9 @@ class DecodeConfig:
                              "--no-prefix-cache, or --host-cache-gib")
         if self.local_suffix_max_tokens < 0:
             raise ValueError("--local-suffix-max-tokens must be >= 0 (0: a reused prefix only when colocated)")
-        if self.admission_wait_s < 0:
-            raise ValueError("--admission-wait-s must be >= 0")
+        if self.admission_wait_s < 0 or self.max_inflight < 0 or self.max_waiting < 0:
+            raise ValueError("--admission-wait-s, --max-inflight and --max-waiting must be >= 0 (0: no time limit, "
+                             "no cap, no queue)")
         check_positive(self, "request_timeout_s", "handshake_timeout_s", "peer_timeout_s", "peer_keepalive_s",
                        "dist_timeout_s")
         if self.dist_op_timeout_s < 0 or self.shutdown_grace_s < 0:

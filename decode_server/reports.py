@@ -19,13 +19,15 @@ def info_response(engine, config, vocab: int) -> pb.InfoResponse:
                            context_length=m.model.config.max_position_embeddings,
                            max_seq_len=engine.pool.max_seq, max_new_tokens=config.max_new_tokens,
                            max_prompt_tokens=config.max_prompt_tokens, eos_token_ids=sorted(engine.eos),
-                           prefix_block_tokens=engine.cache.block if engine.cache is not None else 0)
+                           prefix_block_tokens=engine.cache.block if engine.cache is not None else 0,
+                           max_waiting=config.max_waiting)
 
 
-def load_response(requests, engine, serving: bool) -> pb.LoadResponse:
+def load_response(requests, engine, serving: bool, queued: int) -> pb.LoadResponse:
     """`requests`: the server's running requests (kvtransfer.rpc.lifecycle.Request): decoding ones count their
-    context and the tokens left to make, admitted ones not decoding yet their prompt."""
-    out = pb.LoadResponse(serving=serving)
+    context and the tokens left to make, admitted ones not decoding yet their prompt; `queued` of those are in the
+    admission queue (decode_server/admission.py), waiting for KV memory."""
+    out = pb.LoadResponse(serving=serving, queued_requests=queued)
     for r in list(requests):
         seq = r.seq
         if seq is not None and not seq.over:
@@ -41,11 +43,12 @@ def load_response(requests, engine, serving: bool) -> pb.LoadResponse:
     return out
 
 
-def watch_gauges(metrics, engine, peers, inflight) -> None:
-    """The gauges that read their value when scraped: requests admitted (`inflight()`), pool slots used, cached
-    slots and host-tier bytes (with the prefix cache), sequences running, and with prefill peers the data plane's
-    buffers, expected frames and receivers."""
+def watch_gauges(metrics, engine, peers, inflight, waiting) -> None:
+    """The gauges that read their value when scraped: requests in the server (`inflight()`) and of those waiting
+    for KV memory (`waiting()`), pool slots used, cached slots and host-tier bytes (with the prefix cache),
+    sequences running, and with prefill peers the data plane's buffers, expected frames and receivers."""
     metrics.inflight.set_function(inflight)
+    metrics.waiting.set_function(waiting)
     metrics.pool_slots.set_function(engine.pool.used)
     if engine.cache is not None:
         metrics.cached_slots.set_function(engine.cache.cached_slots)

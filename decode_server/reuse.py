@@ -14,8 +14,8 @@ TIERS = {"device": pb.CACHE_TIER_DEVICE, "host": pb.CACHE_TIER_HOST}
 
 
 def slot_taker(cache, config, request, metrics):
-    """`take()` for decode_server.streams.acquire_slot: a lease for the request's prompt through the prefix cache
-    (None without one: any free slot). Host-tier hits the break-even rule sends to recompute are counted."""
+    """`take()` for decode_server.admission's queue: a lease for the request's prompt through the prefix cache (None
+    without one: any free slot). Host-tier hits the break-even rule sends to recompute are counted."""
     if cache is None:
         return None
     here = config.colocated or request.mode == pb.MODE_COLOCATED

@@ -21,12 +21,13 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
+from decode_server.admission import AdmissionQueue
 from decode_server.config import DecodeConfig
 from decode_server.peer.peers import PrefillPeers
 from decode_server.peer.remote import PeerFailure, RequestError
 from decode_server.reports import info_response, load_response, watch_gauges
 from decode_server.reuse import count_reuse, slot_taker
-from decode_server.streams import Mailbox, TokenStream, acquire_slot, slot_ready
+from decode_server.streams import Mailbox, TokenStream, slot_ready
 from decode_server.validate import request_problem
 from kvtransfer.engine.engine import DecodeEngine
 from kvtransfer.engine.sampler import SamplingParams, sampling_params
@@ -64,13 +65,14 @@ class DecodeService(pbg.DecodeServicer):
         self.config, self.engine, self.peers = config, engine, peers
         self.vocab = engine.m.model.config.vocab_size
         self.ids = itertools.count(1)  # 0 is the warm-up frame
-        self.admit = ConcurrencyLimit(config.max_inflight)
+        self.admit = ConcurrencyLimit(config.max_inflight or None)  # an explicit cap only; the queue bounds waiting
+        self.admission = AdmissionQueue(engine.pool, config.max_waiting, config.admission_wait_s)
         self.prefill_metadata = prefill_metadata  # the prefill worker's token, when it asks for one
         self.metrics = metrics or Metrics("decode")
         self.running = RunningRequests(self.metrics)
         self._mailbox: Mailbox | None = None  # tokens from the scheduler thread to this server's loop, one wake a burst
         self.failed = ""  # set by fail_all: a thread the server depends on died; every request ends INTERNAL
-        watch_gauges(self.metrics, engine, peers, lambda: self.admit.count)
+        watch_gauges(self.metrics, engine, peers, lambda: self.admit.count, lambda: self.admission.waiting)
 
     def _box(self) -> Mailbox:
         """The Mailbox of the running loop: made on first use (the servicer is built before its loop may run)."""
@@ -99,7 +101,7 @@ class DecodeService(pbg.DecodeServicer):
         """Running and waiting requests and tokens, and the pool's free slots (a router places requests by it)."""
         serving = not (self.failed or self.running.draining) and (
             self.peers is None or self.peers.up or self.config.on_failure == "recompute")
-        return load_response(self.running.requests, self.engine, serving)
+        return load_response(self.running.requests, self.engine, serving, self.admission.waiting)
 
     async def Generate(self, request, context):
         with self.running.request(context) as r:  # counts the request's one outcome when it ends
@@ -148,8 +150,7 @@ class DecodeService(pbg.DecodeServicer):
     async def _admitted(self, request, context, r):
         deadline = time.perf_counter() + request_budget(context.time_remaining(), self.config.request_timeout_s)
         try:
-            lease = await acquire_slot(self.engine.pool, deadline, self.config.admission_wait_s,
-                                       self._take(request))
+            lease = await self.admission.acquire(deadline, self._take(request))  # in arrival order
         except RequestError as e:
             await self._abort(context, e.code, e.message)
         try:

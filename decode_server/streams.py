@@ -1,13 +1,10 @@
-"""Between the scheduler thread and a Generate call: a slot for the request, and its token stream.
+"""Between the scheduler thread and a Generate call: the request's token stream, and its slot made ready.
 
 Why here: the scheduler must never wait on a client, and a client must never hold up the
 batch. Tokens cross from the scheduler's thread to the servicer's event loop through an
 unbounded asyncio queue whose use is bounded by a count: a client that leaves more than
 `limit` tokens unread has its sequence stopped (its slot freed at the next step), and its
-stream ends with RESOURCE_EXHAUSTED saying so.
-Admission: a request waits for a free slot at most `wait_s` and never past its deadline. When its
-deadline ends the wait it ends DEADLINE_EXCEEDED saying it waited for a slot; when `wait_s` does, it is
-refused with RESOURCE_EXHAUSTED naming the flag that sizes the pool.
+stream ends with RESOURCE_EXHAUSTED saying so. (How a request gets its slot: admission.py.)
 """
 
 from __future__ import annotations
@@ -17,57 +14,8 @@ import threading
 import time
 from collections import deque
 
-import grpc
-
-from decode_server.peer.remote import RequestError
-from kvtransfer.engine.pool import KVPool, Lease, PoolFull
+from kvtransfer.engine.pool import Lease
 from kvtransfer.engine.sequence import EndCause, Ended, Sequence, Token
-
-ADMISSION_RECHECK_S = 0.05  # a waiting request also looks again this often (belt and braces; frees wake it)
-
-
-async def acquire_slot(pool: KVPool, deadline: float, wait_s: float, take=None) -> Lease:
-    """A slot of the pool, waiting at most `wait_s` and never past `deadline` (perf_counter). `take()` leases
-    one or raises PoolFull (default: pool.try_lease; the prefix cache's acquire, to take a cached prefix).
-
-    Waiting costs nothing per tick: the pool wakes every waiter when a slot is freed (on any thread),
-    instead of each waiter polling, which with many waiters meant thousands of loop wake-ups a second
-    from the thread the device work shares the GIL with.
-    """
-    waited_until = time.perf_counter() + wait_s
-    give_up = min(deadline, waited_until)
-    loop = asyncio.get_running_loop()
-    freed = asyncio.Event()
-
-    def wake() -> None:
-        try:
-            loop.call_soon_threadsafe(freed.set)
-        except RuntimeError:  # the loop is closed (shutdown): nobody is waiting any more
-            pass
-    pool.subscribe(wake)
-    try:
-        while True:
-            freed.clear()  # before looking: a slot freed after the look sets it again
-            try:
-                return (take or pool.try_lease)()
-            except PoolFull:
-                now = time.perf_counter()
-                left = give_up - now
-                if left <= 0 and deadline < waited_until:  # the request's own deadline ended the wait
-                    raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                       f"the request's deadline passed while it waited for a KV pool slot (all "
-                                       f"{pool.slots} busy, --max-batch {pool.slots}); give it more time or retry "
-                                       "later") from None
-                if left <= 0:
-                    raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                       f"all {pool.slots} KV pool slots are busy (--max-batch {pool.slots}) and none "
-                                       f"was freed within {wait_s:g} s (--admission-wait-s); retry later") from None
-            try:
-                await asyncio.wait_for(freed.wait(), min(left, ADMISSION_RECHECK_S))
-            except asyncio.TimeoutError:
-                pass
-    finally:
-        pool.unsubscribe(wake)
 
 
 class Mailbox:

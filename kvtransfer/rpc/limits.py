@@ -14,6 +14,7 @@ from collections.abc import Iterable, Sequence
 MAX_REQUEST_ID = (1 << 63) - 1  # the data-plane header carries it as int64
 CONTROL_MESSAGE_LIMIT = 4 << 20  # default --max-message-bytes: a 32k-token prompt is < 330 KB
 BYTES_PER_TOKEN_ID = 10  # worst case of one packed int64 on the wire
+MAX_WAITING = 4096  # the decode server's default --max-waiting: requests that may queue for KV memory
 
 
 def prompt_problem(token_ids: Sequence[int], max_prompt_tokens: int, context_len: int, vocab: int) -> str | None:
@@ -64,13 +65,14 @@ def check_message_limit(max_message_bytes: int, max_prompt_tokens: int) -> None:
 
 
 class ConcurrencyLimit:
-    """At most `limit` requests at a time; the next one is refused at once (no queue to grow)."""
+    """At most `limit` requests at a time; the next one is refused at once (no queue to grow). `limit` None: no
+    cap, the requests are only counted (the decode server's default: its admission queue bounds them)."""
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int | None):
         self.limit, self.count = limit, 0
 
     def try_enter(self) -> bool:
-        if self.count >= self.limit:
+        if self.limit is not None and self.count >= self.limit:
             return False
         self.count += 1
         return True

@@ -37,6 +37,8 @@ class Metrics:
         self.failures = Counter("kvt_failures", "remote prefill/transfer failures by cause (whatever the policy "
                                 "then did)", ["cause"], registry=r)
         self.inflight = Gauge("kvt_inflight_requests", "requests in flight", registry=r)
+        self.waiting = Gauge("kvt_waiting_requests", "decode: requests in the admission queue, waiting for KV memory "
+                             "(at most --max-waiting)", registry=r)
         self.buffer_bytes = Gauge("kvt_buffer_bytes", "bytes held in receive/send buffers for requests in flight",
                                   registry=r)
         self.expected = Gauge("kvt_expected_frames", "decode: requests waiting for their cache frame", registry=r)
