@@ -51,7 +51,10 @@ class _Waiter:
 
 def _busy(pool) -> str:
     """What is full, in the pool's words (the one place that names the pool's unit)."""
-    return f"all {pool.slots} KV pool slots are busy (--max-batch {pool.slots})"
+    if pool.fixed:
+        return f"all {pool.slots} KV pool slots are busy (--max-batch {pool.slots})"
+    return (f"the KV pool has no room now ({pool.free_blocks()} of {pool.blocks} blocks of {pool.page} tokens free, "
+            f"{pool.slots - pool.used()} of {pool.slots} rows (--max-batch))")
 
 
 class AdmissionQueue:

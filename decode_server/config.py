@@ -57,6 +57,9 @@ class DecodeConfig:
                             "capped by the pool (CPU: at most 4096)")
     kv_pool_gib: float = flag(0.0, "KV pool size, GiB; 0: what --gpu-memory-utilization leaves after the weights "
                               "and a prefill workspace (CUDA), 16 slots (CPU)")
+    kv_block_tokens: int = flag(0, "the KV pool in blocks of this many tokens: a request takes the blocks its "
+                                "prompt + max_new_tokens need, not a whole --max-seq-len slot; 0: one slot of "
+                                "--max-seq-len per request")
     gpu_memory_utilization: float = flag(0.9, "share of the GPU's memory this server may hold (weights, KV pool, "
                                          "workspace); two servers on one GPU: split it between them")
     cuda_graphs: bool = flag(True, "capture the decode step as CUDA graphs per batch bucket (CUDA only)")
@@ -135,7 +138,10 @@ class DecodeConfig:
                              "context")
         if self.kv_pool_gib < 0 or not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("--kv-pool-gib must be >= 0 (0: fit the device) and --gpu-memory-utilization in (0, 1]")
-        if self.kv_pool_gib and self.max_batch and self.max_seq_len:
+        if self.kv_block_tokens < 0 or self.kv_block_tokens == 1:
+            raise ValueError("--kv-block-tokens must be >= 2 (a power of two such as 64 reads fastest), or 0 for one "
+                             "slot of --max-seq-len per request")
+        if self.kv_pool_gib and self.max_batch and self.max_seq_len and not self.kv_block_tokens:
             raise ValueError("--kv-pool-gib, --max-batch and --max-seq-len: give at most two, the third follows")
         if self.prefill_chunk < -1:
             raise ValueError("--prefill-chunk must be >= 0 (0: prefill in one piece), or -1 for the device's default")

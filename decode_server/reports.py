@@ -20,7 +20,8 @@ def info_response(engine, config, vocab: int) -> pb.InfoResponse:
                            max_seq_len=engine.pool.max_seq, max_new_tokens=config.max_new_tokens,
                            max_prompt_tokens=config.max_prompt_tokens, eos_token_ids=sorted(engine.eos),
                            prefix_block_tokens=engine.cache.block if engine.cache is not None else 0,
-                           max_waiting=config.max_waiting)
+                           max_waiting=config.max_waiting, kv_block_tokens=engine.pool.page,
+                           kv_blocks=engine.pool.blocks, max_batch=engine.pool.slots)
 
 
 def load_response(requests, engine, serving: bool, queued: int) -> pb.LoadResponse:
@@ -40,16 +41,19 @@ def load_response(requests, engine, serving: bool, queued: int) -> pb.LoadRespon
     pool, cache = engine.pool, engine.cache
     out.free_slots = pool.slots - pool.used()  # cached slots count: they are taken back on demand
     out.cached_slots = cache.cached_slots() if cache is not None else 0
+    out.cached_blocks = cache.cached_blocks() if cache is not None else 0
+    out.free_blocks = pool.free_blocks()
     return out
 
 
 def watch_gauges(metrics, engine, peers, inflight, waiting) -> None:
     """The gauges that read their value when scraped: requests in the server (`inflight()`) and of those waiting
-    for KV memory (`waiting()`), pool slots used, cached slots and host-tier bytes (with the prefix cache),
+    for KV memory (`waiting()`), pool slots used, free blocks, cached slots and host-tier bytes (with the prefix cache),
     sequences running, and with prefill peers the data plane's buffers, expected frames and receivers."""
     metrics.inflight.set_function(inflight)
     metrics.waiting.set_function(waiting)
     metrics.pool_slots.set_function(engine.pool.used)
+    metrics.free_blocks.set_function(engine.pool.free_blocks)
     if engine.cache is not None:
         metrics.cached_slots.set_function(engine.cache.cached_slots)
         metrics.host_cache_bytes.set_function(engine.cache.host_bytes)

@@ -13,18 +13,20 @@ from proto import kvtransfer_pb2 as pb
 TIERS = {"device": pb.CACHE_TIER_DEVICE, "host": pb.CACHE_TIER_HOST}
 
 
-def slot_taker(cache, config, request, metrics):
-    """`take()` for decode_server.admission's queue: a lease for the request's prompt through the prefix cache (None
-    without one: any free slot). Host-tier hits the break-even rule sends to recompute are counted."""
+def slot_taker(cache, config, request, metrics, pool):
+    """`take()` for decode_server.admission's queue: a lease for the request's prompt, with room for the prompt and
+    its answer limit (paged: those blocks, reserved up front), through the prefix cache when there is one.
+    Host-tier hits the break-even rule sends to recompute are counted."""
+    need = len(request.token_ids) + request.max_new_tokens
     if cache is None:
-        return None
+        return lambda: pool.try_lease(need)
     here = config.colocated or request.mode == pb.MODE_COLOCATED
     limit = None if here else config.local_suffix_max_tokens
     reuse = not request.skip_prefix_cache and (here or limit > 0)
 
     def take():
         declined = cache.stats.host_recomputed
-        lease = cache.acquire(request.token_ids, reuse, limit)
+        lease = cache.acquire(request.token_ids, reuse, limit, need)
         if cache.stats.host_recomputed > declined:
             metrics.host_decisions.labels("recompute").inc(cache.stats.host_recomputed - declined)
         return lease

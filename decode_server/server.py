@@ -23,6 +23,7 @@ import numpy as np
 
 from decode_server.admission import AdmissionQueue
 from decode_server.config import DecodeConfig
+from decode_server.landing import pool_destination
 from decode_server.peer.peers import PrefillPeers
 from decode_server.peer.remote import PeerFailure, RequestError
 from decode_server.reports import info_response, load_response, watch_gauges
@@ -162,7 +163,7 @@ class DecodeService(pbg.DecodeServicer):
             lease.release()
 
     def _take(self, request):
-        return slot_taker(self.engine.cache, self.config, request, self.metrics)
+        return slot_taker(self.engine.cache, self.config, request, self.metrics, self.engine.pool)
 
     def end_for_shutdown(self, r) -> None:
         """The grace is over: a decoding request's sequence ends UNAVAILABLE at the next step; others are cancelled."""
@@ -190,7 +191,8 @@ class DecodeService(pbg.DecodeServicer):
                                                                  top_p=sampling.top_p, top_k=sampling.top_k,
                                                                  seed=sampling.seed)
                 r = await self.peers.remote_prefill(request, rid, deadline, self.prefill_metadata, lease, wire,
-                                                    self.engine.pool.views(lease.slot, len(request.token_ids)))
+                                                    pool_destination(self.engine.pool, lease.slot,
+                                                                     len(request.token_ids)))
             except RequestError as e:
                 await self._abort(context, e.code, e.message)
             except PeerFailure as f:

@@ -58,21 +58,45 @@ class PoolPlan:
     slots: int
     max_seq: int
     why: str
+    page: int = 0  # positions per block (0: the slot layout, a block of max_seq per slot)
+    blocks: int = 0  # blocks in the pool (paged)
+
+
+def pool_budget(kv_pool_gib: float, utilization: float, memory: Memory | None, workspace: int) -> tuple[int, str]:
+    """(bytes the KV pool may take, where that figure comes from); (0, "") on CPU with nothing said."""
+    if kv_pool_gib:
+        return int(kv_pool_gib * GIB), f"--kv-pool-gib {kv_pool_gib:g}"
+    if memory is None:
+        return 0, ""
+    allowed = int(utilization * memory.total) - memory.ours - workspace
+    budget = min(allowed, memory.free - workspace)
+    return budget, (f"{utilization:g} of {memory.total / GIB:.1f} GiB (--gpu-memory-utilization) less "
+                    f"{memory.ours / GIB:.1f} GiB of weights and {workspace / GIB:.1f} GiB of workspace"
+                    + (f", capped by {memory.free / GIB:.1f} GiB free now" if budget < allowed else ""))
+
+
+def plan_blocks(bytes_per_token: int, context: int, page: int, max_batch: int, max_seq_len: int, budget: int,
+                source: str, batch_cap: int) -> PoolPlan:
+    """The paged pool: as many blocks of `page` tokens as the budget holds (CPU with nothing said: the memory of
+    CPU_SLOTS x CPU_SEQ tokens), `max_batch` rows (0: `batch_cap`, CPU_SLOTS on CPU), a request's context up to
+    --max-seq-len (0: the model's, CPU_SEQ at most on CPU) and never more than the pool."""
+    cpu = not source
+    tokens = CPU_SLOTS * CPU_SEQ if cpu else budget // bytes_per_token
+    blocks = tokens // page
+    if blocks < 1:
+        raise ValueError(f"no room for a KV pool: {source} leaves {max(budget, 0) / GIB:.2f} GiB, not one block of "
+                         f"{page} tokens; raise --gpu-memory-utilization, pass --kv-pool-gib, or use a smaller "
+                         "model or --max-prompt-tokens")
+    rows = max_batch or (CPU_SLOTS if cpu else batch_cap)
+    seq = min(max_seq_len or min(context, CPU_SEQ if cpu else context), blocks * page)
+    return PoolPlan(rows, seq, f"{source or 'CPU default'}: {blocks} blocks of {page} tokens ({blocks * page} "
+                    f"tokens), {rows} rows, contexts up to {seq} tokens", page, blocks)
 
 
 def plan_pool(bytes_per_token: int, context: int, max_batch: int, max_seq_len: int, kv_pool_gib: float,
               utilization: float, memory: Memory | None, workspace: int, batch_cap: int) -> PoolPlan:
     """Slots x tokens of the KV pool. 0 for max_batch / max_seq_len / kv_pool_gib means "choose"."""
-    if kv_pool_gib:
-        budget, source = int(kv_pool_gib * GIB), f"--kv-pool-gib {kv_pool_gib:g}"
-    elif memory is not None:
-        allowed = int(utilization * memory.total) - memory.ours - workspace
-        budget = min(allowed, memory.free - workspace)
-        source = (f"{utilization:g} of {memory.total / GIB:.1f} GiB (--gpu-memory-utilization) less "
-                  f"{memory.ours / GIB:.1f} GiB of weights and {workspace / GIB:.1f} GiB of workspace"
-                  + (f", capped by {memory.free / GIB:.1f} GiB free now" if budget < allowed else ""))
-    else:
-        budget, source = 0, ""
+    budget, source = pool_budget(kv_pool_gib, utilization, memory, workspace)
     if max_batch and max_seq_len:
         pool = max_batch * max_seq_len * bytes_per_token
         if memory is not None and pool > memory.free - WORKSPACE:
@@ -103,6 +127,7 @@ def plan_engine(config, loaded, receive_slots: int):
     `receive_slots`: longest-prompt caches the data plane may hold on the device (0 colocated)."""
     from kvtransfer.engine.engine import EngineOptions
 
+    check_max_seq_len(config.max_seq_len, loaded.model.config.max_position_embeddings)
     cuda = loaded.device.type == "cuda"
     if config.exact:
         chunk, mixed, prefill_why = 0, False, "whole prompts (--exact)"
@@ -117,14 +142,30 @@ def plan_engine(config, loaded, receive_slots: int):
     g = loaded.geometry
     model = loaded.model.config
     workspace = workspace_bytes(model, g.bytes_per_token, config.max_prompt_tokens, g.dtype.itemsize, receive_slots)
-    plan = plan_pool(g.bytes_per_token, model.max_position_embeddings, config.max_batch, config.max_seq_len,
-                     config.kv_pool_gib, config.gpu_memory_utilization, device_memory(loaded.device), workspace, cap)
+    memory, context = device_memory(loaded.device), model.max_position_embeddings
+    if config.kv_block_tokens:
+        plan = plan_blocks(g.bytes_per_token, context, config.kv_block_tokens, config.max_batch, config.max_seq_len,
+                           *pool_budget(config.kv_pool_gib, config.gpu_memory_utilization, memory, workspace), cap)
+    else:
+        plan = plan_pool(g.bytes_per_token, context, config.max_batch, config.max_seq_len, config.kv_pool_gib,
+                         config.gpu_memory_utilization, memory, workspace, cap)
     options = EngineOptions(max_batch=plan.slots, max_seq_len=plan.max_seq, cuda_graphs=config.cuda_graphs,
                             prefill_chunk=chunk, mixed_prefill=mixed, mixed_max_rows=config.mixed_max_rows,
                             fail_scheduler_after_steps=config.fail_scheduler_after_steps,
-                            prefix_cache=config.prefix_cache, host_cache_gib=config.host_cache_gib)
+                            prefix_cache=config.prefix_cache, host_cache_gib=config.host_cache_gib,
+                            kv_block_tokens=plan.page, kv_blocks=plan.blocks)
+    tokens = plan.blocks * plan.page if plan.page else plan.slots * plan.max_seq
+    pool = (f"{plan.blocks} blocks of {plan.page} tokens, {plan.slots} rows" if plan.page else
+            f"{plan.slots} x {plan.max_seq} tokens")
     line = (f"engine defaults on {loaded.device}: dtype {loaded.spec.dtype}"
-            f"{' (auto)' if config.dtype == 'auto' else ''}; prefill: {prefill_why}; KV pool {plan.slots} x "
-            f"{plan.max_seq} tokens x {g.bytes_per_token} B = {plan.slots * plan.max_seq * g.bytes_per_token / GIB:.2f}"
-            f" GiB ({plan.why})")
+            f"{' (auto)' if config.dtype == 'auto' else ''}; prefill: {prefill_why}; KV pool {pool} x "
+            f"{g.bytes_per_token} B = {tokens * g.bytes_per_token / GIB:.2f} GiB ({plan.why})")
     return options, line
+
+
+def check_max_seq_len(max_seq_len: int, context: int) -> None:
+    """A slot longer than the model's context holds memory no request can use (prompt + max_new_tokens must fit
+    the context too): refused at start, before the pool is allocated."""
+    if max_seq_len > context:
+        raise ValueError(f"--max-seq-len {max_seq_len} is over the model's context of {context} tokens "
+                         f"(max_position_embeddings): give at most {context}, or 0 for the model's context")

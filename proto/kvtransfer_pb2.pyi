@@ -90,7 +90,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadResponse(_message.Message):
-    __slots__ = ("running_requests", "running_tokens", "remaining_tokens", "waiting_requests", "waiting_tokens", "free_slots", "cached_slots", "serving", "queued_requests")
+    __slots__ = ("running_requests", "running_tokens", "remaining_tokens", "waiting_requests", "waiting_tokens", "free_slots", "cached_slots", "serving", "queued_requests", "free_blocks", "cached_blocks")
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REMAINING_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +100,8 @@ class LoadResponse(_message.Message):
     CACHED_SLOTS_FIELD_NUMBER: _ClassVar[int]
     SERVING_FIELD_NUMBER: _ClassVar[int]
     QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     running_requests: int
     running_tokens: int
     remaining_tokens: int
@@ -109,14 +111,16 @@ class LoadResponse(_message.Message):
     cached_slots: int
     serving: bool
     queued_requests: int
-    def __init__(self, running_requests: _Optional[int] = ..., running_tokens: _Optional[int] = ..., remaining_tokens: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., waiting_tokens: _Optional[int] = ..., free_slots: _Optional[int] = ..., cached_slots: _Optional[int] = ..., serving: _Optional[bool] = ..., queued_requests: _Optional[int] = ...) -> None: ...
+    free_blocks: int
+    cached_blocks: int
+    def __init__(self, running_requests: _Optional[int] = ..., running_tokens: _Optional[int] = ..., remaining_tokens: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., waiting_tokens: _Optional[int] = ..., free_slots: _Optional[int] = ..., cached_slots: _Optional[int] = ..., serving: _Optional[bool] = ..., queued_requests: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model", "vocab_size", "context_length", "max_seq_len", "max_new_tokens", "max_prompt_tokens", "eos_token_ids", "prefix_block_tokens", "max_waiting")
+    __slots__ = ("model", "vocab_size", "context_length", "max_seq_len", "max_new_tokens", "max_prompt_tokens", "eos_token_ids", "prefix_block_tokens", "max_waiting", "kv_block_tokens", "kv_blocks", "max_batch")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +130,9 @@ class InfoResponse(_message.Message):
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_WAITING_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     context_length: int
@@ -135,7 +142,10 @@ class InfoResponse(_message.Message):
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     prefix_block_tokens: int
     max_waiting: int
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., prefix_block_tokens: _Optional[int] = ..., max_waiting: _Optional[int] = ...) -> None: ...
+    kv_block_tokens: int
+    kv_blocks: int
+    max_batch: int
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., prefix_block_tokens: _Optional[int] = ..., max_waiting: _Optional[int] = ..., kv_block_tokens: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., max_batch: _Optional[int] = ...) -> None: ...
 
 class Timing(_message.Message):
     __slots__ = ("prefill_ms", "cache_ready_ms", "first_token_ms", "second_token_ms", "transfer_bytes", "total_ms", "mode", "reused_tokens", "reuse_tier", "reload_bytes")

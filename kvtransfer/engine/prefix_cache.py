@@ -90,6 +90,11 @@ class PrefixCache:
     def cached_slots_locked(self) -> int:
         return sum(1 for e in self.index.entries() if e.where[0] == DEVICE)
 
+    def cached_blocks(self) -> int:
+        """Pool blocks held by cached rows (the slot layout: one each)."""
+        with self.pool._lock:
+            return sum(len(self.pool.row_blocks(e.where[1])) for e in self.index.entries() if e.where[0] == DEVICE)
+
     def host_bytes(self) -> int:
         with self.pool._lock:
             return self.host.used_bytes() if self.host is not None else 0

@@ -61,6 +61,8 @@ class Metrics:
         self.host_decisions = Counter("kvt_prefix_host_decisions", "decode: host-tier hits by the break-even "
                                       "rule's choice", ["decision"], registry=r)
         self.pool_slots = Gauge("kvt_kv_pool_slots_used", "decode: KV pool slots held by requests", registry=r)
+        self.free_blocks = Gauge("kvt_kv_pool_free_blocks", "decode: KV pool blocks held by no request and no cached "
+                                 "context", registry=r)
         self.running = Gauge("kvt_decode_running", "decode: sequences in the running batch (or joining it)",
                              registry=r)
         self.batch_size = Histogram("kvt_decode_batch_size", "decode: sequences advanced per step",
