@@ -35,8 +35,9 @@ MAIN_TESTS = $(BIN)/python -m pytest -m "not gpu and not gpu2 and not churn" -q 
 # imported, so it is a run of its own; ~45 s of one core, which the main run leaves idle often enough); its output
 # is printed after the main run's, and either failing fails `make test`. The main run compiles every kernel for
 # sm_90 (tests/test_kernels_sm90_compile.py).
-# Last, the restart-churn test alone (~2 min): each cycle must serve again within 30 s of a restart, and a worker's
-# start is mostly its imports (~8 s here), which another test file's servers beside it would stretch.
+# Last, the restart-churn test alone (~2 min): each cycle must serve again after a restart (within 60 s: a worker's
+# start is mostly its imports, ~8 s here, which another test file's servers beside it would stretch; its times are
+# printed, not asserted).
 test: $(STAMP)
 	@log=$$(mktemp); \
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_kernels_interp.py tests/test_sample_interp.py > $$log 2>&1 & \

@@ -1,6 +1,7 @@
 """`kvtransfer-bench interference`: the stats on synthetic token times (a stall inside a window is
 found, goodput counts by the documented rule), the config's refusals, and a CPU smoke run of
-all three arms on real servers (fields, and the colocated arm's stall, structurally: no timed asserts)."""
+all three arms on real servers (fields, and the colocated arm's stall, structurally: the streams' steps during
+the long prompt's window, no timed asserts)."""
 
 from __future__ import annotations
 
@@ -139,8 +140,10 @@ def test_drive_against_a_stand_in_server(tmp_path):
     assert all(len(r["times"]) == cfg.long_tokens for r in raw["longs"])
     assert all(raw["start"] < ts[-1] <= raw["stop"] + 1 for ts in raw["streams"])
     f = st.arm_figures(raw["streams"], raw["longs"], raw["start"], raw["stop"], 5000, 100, 0.15)
-    for a in f["arrivals"][:2]:
-        assert a["ttft_ms"] > 0 and a["stall_ms"] > a["itl_max_outside_ms"], a
+    for a, n in zip(f["arrivals"][:2], cfg.arrivals, strict=True):
+        # the stand-in holds the device n x 0.1 ms: no stream ticks meanwhile, so a gap in the window spans the hold
+        # (a floor: a busy machine only lengthens it; half of it leaves room for one late token delivery)
+        assert a["ttft_ms"] > 0 and a["stall_ms"] >= 0.5 * n * 1e-4 * 1e3, a
     result = {"kind": "interference", "ok": True, "config": dataclasses.asdict(cfg) | {"shared_device": True},
               "env": {"device_name": "cpu"}, "arms": [{"arm": "colocated", "chunk": 0, "label": "colocated",
                                                         "ok": True} | f]}
@@ -173,7 +176,10 @@ def test_interference_cli_cpu(tmp_path, capsys):
         assert arr["tokens"] == 3000 and arr["ttft_ms"] > 0 and arr["gaps_in_window"] >= 1
         assert {"stall_ms", "itl_p99_in_window_ms", "itl_max_outside_ms"} <= set(arr)
         assert a["timeline"]["arrivals"][0]["t_s"]
-    colo = arms[("colocated", 0)]["arrivals"][0]
-    assert colo["stall_ms"] > colo["itl_max_outside_ms"], colo  # the prefill ran between decode steps
+    colo, chunked = arms[("colocated", 0)]["arrivals"][0], arms[("chunked", 256)]["arrivals"][0]
+    # the colocated prefill ran whole between two decode steps: the streams stood still through it (a gap or two
+    # each in the window), where 256-token chunks let them step between the chunks (~12 each); step counts, not
+    # the stall's length against the other gaps, which a busy machine can stretch alike
+    assert 2 * colo["gaps_in_window"] <= chunked["gaps_in_window"], (colo, chunked)
     assert (tmp_path / "interference.png").exists() and "stall" in (tmp_path / "report.md").read_text()
     assert len(tables_for(result)) == 2

@@ -1,9 +1,11 @@
 """Restart churn: kill -9, SIGTERM and restart of either worker, one after another, under load.
 
 Why: each lifecycle fix (tests/test_pair_lifecycle.py) is one order of events; an operator's restarts come in
-any order, while clients keep sending. What must hold after every cycle: the pair serves again within
-SERVE_AGAIN_S of the restart, a stopped process is gone within its grace plus EXIT_S, and no request hangs
-(each ends by its deadline). The cycle count and the times are printed as one `CHURN {...}` line.
+any order, while clients keep sending. What must hold after every cycle: the pair serves again (within
+SERVE_AGAIN_S of the restart: a bound that catches a pair that never comes back, not a speed), a stopped process
+is gone within its grace plus EXIT_S, and no request hangs (each ends by its deadline, give or take CALL_SLACK_S).
+The times (a worker's start is mostly its imports: a busy machine stretches them) are printed as one `CHURN {...}`
+line, not asserted.
 
 The order (ORDER): every kind of restart comes right after every other kind once (an Eulerian circuit of the
 four kinds: 12 transitions in 13 cycles), so each of the 12 "this, then that" sequences runs, each kind 3 or 4
@@ -29,10 +31,13 @@ KINDS = {"A": ("prefill", "kill"), "B": ("prefill", "term"), "C": ("decode", "ki
 ORDER = "ABACADBCBDCDA"  # AB BA AC CA AD DB BC CB BD DC CD DA: every ordered pair of two kinds, once
 CYCLES = len(ORDER)
 GRACE_S = 3.0  # --shutdown-grace-s of both workers
-EXIT_S = 2.0  # a stopped process is gone within its grace plus this
-SERVE_AGAIN_S = 30.0  # a restarted worker's pair serves again within this of its restart (a start is ~8-10 s of imports and
-# loading on a CI core; 16.5 s was seen beside other work: the bound catches a pair that never comes back)
+EXIT_S = 10.0  # a stopped process is gone within its grace plus this (~1 s on an idle machine; a torch process's
+# exit takes seconds more on a busy one; a stop that hangs is still caught)
+SERVE_AGAIN_S = 60.0  # a restarted worker's pair serves again within this of its restart (a start is ~8-10 s of imports
+# and loading on a CI core, 16.5 s was seen beside other work, more on a busier machine: the bound catches a pair that
+# never comes back)
 CALL_S = 5.0  # each client request's deadline
+CALL_SLACK_S = 5.0  # a call's own set-up beyond its deadline (a fresh event loop and channel): a hang is longer
 PROMPT = [5, 6, 7, 8]
 pytestmark = pytest.mark.churn  # run alone: make test's last pass
 
@@ -57,7 +62,8 @@ class Client(threading.Thread):
                 time.sleep(0.05)
 
 
-def serves_within(addr: str, limit: float) -> float:
+def serves_within(addr: str, limit: float) -> float | None:
+    """Seconds until the pair served a request again; None if it did not within `limit`."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < limit:
         try:
@@ -65,7 +71,7 @@ def serves_within(addr: str, limit: float) -> float:
             return time.monotonic() - t0
         except grpc.aio.AioRpcError:
             time.sleep(0.1)
-    raise AssertionError(f"the pair did not serve again within {limit} s")
+    return None
 
 
 def test_the_order_runs_every_kind_after_every_other():
@@ -92,8 +98,8 @@ def test_restart_churn_keeps_the_pair_serving(tmp_path):
                     assert code == 0 and gone <= GRACE_S + EXIT_S, (side, code, gone, pair.log_text())
                 t1 = time.monotonic()
                 half.start()
-                again = serves_within(pair.addr, SERVE_AGAIN_S + 30)
-                assert again <= SERVE_AGAIN_S, (side, how, again, pair.log_text())
+                again = serves_within(pair.addr, SERVE_AGAIN_S)
+                assert again is not None, (side, how, f"not serving again {SERVE_AGAIN_S} s after", pair.log_text())
                 cycles.append({"side": side, "how": how, "exit_s": round(gone, 2), "serving_again_s": round(again, 2),
                                "restart_to_serving_s": round(time.monotonic() - t1, 2)})
         finally:
@@ -101,7 +107,7 @@ def test_restart_churn_keeps_the_pair_serving(tmp_path):
             client.join(timeout=CALL_S + 10)
         assert pair.wait_health(SERVING, 30) >= 0
     assert not client.is_alive()
-    hung = [c for c in client.calls if c[1] > CALL_S + 1.0]
+    hung = [c for c in client.calls if c[1] > CALL_S + CALL_SLACK_S]
     codes = {}
     for code, _ in client.calls:
         codes[code] = codes.get(code, 0) + 1

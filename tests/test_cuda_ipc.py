@@ -148,7 +148,8 @@ def test_dead_peer_is_reported_promptly(sock_dir):
     p.s.chan.close()  # the sender process "dies"
     t0 = time.monotonic()
     expect_error(lambda: r.finish(timeout=10), "peer")
-    assert time.monotonic() - t0 < 1 and r.status() == TransferState.FAILED
+    # the closed channel ends it, not finish's 10 s timeout (5 s: room for a busy machine, well short of 10)
+    assert time.monotonic() - t0 < 5 and r.status() == TransferState.FAILED
     expect_error(lambda: p.r.accept(timeout=1), "peer")
     p.r.close()
 

@@ -99,7 +99,7 @@ def test_channel_reassembles_partial_frames_and_times_out():
     assert [rx.recv(time.monotonic() + 5) for _ in SAMPLES] == SAMPLES
     t0 = time.monotonic()
     assert rx.recv(time.monotonic() + 0.2) is None
-    assert 0.15 < time.monotonic() - t0 < 1.0
+    assert 0.15 < time.monotonic() - t0 < 5  # at its deadline, not before; late only by a busy machine's delay
     tx.send(msg.Ready())
     assert rx.recv(None) == msg.Ready()
     tx.close()

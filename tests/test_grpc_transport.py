@@ -140,7 +140,9 @@ def test_insane_header_is_refused(receiver, field, value):
     contract.expect_error(lambda: r_link.accept(timeout=5), "protocol")
 
 
-def test_receiver_abort_reaches_sender_promptly(receiver):
+def test_receiver_abort_reaches_sender_mid_frame(receiver):
+    """The receiver aborts after layer 0: the sender hears of it by itself (its status turns FAILED before layer 1
+    is sent; waited for, up to a deadline, not timed), so prefill can stop early; every later call fails."""
     r_link = receiver()
     s_link = SenderLink(r_link.address, channels=2)
     h = contract.header(40, 8)
@@ -149,18 +151,14 @@ def test_receiver_abort_reaches_sender_promptly(receiver):
     s.send_layer(0, *layers[0])
     r = r_link.accept(timeout=10)
     r.wait_for_layer(0, timeout=10)
-    t0 = time.monotonic()
     r.abort("decode gave up")
     contract.expect_error(lambda: r.wait_for_layer(1, timeout=10), "aborted")
-    try:  # once the sender has heard of it, send_layer raises too (prefill can stop early)
-        for i in range(1, h.num_layers):
-            s.send_layer(i, *layers[i])
-            time.sleep(0.05)
-    except TransferError as e:
-        assert e.cause == "aborted", e
+    deadline = time.monotonic() + 30
+    while s.status() != TransferState.FAILED:
+        assert time.monotonic() < deadline, "the receiver's abort did not reach the sender within 30 s"
+        time.sleep(0.01)
+    contract.expect_error(lambda: s.send_layer(1, *layers[1]), "aborted")
     contract.expect_error(lambda: s.finish(timeout=10), "aborted")
-    assert s.status() == TransferState.FAILED
-    assert time.monotonic() - t0 < 3.0
     s_link.close()
 
 
@@ -197,7 +195,10 @@ def test_options_are_checked():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_send_layer_never_waits_for_compute(receiver):
-    """send_layer returns while the GPU is still busy, and the staged copy still waits for the layer's compute."""
+    """send_layer returns while the GPU is still busy, and the staged copy still waits for the layer's compute.
+    Asserted by the compute stream's state when each send_layer returns (still busy: the host did not wait for
+    it), not by the host time it took (printed): ~2 s of GPU work queued first leave the host's four calls ample
+    room, where waiting for the compute would wait for all of it."""
     r_link = receiver(device="cuda")
     s_link = SenderLink(r_link.address, channels=2, chunk_bytes=64 << 10)
     h = contract.header(70, 256)
@@ -207,14 +208,15 @@ def test_cuda_send_layer_never_waits_for_compute(receiver):
     torch.cuda.synchronize()
     s = s_link.open(h)
     host_s = 0.0
+    torch.cuda._sleep(4_000_000_000)  # ~2 s of GPU time ahead of every layer
     for i in range(h.num_layers):
         torch.cuda._sleep(100_000_000)  # ~50 ms of GPU time stands in for layer i's attention
         block[i].copy_(src[i])  # the layer is written only after it
         t0 = time.perf_counter()
         s.send_layer(i, block[i, 0], block[i, 1])
         host_s += time.perf_counter() - t0
-    assert not torch.cuda.current_stream().query(), "the host waited for the compute stream"
-    assert host_s < 0.05, f"send_layer took {host_s * 1e3:.1f} ms of host time"
+        assert not torch.cuda.current_stream().query(), f"send_layer {i} waited for the compute stream"
+    print(f"send_layer: {host_s * 1e3:.1f} ms of host time for {h.num_layers} layers")
     r = r_link.accept(timeout=10)
     s.finish(timeout=30)
     got = r.finish(timeout=30)

@@ -4,10 +4,11 @@ router, driven by many clients at once.
 What each test shows: a 64-client load answered with the tokens the engine makes alone, spread over both workers,
 every response naming its worker; bad input coming back as the worker said it, not retried; no healthy worker
 refused at once; the OpenAI front working over the router; a skewed load (a few long generations among many
-short ones) kept within +-25 % by least_loaded where round robin stacks it (figures printed, and written as JSON);
-a worker killed mid-load failing only its own streams (the ones not started yet retried elsewhere), nothing
-hanging, the worker rejoining after its restart; a conversation's next turn sent back to the worker whose prefix
-cache holds it, unless that worker is too loaded.
+short ones) placed by least_loaded on the worker with the least load it saw, each time, so the long ones split,
+where round robin stacks them (the imbalance over time is printed and written as JSON, not asserted: a bench
+figure); a worker killed mid-load failing only its own streams (the ones not started yet retried elsewhere),
+nothing hanging, the worker rejoining after its restart; a conversation's next turn sent back to the worker whose
+prefix cache holds it, unless that worker is too loaded.
 
 Why one fleet for most tests: each process start costs seconds of a shared CPU; the workers (prefix cache off, so
 every answer is the engine's alone) and the least_loaded router are started once per module, and the kill test,
@@ -20,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import time
 from dataclasses import dataclass
 
@@ -28,7 +30,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.measure.launch import free_port, stop, wait_serving
-from bench.measure.router_skew import TOLERANCE, run_skew, until_idle
+from bench.measure.router_skew import run_skew, skew_requests, until_idle
 from proto import kvtransfer_pb2 as pb
 from proto import kvtransfer_pb2_grpc as pbg
 from support.apifront import api_front, request
@@ -221,17 +223,42 @@ def test_the_openai_front_works_over_the_router(fleet, pool, tmp_path):
     assert body["choices"][0]["token_ids"] == want
 
 
-def test_a_skewed_load_stays_balanced_with_least_loaded_where_round_robin_stacks_it(fleet, tmp_path,
-                                                                                    record_property):
+PLACED = re.compile(r"DEBUG kvtransfer\.router (\d+) \+ (\d+) tokens to (\S+) \((\w+)\); loads before: (.*)$")
+
+
+def placements(log: str) -> list[dict]:
+    """Each placement a DEBUG router logged, in order: the request's tokens, where it went, why, and the load of
+    every healthy worker it compared (router/placement.py's `choose`)."""
+    out = []
+    for line in log.splitlines():
+        if hit := PLACED.search(line):
+            loads = {a: int(n) for a, n in (x.rsplit(" ", 1) for x in hit.group(5).split(", "))}
+            out.append({"prompt": int(hit.group(1)), "new": int(hit.group(2)), "to": hit.group(3),
+                        "reason": hit.group(4), "loads": loads})
+    return out
+
+
+def test_a_skewed_load_is_placed_by_load_with_least_loaded_where_round_robin_stacks_it(fleet, tmp_path,
+                                                                                       record_property):
+    """What placement decides, on any machine however loaded: each request is sent once the one before has its
+    first token (run_skew in_order), so both routers see the same arrival order. Round robin takes the workers in
+    turn: the 4 long requests (arrival positions 0, 2, 4, 6) all land on one worker. least_loaded (its own router
+    here, at DEBUG, which logs every placement with the loads it compared) sends every request to the worker with
+    the least load it saw, and so splits the long ones 2/2. The imbalance sampled over time (bench/measure/
+    router_skew.py's figures: they depend on each worker's speed, which a busy machine makes unequal) is printed
+    and written as JSON, not asserted; bench/results/router-skew-cpu-2026-12-02 measures it on an idle machine."""
     rr, rr_addr, _ = router(tmp_path, fleet.addrs, "--policy", "round_robin")
+    ll, ll_addr, _ = router(tmp_path, fleet.addrs, "--log-level", "DEBUG")  # least_loaded, its default
     try:
-        wait_serving(rr_addr, [rr.proc], 30)
+        for h, a in ((rr, rr_addr), (ll, ll_addr)):
+            wait_serving(a, [h.proc], 30)
         runs = {}
-        for name, addr in (("round_robin", rr_addr), ("least_loaded", fleet.router_addr)):
+        for name, addr in (("round_robin", rr_addr), ("least_loaded", ll_addr)):
             asyncio.run(until_idle(addr))
             runs[name] = asyncio.run(run_skew(addr, fleet.addrs, in_order=True))  # placed in arrival order
+        log = ll.log_text()
     finally:
-        stop([rr.proc])
+        stop([rr.proc, ll.proc])
     figures = {name: {"figures": r["figures"], "placed": r["placed"], "seconds": r["seconds"]}
                for name, r in runs.items()}
     (tmp_path / "router-skew.json").write_text(json.dumps(figures, indent=1))
@@ -239,15 +266,19 @@ def test_a_skewed_load_stays_balanced_with_least_loaded_where_round_robin_stacks
     print(f"ROUTER_SKEW {json.dumps(figures)}")
     for name, r in runs.items():
         assert r["codes"] == ["OK"], (name, r["codes"])
-    rr, ll = runs["round_robin"]["figures"], runs["least_loaded"]["figures"]
-    assert sorted(p["long"] for p in runs["round_robin"]["placed"].values()) == [0, 4], figures  # the order held
+    # round robin: the workers in turn, whatever their load; so the long requests (even positions) stack on one
+    went = [r["worker"] for r in runs["round_robin"]["results"]]
+    assert went[0] != went[1] and all(w == went[i % 2] for i, w in enumerate(went)), went
+    assert sorted(p["long"] for p in runs["round_robin"]["placed"].values()) == [0, 4], figures
+    # least_loaded: every request to a worker whose load, as the router saw it then, was the least of the two
+    sent = [(len(ids), n) for ids, n in skew_requests()]
+    seen = placements(log)
+    assert [(p["prompt"], p["new"]) for p in seen] == sent, (seen, log[-3000:])
+    assert [r["worker"] for r in runs["least_loaded"]["results"]] == [p["to"] for p in seen], seen
+    not_least = [p for p in seen if p["reason"] != "load" or set(p["loads"]) != set(fleet.addrs)
+                 or p["loads"][p["to"]] > min(p["loads"].values())]
+    assert not not_least, not_least
     assert sorted(p["long"] for p in runs["least_loaded"]["placed"].values()) == [2, 2], figures
-    # what placement decides: within +-25 % with least_loaded, far outside with round robin
-    assert ll["footprint_tokens"]["median"] <= TOLERANCE < 2 * TOLERANCE < rr["footprint_tokens"]["median"], figures
-    # the KV held now also grows at each worker's speed, which a loaded CI machine makes unequal (a worker sharing
-    # its core with another test's servers): a looser bound here; the committed idle-machine run holds it to
-    # +-25 % (bench/results/router-skew-cpu-2026-12-02)
-    assert ll["running_tokens"]["median"] <= 2 * TOLERANCE < 4 * TOLERANCE < rr["running_tokens"]["median"], figures
 
 
 def test_a_killed_worker_fails_only_its_own_streams_nothing_hangs_and_it_rejoins(fleet, pool):

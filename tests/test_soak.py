@@ -6,6 +6,8 @@ Checks: no request lost (every one ends OK with the tokens of the same prompt pr
 colocated reference's; a RESOURCE_EXHAUSTED refusal would be counted apart, and none is expected at 64 clients
 under the default --max-inflight 64), both servers' resident memory flat within 5% between the first and the
 last part of the run, after a warm-up, and the pool and host tier within their sizes, every slot given back.
+The parts are counted in requests done, not in seconds: memory grows with the work (caches filling up), and a
+busy machine does less of it in the same time (so a warm-up in seconds could end before the caches are full).
 The decode worker runs all device work on one thread, so throughput is a few tens of requests per second here.
 Length: 25 s by default; `KVT_SOAK_SECONDS=600 pytest tests/test_soak.py` for a long one
 (read here only).
@@ -39,24 +41,26 @@ def rss_kib(pid: int) -> int:
 
 
 class RssSampler(threading.Thread):
-    def __init__(self, pids: dict[str, int], every: float = 0.25):
+    def __init__(self, pids: dict[str, int], progress, every: float = 0.25):
+        """progress(): the requests done so far (read at each sample)."""
         super().__init__(daemon=True)
-        self.pids, self.every, self.samples = pids, every, []  # (t, {name: kib})
+        self.pids, self.progress, self.every, self.samples = pids, progress, every, []  # (requests done, {name: kib})
         self.done = threading.Event()
         self.start()
 
     def run(self) -> None:
         while not self.done.wait(self.every):
-            self.samples.append((time.monotonic(), {k: rss_kib(p) for k, p in self.pids.items()}))
+            self.samples.append((self.progress(), {k: rss_kib(p) for k, p in self.pids.items()}))
 
-    def mean(self, name: str, t0: float, t1: float) -> float:
-        xs = [s[name] for t, s in self.samples if t0 <= t < t1]
-        assert xs, f"no RSS samples in [{t0}, {t1})"
+    def mean(self, name: str, lo: float, hi: float) -> float:
+        """The mean RSS of the samples taken while the requests done were in [lo, hi) of all the run's."""
+        total = self.progress()
+        xs = [s[name] for n, s in self.samples if lo * total <= n < hi * total]
+        assert xs, f"no RSS samples while [{lo:.0%}, {hi:.0%}) of the {total} requests were done"
         return sum(xs) / len(xs)
 
 
-async def clients(addr: str, pool: list, seconds: float) -> dict:
-    stats = {"ok": 0, "exhausted": 0, "cancelled": 0, "lost": [], "latency_ms": []}
+async def clients(addr: str, pool: list, seconds: float, stats: dict) -> dict:
     stop = time.monotonic() + seconds
     async with grpc.aio.insecure_channel(addr) as channel:
         stub = pbg.DecodeStub(channel)
@@ -107,17 +111,17 @@ def test_soak(tmp_path, tiny_fp32, record_property):
               decode_args=["--max-batch", str(CLIENTS), "--max-inflight", str(2 * CLIENTS),
                            "--host-cache-gib", str(HOST_GIB)]) as pair:
         pair.start()
-        rss = RssSampler({"prefill": pair.prefill.proc.pid, "decode": pair.decode.proc.pid})
-        t0 = time.monotonic()
-        stats = asyncio.run(clients(pair.addr, pool, seconds))
+        stats = {"ok": 0, "exhausted": 0, "cancelled": 0, "lost": [], "latency_ms": []}
+        rss = RssSampler({"prefill": pair.prefill.proc.pid, "decode": pair.decode.proc.pid},
+                         lambda: stats["ok"] + stats["cancelled"] + stats["exhausted"] + len(stats["lost"]))
+        asyncio.run(clients(pair.addr, pool, seconds, stats))
         rss.done.set()
         rss.join()
         assert not stats["lost"], f"{len(stats['lost'])} lost, e.g. {stats['lost'][:3]}\n{pair.log_text()}"
         assert stats["exhausted"] == 0
-        warm, part = 0.3 * seconds, 0.2 * seconds  # compare [30%, 50%) with the last 20%, after the warm-up
-        flat = {}
+        flat = {}  # the requests [30%, 50%) against the last 20%, after a warm-up of the first 30%
         for name in ("prefill", "decode"):
-            first, last = rss.mean(name, t0 + warm, t0 + warm + part), rss.mean(name, t0 + seconds - part, t0 + seconds)
+            first, last = rss.mean(name, 0.3, 0.5), rss.mean(name, 0.8, 1.01)
             flat[name] = round(last / first - 1, 4)
             assert abs(last / first - 1) <= 0.05, f"{name} RSS {first:.0f} -> {last:.0f} KiB"
         lat = sorted(stats["latency_ms"])

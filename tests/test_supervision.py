@@ -17,6 +17,7 @@ from kvtransfer.rpc.lifecycle import EXIT_FATAL
 from support.servers import colocated_server
 
 PROMPT = [5, 6, 7, 8]
+NOT_SERVING_S = 10.0  # health turns NOT_SERVING within this of the first failure (at once, but probes may be slow)
 
 
 async def _health(addr: str) -> int:
@@ -29,8 +30,9 @@ async def _health(addr: str) -> int:
 
 def test_a_dead_scheduler_fails_every_request_and_the_process(tmp_path):
     """The scheduler dies after 400 steps with one request decoding and one waiting for the only slot: both end
-    INTERNAL naming the cause, health is NOT_SERVING within 1 s of the first failure, the traceback is logged
-    once, and the process exits EXIT_FATAL."""
+    INTERNAL naming the cause, health turns NOT_SERVING (the server says so at once; the bound, NOT_SERVING_S, is
+    generous: a busy machine delays the probes, and a server that never says so stays SERVING for good), the
+    traceback is logged once, and the process exits EXIT_FATAL."""
     args = ["--fail-scheduler-after-steps", "400", "--max-batch", "1", "--admission-wait-s", "60"]
     with colocated_server(tmp_path, args=args) as run:
         async def scenario():
@@ -46,7 +48,8 @@ def test_a_dead_scheduler_fails_every_request_and_the_process(tmp_path):
                 if len(errors) == 1:
                     t_failed = time.monotonic()
                     while await _health(run.addr) == health_pb2.HealthCheckResponse.SERVING:
-                        assert time.monotonic() - t_failed < 1.0, "still SERVING 1 s after the engine died"
+                        assert time.monotonic() - t_failed < NOT_SERVING_S, \
+                            f"still SERVING {NOT_SERVING_S} s after the engine died"
                         await asyncio.sleep(0.02)
             return errors
         errors = asyncio.run(scenario())
