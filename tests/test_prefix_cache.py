@@ -1,6 +1,8 @@
 """The prefix cache's bookkeeping and copies, on a small CPU pool (no model): hit, miss, partial hit, claim vs
 copy, eviction to the host tier and reload (byte for byte), the break-even rule, a poisoned entry never used,
-and the pool's accounting through all of it.
+the least-recently-used order kept by copies and partial reloads too (a hot shared opening outlives a colder
+entry), a copy's source never taken back for it, the device before the host at equal length, and the pool's
+accounting through all of it.
 """
 
 from __future__ import annotations
@@ -236,3 +238,86 @@ def test_a_slot_released_while_a_request_still_holds_it_is_cached_once():
     assert cache.cached_slots() == 0 and cache.pool.used() == 1
     lease.release()
     assert cache.cached_slots() == 1 and cache.pool.used() == 0
+
+
+def test_a_shared_opening_copied_out_counts_as_used_and_outlives_a_colder_entry():
+    """A cached context reused by copy (a system prompt every request opens with) stays cached, so it must also be
+    marked used: when a slot is next needed the colder entry cached after it goes first, not the hot opening."""
+    cache = make(slots=3)
+    system = ids(12, 40)
+    a = np.concatenate([system, ids(10, 41)])
+    kv = finish(cache, cache.acquire(a), a, 4.0)  # the opening's context, cached first (the older entry)
+    cold = ids(8, 42)
+    finish(cache, cache.acquire(cold), cold, 0.0)  # a one-off, cached after it
+    lb = cache.acquire(np.concatenate([system, ids(9, 43)]))  # copies the opening out: its last free slot
+    assert lb.reuse.how == "copied" and cache.cached_slots() == 2 and not cache.pool._free
+    other = cache.acquire(ids(8, 44))  # no slot free: the least recently used cached one is taken back
+    assert cache.stats.evicted_device == 1
+    assert [e.tokens.tolist() for e in cache.index.entries()] == [a.tolist()]  # the cold one went, not the opening
+    lb.release()
+    lc = cache.acquire(np.concatenate([system, ids(6, 45)]))
+    assert lc.reuse.how == "copied" and lc.reuse.length == 12
+    assert torch.equal(cache.pool.kv[:, :, lc.slot, :, :12], kv[:, :, :, :12])
+    other.release()
+    assert cache.acquire(cold).reuse is None  # the cold context is gone
+
+
+def test_a_partial_host_reload_counts_as_used_and_outlives_a_colder_host_entry():
+    """The same on the host tier: an entry reloaded in part stays there, marked used, so the tier drops the
+    colder entry first when it needs room."""
+    cache = make(slots=1, host_pages=4)  # 32 tokens of host pages: two contexts of 16
+    system = ids(12, 46)
+    a = np.concatenate([system, ids(4, 47)])
+    kv = finish(cache, cache.acquire(a), a, 5.0)
+    cold = ids(16, 48)
+    finish(cache, cache.acquire(cold), cold, 0.0)  # pushes a to the host tier
+    cache.acquire(ids(4, 49)).release()  # pushes cold there too: a is the older host entry
+    assert [e.where[0] for e in cache.index.entries()] == [HOST, HOST]
+    lb = cache.acquire(np.concatenate([system, ids(5, 50)]))  # reloads a's first 12 tokens: a stays on the host
+    assert lb.reuse.how == "reloaded" and lb.reuse.length == 12
+    third = ids(16, 51)
+    lb.keep = None
+    lb.release()
+    finish(cache, cache.acquire(third), third, 0.0)
+    cache.acquire(ids(4, 52)).release()  # third goes to the host tier: the tier is full, its oldest entry drops
+    assert cache.stats.evicted_host == 1
+    hosted = [e.tokens.tolist() for e in cache.index.entries() if e.where[0] == HOST]
+    assert a.tolist() in hosted and cold.tolist() not in hosted, hosted
+    back = cache.acquire(np.concatenate([system, ids(3, 53)]))
+    assert back.reuse.how == "reloaded" and torch.equal(cache.pool.kv[:, :, back.slot, :, :12], kv[:, :, :, :12])
+
+
+def test_a_copy_never_takes_back_its_own_source_slot():
+    """The entry being copied out is pinned while a slot is found for the copy: with another cached entry, that one
+    is taken back even when it is the younger; with none, the entry itself is claimed (nothing copied)."""
+    cache = make(slots=2)
+    system = ids(12, 60)
+    a = np.concatenate([system, ids(10, 61)])
+    kv = finish(cache, cache.acquire(a), a, 7.0)  # the older entry
+    young = ids(8, 62)
+    finish(cache, cache.acquire(young), young, 0.0)
+    lb = cache.acquire(np.concatenate([system, ids(5, 63)]))
+    assert lb.reuse.how == "copied" and lb.reuse.length == 12 and cache.stats.evicted_device == 1
+    assert torch.equal(cache.pool.kv[:, :, lb.slot, :, :12], kv[:, :, :, :12])
+    assert [e.tokens.tolist() for e in cache.index.entries()] == [a.tolist()]  # the younger one went
+    lc = cache.acquire(np.concatenate([system, ids(6, 64)]))  # no slot to spare: a's slot is claimed
+    assert lc.reuse.how == "claimed" and lc.reuse.length == 12 and cache.stats.evicted_device == 1
+    assert torch.equal(cache.pool.kv[:, :, lc.slot, :, :12], kv[:, :, :, :12]) and len(cache.index) == 0
+
+
+def test_at_equal_length_a_device_entry_is_taken_before_a_host_reload():
+    """Two cached contexts share the prompt's opening equally, one in the pool and one on the host tier: the pool's is
+    taken (a claim or one device copy), not a reload over the host link."""
+    cache = make(slots=1, host_pages=8)
+    system = ids(12, 65)
+    a = np.concatenate([system, ids(8, 66)])
+    finish(cache, cache.acquire(a), a, 8.0)
+    cache.acquire(ids(4, 67)).release()  # pushes a to the host tier
+    b = np.concatenate([system, ids(9, 68)])
+    lb = cache.acquire(b)  # a's opening reloaded for b
+    assert lb.reuse.tier == HOST and lb.reuse.length == 12
+    kv = finish(cache, lb, b, 9.0)  # b cached in the pool, a still on the host
+    assert sorted(e.where[0] for e in cache.index.entries()) == [DEVICE, HOST]
+    lc = cache.acquire(np.concatenate([system, ids(7, 69)]))
+    assert lc.reuse.tier == DEVICE and lc.reuse.length == 12, lc.reuse
+    assert torch.equal(cache.pool.kv[:, :, lc.slot, :, :12], kv[:, :, :, :12])
