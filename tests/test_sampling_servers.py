@@ -144,3 +144,22 @@ def test_info_names_the_model_and_its_limits(pair):
     assert (r.model, r.vocab_size, r.context_length, r.max_new_tokens, r.max_prompt_tokens) == (
         "tiny", 512, 4096, 4096, 32768)
     assert 2 <= r.max_seq_len <= r.context_length and list(r.eos_token_ids) == [2]
+
+
+FILTERS = {"top_k": {"top_k": 3, "seed": 7}, "top_p": {"top_p": 0.9, "seed": 11}}  # each alone, with a seed whose
+# first token the filter changes (seed 7 draws the same first token with top_p 0.9 as without it)
+
+
+@pytest.mark.parametrize("name", FILTERS)
+def test_top_k_and_top_p_each_reach_every_path_the_first_token_included(pair, tiny_fp32, name):
+    """Each filter alone keeps the same tokens wherever a token is drawn: the first on the prefill worker (layerwise,
+    bulk) or in the decode server's own prefill (colocated), every later one in the decode step. A parameter
+    dropped on the way to the prefill worker, or by it, shows as a first token that differs disaggregated only."""
+    kw = FILTERS[name]
+    top_p = float(torch.tensor(kw.get("top_p", 1.0), dtype=torch.float32))  # as the wire carries it
+    want = engine_sampled(tiny_fp32, PROMPT, SamplingParams(1.0, top_p, kw.get("top_k", 0), kw["seed"]), 12)
+    unfiltered = engine_sampled(tiny_fp32, PROMPT, SamplingParams(1.0, 1.0, 0, kw["seed"]), 12)
+    assert want[0] != unfiltered[0]  # the filter changes the first token itself
+    for mode in MODES:
+        got = gen(pair, mode=mode, sampling=sampling_message(temperature=1.0, **kw))
+        assert got["tokens"] == want, (mode, got["tokens"], want)
