@@ -253,3 +253,34 @@ def test_a_stop_string_completed_by_the_last_message_reads_its_status_rather_tha
     piece = asyncio.run(run())
     assert (piece.text, piece.finish_reason, piece.token_ids) == ("Hello ", "stop", ids)
     assert backend.calls[0].status_read and not backend.calls[0].cancelled
+
+
+def _asked(bodies: list[tuple[str, dict]], codec) -> list[pb.GenerateRequest]:
+    """The GenerateRequests the app sends a decode server that allows 64 new tokens, one per body."""
+    backend = FakeBackend(lambda _req: [(5, LAST)], pb.InfoResponse(model="fake", max_new_tokens=64, max_seq_len=4096))
+    app = _app(backend, codec)
+    for path, body in bodies:
+        status, text = _post(app, body, path)
+        assert status == 200, text
+    return [c.request for c in backend.calls]
+
+
+def test_every_sampling_field_reaches_the_generate_request_a_seed_of_0_too(codec):
+    """top_k, top_p, temperature and the seed as the decode server is asked them. A seed of 0 is a seed (left out,
+    the server would draw one and the answer would not repeat); no seed is left out (the server draws one)."""
+    seeded, plain, chat = _asked([
+        ("/v1/completions", {"prompt": [1, 2], "temperature": 0.7, "top_p": 0.5, "top_k": 5, "seed": 0}),
+        ("/v1/completions", {"prompt": [1, 2]}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "top_k": 3, "seed": 9})], codec)
+    s = seeded.sampling
+    assert (s.temperature, s.top_p, s.top_k, s.HasField("seed"), s.seed) == (pytest.approx(0.7), 0.5, 5, True, 0)
+    assert not plain.sampling.HasField("seed") and plain.sampling.top_k == 0 and plain.sampling.temperature == 1.0
+    assert (chat.sampling.top_k, chat.sampling.seed) == (3, 9)
+
+
+def test_without_max_tokens_completions_ask_for_16_and_chat_for_what_the_server_allows(codec):
+    """OpenAI's defaults: /v1/completions 16; chat none, so the decode server's --max-new-tokens (64 here), within
+    the slot's room after the prompt."""
+    completion, chat = _asked([("/v1/completions", {"prompt": [1, 2]}),
+                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})], codec)
+    assert completion.max_new_tokens == 16 and chat.max_new_tokens == 64
