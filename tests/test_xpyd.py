@@ -10,6 +10,8 @@ What each test shows, per transport:
   (by the decode worker) or on the other decode worker (by the router); every answer that completes is right;
   nothing hangs; after both restart (same addresses), both decode workers are paired with both prefill workers
   again within a few seconds and the router sends to the restarted decode worker again.
+And, gloo only, with processes of its own (one prefill worker, one decode worker whose second --prefill-addr is
+down): peer choice never sends a request to a peer that is down.
 
 Why one fleet per transport for both tests: each process start costs seconds of a shared CPU. The kill test
 restarts what it kills, and runs last.
@@ -238,3 +240,43 @@ def test_kill_9_a_prefill_and_a_decode_worker_mid_load(fleet, pool):
     print(f"XPYD_KILL {fleet.transport}: {len(results)} requests, {len(fails)} failed mid-stream on the killed "
           f"decode worker, every pair up {rejoin_s:.1f} s and the restarted decode worker routed to {routed_s:.1f} s "
           "after it served")
+
+
+def test_a_peer_that_is_down_is_never_chosen(tmp_path, pool):
+    """Peer choice skips a prefill worker that is down (never paired, or its pairing lost), rather than sending a
+    request there to fail and be retried: a decode worker paired with one live prefill worker, its second
+    --prefill-addr one nobody listens on. Every request goes straight to the live one: all answered right, no
+    remote prefill failure counted, the live prefill worker serving each. A choice that took the dead peer (its
+    load is 0, as the idle live one's) would send every other request there first."""
+    p_addr, init, p_metrics, d_metrics = (f"127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}",
+                                          free_port(), free_port())
+    dead, dead_init = f"127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    d_addr = f"127.0.0.1:{free_port()}"
+    prefill = Half("prefill_server", [*COMMON, "--transport", "gloo", "--listen", p_addr, "--dist-init", init,
+                                      "--metrics-port", str(p_metrics)], str(tmp_path))
+    decode = Half("decode_server", [*COMMON, "--transport", "gloo", "--listen", d_addr, "--prefill-addr",
+                                    f"{p_addr},{dead}", "--dist-init", f"{init},{dead_init}", "--data-listen",
+                                    "127.0.0.1:0", "--no-prefix-cache", "--metrics-port", str(d_metrics)],
+                  str(tmp_path))
+    halves = [prefill, decode]
+    try:
+        for h in halves:
+            h.start()
+        wait_serving(d_addr, [decode.proc], START_S)
+        d_url, p_url = f"http://127.0.0.1:{d_metrics}/metrics", f"http://127.0.0.1:{p_metrics}/metrics"
+        assert scrape(d_url).get(("kvt_peer_up", ())) == 1  # one of its two peers
+
+        async def run() -> list[Outcome]:
+            async with grpc.aio.insecure_channel(d_addr) as ch:
+                return [await call(pbg.DecodeStub(ch), ids, n) for ids, n, _ in pool[:6]]
+        got = asyncio.run(run())
+        assert [(o.code, o.tokens) for o in got] == [(S.OK, want) for _, _, want in pool[:6]], \
+            [(o.code.name, o.details) for o in got]
+        failures = {k: v for k, v in scrape(d_url).items() if k[0] == "kvt_failures_total"}
+        assert not any(failures.values()), failures
+        assert scrape(p_url).get(("kvt_requests_total", (("outcome", "OK"),))) == 6
+        assert "trying another prefill worker" not in decode.log_text()
+    except Exception as e:
+        raise AssertionError(f"{e}\n" + "\n".join(h.log_text()[-3000:] for h in halves if h.logs)) from e
+    finally:
+        stop([h.proc for h in halves if h.proc is not None])
