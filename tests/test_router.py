@@ -8,7 +8,8 @@ short ones) placed by least_loaded on the worker with the least load it saw, eac
 where round robin stacks them (the imbalance over time is printed and written as JSON, not asserted: a bench
 figure); a worker killed mid-load failing only its own streams (the ones not started yet retried elsewhere),
 nothing hanging, the worker rejoining after its restart; a conversation's next turn sent back to the worker whose
-prefix cache holds it, unless that worker is too loaded.
+prefix cache holds it, unless that worker is too loaded; a request a full worker refused retried on the other
+worker, never on the one that refused it (its own workers, one at --max-inflight 1).
 
 Why one fleet for most tests: each process start costs seconds of a shared CPU; the workers (prefix cache off, so
 every answer is the engine's alone) and the least_loaded router are started once per module, and the kill test,
@@ -484,3 +485,52 @@ def test_sighup_reads_the_worker_file_again(fleet, tmp_path):
         assert r.proc.poll() is None
     finally:
         stop([r.proc])
+
+
+def test_a_request_a_full_worker_refused_is_retried_on_another_worker_never_the_same(tmp_path):
+    """A worker at its --max-inflight refuses at once (RESOURCE_EXHAUSTED, which leaves it healthy); the router
+    retries the request once, on a worker it has not tried. Set up so that the full worker still looks the least
+    loaded when the retry is placed: it runs one request of 3 + 3500 tokens (sent to it directly, so it is full),
+    the other worker one of 90 + 4000 placed by the router. A retry that went back to the worker already tried
+    would be refused again, and the request would fail."""
+    full_addr = f"127.0.0.1:{free_port()}"
+    args = [a for a in WORKER_ARGS if a not in ("--max-inflight", "128")]
+    full = Half("decode_server", [*args, "--max-inflight", "1", "--listen", full_addr, "--no-prefix-cache"],
+                str(tmp_path))
+    full.start()
+    roomy, roomy_addr = worker(tmp_path)
+    r, raddr, mport = router(tmp_path, [full_addr, roomy_addr])
+    everyone = [full, roomy, r]
+    try:
+        for h, a in ((full, full_addr), (roomy, roomy_addr), (r, raddr)):
+            wait_serving(a, [h.proc], START_S)
+
+        async def scenario() -> tuple[Outcome, bool]:
+            async with grpc.aio.insecure_channel(full_addr) as fch, grpc.aio.insecure_channel(raddr) as rch:
+                stub = pbg.DecodeStub(rch)
+                hold = pbg.DecodeStub(fch).Generate(pb.GenerateRequest(token_ids=[5, 6, 7], max_new_tokens=3500),
+                                                    timeout=120)
+                await hold.read()  # it runs: the full worker is at its one request
+                deadline = time.monotonic() + 20
+                while (await stub.Load(pb.LoadRequest(), timeout=5)).running_requests < 1:  # the router saw it
+                    assert time.monotonic() < deadline, "the router's load view never showed the request"
+                    await asyncio.sleep(0.05)
+                big = stub.Generate(pb.GenerateRequest(token_ids=prompt(11, 90), max_new_tokens=4000), timeout=120)
+                placed = dict(await big.initial_metadata())[KEY]
+                assert placed == roomy_addr, placed  # by load: the full worker held 3503 tokens, the other none
+                got = await call(stub, [9, 8, 7], 2)  # the full worker looks the least loaded now (3503 < 4090)
+                running = not hold.done() and not big.done()  # both still held their workers throughout
+                hold.cancel()
+                big.cancel()
+                return got, running
+        got, running = asyncio.run(scenario())
+        assert running
+        assert got.code == S.OK and got.initial == got.trailing == roomy_addr, (got.code, got.details, got.initial)
+        assert len(got.tokens) == 2
+        m = scrape(f"http://127.0.0.1:{mport}/metrics")  # tried first on the full worker, refused there, once
+        assert total(m, "kvt_router_failed_total", worker=full_addr, code="RESOURCE_EXHAUSTED") == 1
+        assert total(m, "kvt_router_retried_total", worker=full_addr) == 1
+    except Exception as e:
+        raise AssertionError(f"{e}\n" + "\n".join(h.log_text()[-3000:] for h in everyone)) from e
+    finally:
+        stop([h.proc for h in everyone])
