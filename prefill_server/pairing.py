@@ -7,8 +7,10 @@ decode workers (xPyD): one pair per decode instance (its handshake's instance id
 its own link, and every accepted handshake is a new pairing of that pair with a new epoch,
 which supersedes its old one (never another pair's):
 - nccl/gloo: the answer names (instance id, epoch) at once; then, on the device thread
-  (so no transfer of the old group is in progress), the pair's old group is dropped and a
-  fresh one joined under that prefix while the decode side joins too, then one warm-up.
+  (so no transfer of the old group is in progress), the pair's old group is dropped; a
+  fresh one is joined under that prefix on a thread of the join's own while the decode side
+  joins too (a join whose decode worker died holds only that thread), then one warm-up back
+  on the device thread.
 - grpc/cuda_ipc: the device thread connects to the data address the decode side
   announced (closing the pair's old link) and warms it up before the answer goes back.
 Each request names the decode instance that asked (PrefillRequest.decode_instance), and its
@@ -30,6 +32,7 @@ import asyncio
 import collections
 import logging
 import secrets
+import threading
 from dataclasses import dataclass
 
 import grpc
@@ -51,11 +54,17 @@ class PeerHealth(health_aio.HealthServicer):
     def __init__(self):
         super().__init__()
         self.watching: collections.Counter[int] = collections.Counter()
+        self.seen: set[int] = set()  # every instance that opened a watch
+
+    def left(self, who: int) -> bool:
+        """Whether `who` watched and no longer does (its process is gone): not merely "not watching yet"."""
+        return who in self.seen and self.watching[who] <= 0
 
     async def Watch(self, request, context):
         raw = dict(context.invocation_metadata() or ()).get(DECODE_INSTANCE_KEY, "")
         who = int(raw, 16) if raw and all(c in "0123456789abcdef" for c in raw) else 0
         self.watching[who] += 1
+        self.seen.add(who)
         try:
             await super().Watch(request, context)
         finally:
@@ -137,29 +146,77 @@ class PrefillPairing:
                 log.info("decode instance %x is gone: its pair dropped", p.instance)
                 self._drop(p)
                 del self.pairs[p.instance]
+                if self.health is not None:
+                    self.health.seen.discard(p.instance)
                 self._from_thread(self._publish_any())
 
     def _rejoin(self, pair: Pair, epoch: int, gone: list[Pair]) -> None:
-        from kvtransfer.transport.rendezvous import PairingAbandoned, join_pair, pairing_prefix, store_address
+        """Device thread: the pair's old group dropped (no transfer of it is in progress here), then the new group
+        joined on a thread of the join's own (_join)."""
         self._forget(gone)
         if epoch != pair.epoch:
             log.info("pairing epoch %d superseded by %d before it started", epoch, pair.epoch)
             return
         self._drop(pair)
+        threading.Thread(target=self._join, args=(pair, epoch), name=f"pair-join-{epoch}", daemon=True).start()
+
+    def _abandoned(self, pair: Pair, epoch: int) -> str:
+        """Why a join of `pair`'s `epoch` is no longer wanted ("" while it is)."""
+        if self.stopping:
+            return "stopping"
+        if epoch != pair.epoch:
+            return f"superseded by epoch {pair.epoch}"
+        if self.pairs.get(pair.instance) is not pair or (self.health is not None and self.health.left(pair.instance)):
+            return "the decode worker is gone: its liveness watch closed"
+        return ""
+
+    def _join(self, pair: Pair, epoch: int) -> None:
+        """Join the pairing's group, on a thread of its own. Why not on the device thread: a decode worker that dies
+        mid-join can leave torch's group constructor waiting on its connection for about 50 s whatever the
+        timeouts say, and nothing interrupts it; on the device thread that held every later pairing (and every
+        prefill). Over a store connection of its own for the same reason (a store wait holds its connection). The
+        join gives way as soon as it is abandoned (superseded, stopping, or its decode worker gone); one that ends
+        in torch after that is left (_joined)."""
+        from kvtransfer.transport.rendezvous import PairingAbandoned, join_pair, open_store, pairing_prefix, \
+            store_address
+        c, device = self.config, self.worker.m.device
         log.info("joining process group epoch %d as rank 0 (%s)", epoch, self.transport)
         try:
-            pair.group = join_pair(0, self.store, pairing_prefix(self.instance_id, epoch), self.worker.m.device,
-                                   self.config.dist_timeout_s, self.config.dist_op_timeout_s,
-                                   abandoned=lambda: epoch != pair.epoch or self.stopping,
-                                   rendezvous_host=store_address(self.config.dist_init)[0])
-            pair.link = self.connect(group=pair.group)
-            self.worker.warmup(self.config.warmup_tokens, pair.link)
+            if device.type == "cuda":  # as on the device thread: NCCL's communicator is made on this device
+                import torch
+                torch.cuda.set_device(device)
+            store = open_store(c.dist_init, 1, c.dist_timeout_s)  # rank 1: connect to it, do not host it
+            group = join_pair(0, store, pairing_prefix(self.instance_id, epoch), device, c.dist_timeout_s,
+                              c.dist_op_timeout_s, lambda: bool(self._abandoned(pair, epoch)),
+                              store_address(c.dist_init)[0])
         except PairingAbandoned:
             log.info("pairing epoch %d abandoned before the decode peer joined (%s)", epoch,
-                     "stopping" if self.stopping else f"superseded by epoch {pair.epoch}")
-            self._drop(pair)
+                     self._abandoned(pair, epoch) or "?")
             return
-        except (TransferError, RuntimeError) as e:  # torch.distributed reports a failed rendezvous as RuntimeError
+        except Exception as e:  # noqa: BLE001 - torch reports a failed rendezvous as RuntimeError; logged, never lost
+            why = self._abandoned(pair, epoch)
+            log.log(logging.INFO if why else logging.ERROR, "pairing epoch %d failed: %s; %s", epoch,
+                    str(e).splitlines()[0] if str(e) else repr(e),
+                    f"it was abandoned meanwhile ({why})" if why else "waiting for the decode peer to handshake again")
+            return
+        try:
+            self.gpu.submit(self._joined, pair, epoch, group).add_done_callback(_log_failure)
+        except RuntimeError:  # the device thread was shut down: the server stopped
+            from kvtransfer.transport.rendezvous import leave_pair
+            leave_pair(group)
+
+    def _joined(self, pair: Pair, epoch: int, group) -> None:
+        """Device thread: a joined group becomes the pair's link, warmed up, unless the join was abandoned meanwhile."""
+        from kvtransfer.transport.rendezvous import leave_pair
+        if why := self._abandoned(pair, epoch):
+            log.info("pairing epoch %d joined after it was abandoned (%s); its group left", epoch, why)
+            leave_pair(group)
+            return
+        pair.group = group
+        try:
+            pair.link = self.connect(group=group)
+            self.worker.warmup(self.config.warmup_tokens, pair.link)
+        except (TransferError, RuntimeError) as e:
             log.error("pairing epoch %d failed: %s; waiting for the decode peer to handshake again", epoch, e)
             self._drop(pair)
             return
