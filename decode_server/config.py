@@ -111,7 +111,7 @@ class DecodeConfig:
     deterministic: bool = flag(False, "deterministic kernels (run-to-run identical logits on GPU; slower)")
     log_level: str = flag("INFO", "log level", choices=LOG_LEVELS)
     fail_scheduler_after_steps: int = flag(-1, "fault injection (tests): the scheduler thread dies after this many "
-                                           "decode steps (-1: off)")
+                                           "decode steps (-1: off)", hidden=True)
 
     @property
     def prefill_addrs(self) -> list[str]:

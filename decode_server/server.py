@@ -90,7 +90,7 @@ class DecodeService(pbg.DecodeServicer):
         await context.abort(code, message)  # counted once, by RunningRequests.request
 
     async def _validate(self, request, context) -> None:
-        refusal = request_problem(request, self.config, self.engine, self.vocab, self.peers is not None)
+        refusal = request_problem(request, self.config, self.engine, self.vocab, self.peers)
         if refusal is not None:
             await self._abort(context, *refusal)
 

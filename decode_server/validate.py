@@ -2,7 +2,8 @@
 
 Why apart from the servicer: the checks are a table of limits (the prompt's, shared with the prefill worker in
 kvtransfer/rpc/limits.py; sampling; max_new_tokens against the model's context and this server's slot; the mode;
-the receive buffer), each with the status it ends in and the flag that would change it; the servicer only aborts.
+the prefill workers' own --max-prompt-tokens; the receive buffer), each with the status it ends in and the flag
+that would change it; the servicer only aborts.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from proto import kvtransfer_pb2 as pb
 KNOWN_MODES = {m.proto for m in REQUEST_MODES}
 
 
-def request_problem(request, config, engine, vocab: int, paired: bool) -> tuple[grpc.StatusCode, str] | None:
-    """(status, message) refusing `request`, or None when it may be admitted. `paired`: this server has a prefill
-    peer configured (disaggregated)."""
+def request_problem(request, config, engine, vocab: int, peers) -> tuple[grpc.StatusCode, str] | None:
+    """(status, message) refusing `request`, or None when it may be admitted. `peers`: the prefill peers
+    (decode_server/peer/peers.py; None: colocated, no peer configured); a disaggregated prompt over the smallest
+    --max-prompt-tokens they announced is refused here, whatever the prefix cache holds."""
     n, c, new = len(request.token_ids), config, request.max_new_tokens
     context_len = engine.m.model.config.max_position_embeddings
     # the limits the prefill server enforces too (kvtransfer/rpc/limits.py), then this server's own
@@ -46,8 +48,12 @@ def request_problem(request, config, engine, vocab: int, paired: bool) -> tuple[
     elif request.mode not in KNOWN_MODES:
         problem = f"unknown mode {request.mode}; use AUTO, LAYERWISE, BULK or COLOCATED"
     elif request.mode != pb.MODE_COLOCATED and not c.colocated:
-        if not paired:
+        limit, where = peers.prompt_limit() if peers is not None else (0, "")
+        if peers is None:
             problem, code = "no prefill peer configured", grpc.StatusCode.FAILED_PRECONDITION
+        elif limit and n > limit:
+            problem = (f"prompt has {n} tokens; the prefill worker at {where} accepts at most {limit} (its "
+                       "--max-prompt-tokens): send a shorter prompt, or raise that flag on the prefill workers")
         elif (size := engine.m.geometry.cache_bytes(n)) > c.max_receive_bytes:
             problem, code = (f"a {n}-token cache is {size} bytes, over this server's --max-receive-bytes "
                              f"{c.max_receive_bytes}; send a shorter prompt"), grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -51,9 +51,11 @@ class PrefillConfig:
     shutdown_grace_s: float = flag(20.0, "on SIGTERM/SIGINT: time in-flight requests get to finish, s; the rest "
                                    "end UNAVAILABLE")
     warmup_tokens: int = flag(128, "warm-up at each pairing (0: none); must fit the peer's --max-receive-bytes")
-    fail_after_layers: int = flag(-1, "fault injection (tests): hold a transfer after this many layers (-1: off)")
-    fail_stall_s: float = flag(30.0, "fault injection: how long each held transfer stalls before it goes on, s")
-    fail_requests: int = flag(1, "fault injection: how many requests (after the warm-up) are held")
+    fail_after_layers: int = flag(-1, "fault injection (tests): hold a transfer after this many layers (-1: off)",
+                                  hidden=True)
+    fail_stall_s: float = flag(30.0, "fault injection: how long each held transfer stalls before it goes on, s",
+                               hidden=True)
+    fail_requests: int = flag(1, "fault injection: how many requests (after the warm-up) are held", hidden=True)
     metrics_port: int = flag(0, "Prometheus /metrics on this port (0: off)")
     metrics_addr: str = flag("127.0.0.1", "where /metrics listens (loopback unless told otherwise)")
     tls_cert: str = flag("", "PEM certificate chain: serve TLS")

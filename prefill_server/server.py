@@ -79,6 +79,7 @@ class PrefillService(pbg.PrefillServicer):
         resp = await self.pairing.handshake(request, context)
         resp.compat.CopyFrom(self.compat)
         resp.transport = self.transport.proto
+        resp.max_prompt_tokens = self.config.max_prompt_tokens  # the decode side enforces it, cache or not
         return resp
 
     def resolve_mode(self, mode: int, n: int) -> Mode:

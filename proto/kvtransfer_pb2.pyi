@@ -226,16 +226,18 @@ class HandshakeRequest(_message.Message):
     def __init__(self, compat: _Optional[_Union[Compat, _Mapping]] = ..., transport: _Optional[_Union[Transport, str]] = ..., max_receive_bytes: _Optional[int] = ..., data_address: _Optional[str] = ..., instance_id: _Optional[int] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("compat", "transport", "instance_id", "epoch")
+    __slots__ = ("compat", "transport", "instance_id", "epoch", "max_prompt_tokens")
     COMPAT_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    MAX_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     compat: Compat
     transport: Transport
     instance_id: int
     epoch: int
-    def __init__(self, compat: _Optional[_Union[Compat, _Mapping]] = ..., transport: _Optional[_Union[Transport, str]] = ..., instance_id: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+    max_prompt_tokens: int
+    def __init__(self, compat: _Optional[_Union[Compat, _Mapping]] = ..., transport: _Optional[_Union[Transport, str]] = ..., instance_id: _Optional[int] = ..., epoch: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "mode", "return_logits_digest", "sampling", "decode_instance")

@@ -67,8 +67,8 @@ class DataPlane:
             return
         from kvtransfer.transport.rendezvous import join_pair, open_store, pairing_prefix, store_address
         c = self.config
+        store = await asyncio.to_thread(open_store, self.dist_init, 1, c.dist_timeout_s)  # RendezvousUnreachable
         log.info("joining process group epoch %d as rank 1 (%s, %s)", resp.epoch, self.transport, self.dist_init)
-        store = await asyncio.to_thread(open_store, self.dist_init, 1, c.dist_timeout_s)
         self.group = await asyncio.to_thread(join_pair, 1, store, pairing_prefix(resp.instance_id, resp.epoch),
                                              self.m.device, c.dist_timeout_s, c.dist_op_timeout_s,
                                              lambda: self.closing, store_address(self.dist_init)[0])

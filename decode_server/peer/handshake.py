@@ -7,6 +7,7 @@ retrying), and both must check the same things.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -28,12 +29,14 @@ class HandshakeTimedOut(HandshakeRefused):
 
 
 WAIT_LOG_S = 10.0  # while the peer does not answer: one log line this often
+RETRY_PAUSE_S = 0.2  # between two handshakes that failed
 
 
 async def handshake(stub: pbg.PrefillStub, compat: pb.Compat, transport, timeout_s: float,
                     max_receive_bytes: int = 0, metadata=None, data_address: str = "",
-                    instance_id: int = 0, peer: str = "") -> pb.HandshakeResponse:
-    """Wait up to `timeout_s` for the prefill peer (at `peer`, for the logs) to answer; raises HandshakeRefused."""
+                    instance_id: int = 0, peer: str = "", quiet: bool = False) -> pb.HandshakeResponse:
+    """Wait up to `timeout_s` for the prefill peer (at `peer`, for the logs) to answer; raises HandshakeRefused.
+    `quiet`: the answer logged at DEBUG (a retry whose failure was logged already)."""
     start = time.monotonic()
     deadline, next_log = start + timeout_s, start + WAIT_LOG_S
     where = f"the prefill worker at {peer} (--prefill-addr)"
@@ -55,9 +58,10 @@ async def handshake(stub: pbg.PrefillStub, compat: pb.Compat, transport, timeout
                 log.info("waiting for %s: %.0f s so far, giving up after %g s (--handshake-timeout-s)", where,
                          now - start, timeout_s)
                 next_log = now + WAIT_LOG_S
+            await asyncio.sleep(min(RETRY_PAUSE_S, max(deadline - now, 0)))  # a refusal (stopping) comes at once
     problem = mismatch(compat, resp.compat, here="this decode worker", peer="prefill worker")
     if problem:
         raise HandshakeRefused(f"refused {where}: {problem}")
-    log.info("handshake ok: %s %s fingerprint %s", resp.compat.model, resp.compat.dtype,
-             resp.compat.weights_fingerprint)
+    log.log(logging.DEBUG if quiet else logging.INFO, "handshake ok: %s %s fingerprint %s", resp.compat.model,
+            resp.compat.dtype, resp.compat.weights_fingerprint)
     return resp

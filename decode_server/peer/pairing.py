@@ -25,6 +25,7 @@ import logging
 import secrets
 import time
 
+import grpc
 from grpc_health.v1 import health_pb2_grpc
 
 from decode_server.peer.dataplane import DataPlane
@@ -46,15 +47,17 @@ class DecodePairing:
         self.on_change, self.addr = on_change, addr
         self.data = DataPlane(config, loaded, backend, metrics, addr, dist_init)
         self.transport = backend.name
-        self.stub = pbg.PrefillStub(channel)
+        self.channel, self.stub = channel, pbg.PrefillStub(channel)
         self.health_stub = health_pb2_grpc.HealthStub(channel)
         self.instance_id = secrets.randbits(63) | 1
         self.up, self.down_reason, self.down_since = False, "not paired yet", time.monotonic()
         self.prefill_instance = self.epoch = 0
+        self.max_prompt_tokens = 0  # the peer's --max-prompt-tokens, from its last handshake (0: not known yet)
         self._task = None
         self._watch: asyncio.Future | None = None  # the liveness watch; opened before each handshake
         self._armed = asyncio.Event()  # set once a pairing is up: the watch's NOT_SERVING counts from then
         self.on_fatal = None  # called if the supervising task dies: the server must stop, not look paired
+        self._unreachable_since: float | None = None  # when the peer's rendezvous stopped answering (monotonic)
 
     def watch_fatal(self, on_fatal) -> None:
         """`on_fatal(what, error)` when the pairing's task or a receive loop dies of a bug."""
@@ -66,6 +69,7 @@ class DecodePairing:
         """The first pairing, then supervise it. A refusal, or no pairing within --handshake-timeout-s, raises
         HandshakeRefused (the server exits 2, unless another peer paired: peers.py); a join that failed is tried
         again until then."""
+        from kvtransfer.transport.rendezvous import RendezvousUnreachable  # torch.distributed: only when paired
         deadline, delay = time.monotonic() + self.config.handshake_timeout_s, 0.5
         while True:
             try:
@@ -75,7 +79,13 @@ class DecodePairing:
                 raise
             except Exception as e:  # a rendezvous that timed out or failed (RuntimeError)
                 await self.data.drop_group("the pairing failed")
-                if time.monotonic() + delay > deadline:
+                if isinstance(e, RendezvousUnreachable):  # the peer answered, so its rendezvous is up: a wrong flag
+                    limit = self.config.dist_timeout_s
+                    if time.monotonic() + delay > self._unreachable_since + limit:
+                        raise HandshakeRefused(f"the prefill worker at {self.addr} answered, but {e} for "
+                                               f"--dist-timeout-s {limit:g} s: give this decode worker the "
+                                               "--dist-init that prefill worker hosts") from None
+                elif time.monotonic() + delay > deadline:
                     raise HandshakeTimedOut(f"could not pair with the prefill worker at {self.addr} "
                                            f"within --handshake-timeout-s {self.config.handshake_timeout_s:g} s: "
                                            f"{e}") from None
@@ -121,17 +131,24 @@ class DecodePairing:
                 delay = min(delay * 2, 5.0)
 
     async def _pair(self) -> None:
+        from kvtransfer.transport.rendezvous import RendezvousUnreachable
         address = self.data.listen()
         self._armed.clear()
         self._open_watch()  # before the handshake: the peer sees us alive
         resp = await handshake(self.stub, self.compat, self.transport, self.config.handshake_timeout_s,
                                self.data.receive_limit(), self.metadata, address, self.instance_id,
-                               self.addr)
+                               self.addr, quiet=self._unreachable_since is not None)
         if self.prefill_instance and resp.instance_id != self.prefill_instance:
             log.warning("the prefill worker restarted (instance %x -> %x)", self.prefill_instance, resp.instance_id)
-        await self.data.join(resp)
+        try:
+            await self.data.join(resp)
+        except RendezvousUnreachable:
+            self._unreachable_since = self._unreachable_since or time.monotonic()
+            raise
+        self._unreachable_since = None
         self._open_watch()  # one that ended meanwhile (sent on the dead peer's connection) says nothing of this one
         self.prefill_instance, self.epoch = resp.instance_id, resp.epoch
+        self.max_prompt_tokens = resp.max_prompt_tokens  # 0: not announced (an older prefill worker)
         self.metrics.pairings.inc()
         await self._set_up(True, "")
         self._armed.set()
@@ -165,7 +182,13 @@ class DecodePairing:
         await self.data.down(reason)
 
     def why_down(self) -> str:
-        return f"{self.down_reason} ({time.monotonic() - self.down_since:.1f} s ago)"
+        """Why this pair is down, as of now: a peer whose address no longer answers is unreachable, whatever it
+        last said (a worker that reported it was stopping and then exited is gone, not stopping)."""
+        reason = self.down_reason
+        if self.channel.get_state() == grpc.ChannelConnectivity.TRANSIENT_FAILURE:  # a connect attempt failed
+            before = "it had reported NOT_SERVING: stopping" if reason == STOPPING else f"before that: {reason}"
+            reason = f"the prefill worker is unreachable (its process is gone, or the link is down; {before})"
+        return f"{reason} ({time.monotonic() - self.down_since:.1f} s ago)"
 
     async def _set_up(self, up: bool, reason: str) -> None:
         if not up:

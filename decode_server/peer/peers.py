@@ -96,6 +96,14 @@ class PrefillPeers:
             log.error("prefill peer %s did not pair at start: %s; it keeps trying", pairing.addr, error)
             pairing.supervise(paired=False)
 
+    def prompt_limit(self) -> tuple[int, str]:
+        """(the smallest --max-prompt-tokens the prefill workers announced, the address of one with it); (0, "")
+        before any announced one. A disaggregated prompt over it is refused whether or not this worker's prefix
+        cache would let it prefill the prompt here: the same prompt must not be served or refused by what the cache
+        happens to hold."""
+        known = [(p.max_prompt_tokens, p.addr) for p in self.pairings if p.max_prompt_tokens]
+        return min(known) if known else (0, "")
+
     def other_up(self, exclude: list[DecodePairing]) -> bool:
         return any(p.up and p not in exclude for p in self.pairings)
 

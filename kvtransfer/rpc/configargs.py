@@ -17,9 +17,10 @@ SECRET_SUFFIX = "auth_token"  # fields holding a secret value (not its file name
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
-def flag(default, help: str, choices: tuple | None = None):
-    """A config field with its --help text (and, optionally, the values it accepts)."""
-    meta = {"help": help}
+def flag(default, help: str, choices: tuple | None = None, hidden: bool = False):
+    """A config field with its --help text (and, optionally, the values it accepts). `hidden`: a flag for tests
+    (fault injection) that works as any other but is left out of --help, which is for users."""
+    meta = {"help": help, "hidden": hidden}
     if choices is not None:
         meta["choices"] = tuple(choices)
     return field(default=default, metadata=meta)
@@ -48,6 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls) -> None:
         if not help_text:
             raise TypeError(f"{cls.__name__}.{f.name} has no help: declare it with flag(default, help)")
         default = f.default if f.default is not MISSING else f.default_factory()
+        if f.metadata.get("hidden"):
+            help_text = argparse.SUPPRESS
         if isinstance(default, bool) or (default is None and "bool" in str(f.type)):  # None: auto, unless given
             parser.add_argument(flag_name(f.name), action=argparse.BooleanOptionalAction, default=default,
                                 help=help_text)

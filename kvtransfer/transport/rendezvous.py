@@ -83,13 +83,31 @@ def _listening_socket(host: str, port: int) -> int:
     return s.detach()
 
 
+class RendezvousUnreachable(RuntimeError):
+    """Nothing answers at the rendezvous address (a wrong --dist-init port or host, or its host is gone)."""
+
+
+PROBE_TIMEOUT_S = 10.0  # the longest wait for the store's TCP connection to be accepted
+
+
+def check_reachable(host: str, port: int, timeout_s: float) -> None:
+    """Raise RendezvousUnreachable, one line, unless a TCP connection to the store is accepted. Why first: torch's
+    client retries a refused connection for its whole timeout and logs a C++ trace at each try."""
+    try:
+        socket.create_connection((host, port), timeout=min(timeout_s, PROBE_TIMEOUT_S)).close()
+    except OSError as e:
+        raise RendezvousUnreachable(f"nothing answers at the rendezvous tcp://{host}:{port} (--dist-init): "
+                                    f"{e.strerror or e}") from None
+
+
 def open_store(init_method: str, rank: int, timeout_s: float) -> dist.TCPStore:
     """Rank 0 hosts the store (unless torchrun's agent does), listening at the --dist-init address only; rank 1
-    connects to it. Does not wait for the peer."""
+    connects to it (RendezvousUnreachable when nothing answers there). Does not wait for the peer."""
     host, port = store_address(init_method)
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's contract, not our config
     timeout = datetime.timedelta(seconds=timeout_s)
     if rank != 0 or agent:
+        check_reachable(host, port, timeout_s)
         return dist.TCPStore(host, port, None, False, timeout, wait_for_workers=False)
     fd = _listening_socket(host, port)
     try:
