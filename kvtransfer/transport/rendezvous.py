@@ -90,14 +90,23 @@ class RendezvousUnreachable(RuntimeError):
 PROBE_TIMEOUT_S = 10.0  # the longest wait for the store's TCP connection to be accepted
 
 
+PROBE_RETRY_S = 0.2  # a refused probe is tried again this often: the store's host may be a moment from listening
+
+
 def check_reachable(host: str, port: int, timeout_s: float) -> None:
-    """Raise RendezvousUnreachable, one line, unless a TCP connection to the store is accepted. Why first: torch's
-    client retries a refused connection for its whole timeout and logs a C++ trace at each try."""
-    try:
-        socket.create_connection((host, port), timeout=min(timeout_s, PROBE_TIMEOUT_S)).close()
-    except OSError as e:
-        raise RendezvousUnreachable(f"nothing answers at the rendezvous tcp://{host}:{port} (--dist-init): "
-                                    f"{e.strerror or e}") from None
+    """Raise RendezvousUnreachable, one line, unless a TCP connection to the store is accepted within `timeout_s`
+    (a refused one is tried again every PROBE_RETRY_S: a pair's two sides may start together). Why a plain probe
+    first: torch's client retries a refused connection for its whole timeout and logs a C++ trace at each try."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=min(timeout_s, PROBE_TIMEOUT_S)).close()
+            return
+        except OSError as e:
+            if time.monotonic() + PROBE_RETRY_S >= deadline:
+                raise RendezvousUnreachable(f"nothing answers at the rendezvous tcp://{host}:{port} (--dist-init) "
+                                            f"within {timeout_s:g} s: {e.strerror or e}") from None
+            time.sleep(PROBE_RETRY_S)
 
 
 def open_store(init_method: str, rank: int, timeout_s: float) -> dist.TCPStore:
