@@ -82,6 +82,7 @@ def plan_blocks(bytes_per_token: int, context: int, page: int, max_batch: int, m
     --max-seq-len (0: the model's, CPU_SEQ at most on CPU) and never more than the pool."""
     cpu = not source
     tokens = CPU_SLOTS * CPU_SEQ if cpu else budget // bytes_per_token
+    page = min(page, max_seq_len or context)  # a block never outgrows the context a row can hold
     blocks = tokens // page
     if blocks < 1:
         raise ValueError(f"no room for a KV pool: {source} leaves {max(budget, 0) / GIB:.2f} GiB, not one block of "

@@ -82,7 +82,14 @@ def test_the_engine_plan_on_cpu_prefills_whole_prompts(tiny_loaded):
     options, line = plan_engine(DecodeConfig(colocated=True), tiny_loaded, 0)
     assert (options.max_batch, options.max_seq_len, options.prefill_chunk, options.mixed_prefill) == (16, 4096, 0,
                                                                                                         False)
-    assert "whole prompts" in line and "dtype float32 (auto)" in line and "16 x 4096" in line
+    assert "whole prompts" in line and "dtype float32 (auto)" in line
+    # paged by default: the memory of 16 slots of 4,096 tokens in 64-token blocks, 16 rows (docs/paging.md)
+    assert (options.kv_block_tokens, options.kv_blocks) == (64, 16 * 4096 // 64)
+    assert "1024 blocks of 64 tokens, 16 rows" in line
+    slots, line = plan_engine(DecodeConfig(colocated=True, kv_block_tokens=0), tiny_loaded, 0)
+    assert (slots.max_batch, slots.max_seq_len, slots.kv_block_tokens) == (16, 4096, 0) and "16 x 4096" in line
+    short, _ = plan_engine(DecodeConfig(colocated=True, max_seq_len=40), tiny_loaded, 0)
+    assert (short.max_seq_len, short.kv_block_tokens) == (40, 40)  # a block never outgrows the context
     mixed, _ = plan_engine(DecodeConfig(colocated=True, mixed_prefill=True), tiny_loaded, 0)
     assert (mixed.prefill_chunk, mixed.mixed_prefill) == (256, True)
 
@@ -100,8 +107,11 @@ def test_the_engine_plan_on_cuda_is_the_fastest_measured_and_exact_restores_whol
     assert (exact.prefill_chunk, exact.mixed_prefill) == (0, False) and "whole prompts (--exact)" in line
     with pytest.raises(ValueError, match="--exact prefills whole prompts"):
         DecodeConfig(exact=True, mixed_prefill=True)
-    with pytest.raises(ValueError, match="give at most two"):
-        DecodeConfig(kv_pool_gib=1, max_batch=2, max_seq_len=64)
+    with pytest.raises(ValueError, match="give at most two"):  # the slot layout: each follows from the other two
+        DecodeConfig(kv_pool_gib=1, max_batch=2, max_seq_len=64, kv_block_tokens=0)
+    paged, line = plan_engine(DecodeConfig(colocated=True, kv_pool_gib=1, max_batch=2, max_seq_len=64), cuda, 0)
+    assert (paged.max_batch, paged.max_seq_len, paged.kv_blocks) == (2, 64, (1 << 30) // (64 * 1024))  # paged: apart
+    assert (fast.kv_block_tokens, fast.max_seq_len) == (64, tiny_loaded.model.config.max_position_embeddings)
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,8 @@ order and the last one (SIGTERM) ends it.
 
 from __future__ import annotations
 
+import argparse
+
 import asyncio
 import os
 import re
@@ -297,9 +299,14 @@ def test_every_flag_has_help_and_default():
         text = " ".join(parser.format_help().split())
         flags = parser._actions[1:]
         assert len(flags) == len(cls.__dataclass_fields__)
-        for action in flags:
+        shown = [a for a in flags if a.help != argparse.SUPPRESS]  # the test-only fault flags are hidden
+        assert {a.dest for a in flags} - {a.dest for a in shown} <= {"fail_scheduler_after_steps", "fail_after_layers",
+                                                                       "fail_stall_s", "fail_requests"}
+        for action in shown:
             assert action.help and len(action.help) > 8, action.dest
-        assert text.count("(default:") == len(flags)
+        for action in flags:
+            assert cls.__dataclass_fields__[action.dest].metadata["help"], action.dest
+        assert text.count("(default:") == len(shown)
     for name in ("max_batch", "max_seq_len", "cuda_graphs", "prefill_chunk", "admission_wait_s",
                  "stream_buffer_tokens", "shutdown_grace_s"):
         assert DecodeConfig.__dataclass_fields__[name].metadata["help"], name

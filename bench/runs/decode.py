@@ -56,9 +56,12 @@ class DecodeBenchConfig:
     temperature: float = 0.0  # > 0: every row samples (seed + row), the draw timed with the step
     top_p: float = 1.0
     top_k: int = 0
+    kv_block_tokens: int = 0  # > 0: the pool in blocks of this many tokens, each row's blocks scattered
 
     def __post_init__(self):
         ModelSpec(self.model, self.dtype)
+        if self.kv_block_tokens < 0:
+            raise ValueError("--kv-block-tokens must be >= 0 (0: the slot layout)")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError("--temperature must be finite and >= 0 (0: greedy)")
         if not 0 < self.top_p <= 1 or self.top_k < 0:
@@ -133,8 +136,15 @@ def engine_context(model, geom: CacheGeometry, ctx: int, batches: list[int], cfg
     from kvtransfer.engine.pool import KVPool
     from kvtransfer.engine.runner import StepRunner
     from kvtransfer.engine.sampler import Draws, SamplingParams, next_tokens
-    pool = KVPool(geom, grid.device, slots=max(batches), max_seq=ctx + 8)
-    pool.kv.normal_()  # (layers, 2, slots + 1, kv_heads, max_seq, head_dim): values do not change the times
+    rows, page = max(batches), cfg.kv_block_tokens
+    pool = KVPool(geom, grid.device, slots=rows, max_seq=ctx + 8, page=page,
+                  blocks=rows * -(-(ctx + 8) // page) if page else 0)
+    if page:  # every row leased with its context's blocks, handed out in a shuffled order (as a busy pool's are)
+        perm = torch.randperm(len(pool._free_blocks), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+        pool._free_blocks = [pool._free_blocks[i] for i in perm]
+        leases = [pool.try_lease(ctx + 8) for _ in range(rows)]
+        assert [le.slot for le in leases] == list(range(rows))  # rows 0..B-1, as inputs() names them
+    pool.kv.normal_()  # (layers, 2, blocks + 1, kv_heads, page, head_dim): values do not change the times
     runner = StepRunner(model, pool)  # fuses the weights on the first pool only (idempotent)
     sampling = cfg.temperature > 0
     step = Step(runner, max(batches), cfg.cuda_graphs, sampling=sampling)
@@ -240,6 +250,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="0: greedy steps (default); > 0: every row samples, seeded, the draw timed with the step")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus of the sampling rows, (0, 1] (default 1)")
     p.add_argument("--top-k", type=int, default=0, help="top-k of the sampling rows (0: all)")
+    p.add_argument("--kv-block-tokens", type=int, default=0,
+                   help="the pool in blocks of this many tokens, each row's scattered (0: the slot layout)")
     p.add_argument("--out", help="write result.json, report.md and decode.png in this directory")
 
 
@@ -252,5 +264,6 @@ def job(args: argparse.Namespace) -> Job:
                        batches=tuple(args.batches), contexts=tuple(args.contexts), runs=args.runs,
                        warmup=args.warmup, cuda_graphs=not args.no_cuda_graphs, hf=hf,
                        hf_compile_points=tuple(points(args.hf_compile_points)), mem_fraction=args.mem_fraction,
-                       seed=args.seed, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+                       seed=args.seed, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                       kv_block_tokens=args.kv_block_tokens)
     return Job(total_steps(cfg), lambda step: run_decode(cfg, step))

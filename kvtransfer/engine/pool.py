@@ -81,9 +81,9 @@ class KVPool:
                  blocks: int = 0):
         if slots < 1 or max_seq < 2:
             raise ValueError(f"KV pool needs >= 1 slot of >= 2 tokens (got --max-batch {slots}, --max-seq-len {max_seq})")
-        page = page or max_seq
-        if page < 1 or page > max_seq:
-            raise ValueError(f"a KV block of {page} tokens does not fit a context of --max-seq-len {max_seq}")
+        if page < 0:
+            raise ValueError(f"a KV block needs >= 1 token (got {page})")
+        page = min(page or max_seq, max_seq)  # a block never outgrows the context a row can hold
         self.geometry, self.device, self.slots, self.max_seq, self.page = geometry, device, slots, max_seq, page
         self.width = -(-max_seq // page)  # blocks a row can hold
         self.fixed = self.width == 1 and not blocks  # the slot layout: row r owns block r
@@ -161,7 +161,8 @@ class KVPool:
             raise PoolFull()
         new = [self._free_blocks.pop() for _ in range(more)]
         have.extend(new)
-        self.table[slot, len(have) - more:len(have)] = torch.tensor(new, dtype=torch.int32).to(self.device)
+        self.table[slot, len(have) - more:len(have)].copy_(self._up(torch.tensor(new, dtype=torch.int32)),
+                                                         non_blocking=True)
         fence = self.fence
         return fence if fence is not None and not fence.query() else None
 
@@ -214,6 +215,12 @@ class KVPool:
 
     # --- gathers and scatters of a row's positions (the paged layout's copies; views in the slot layout) ---
 
+    def _up(self, t: torch.Tensor) -> torch.Tensor:
+        """A small host tensor on its way to the device without a host wait: through pinned memory (torch's caching
+        host allocator keeps it until the copy ran), queued on the current stream. A copy from pageable memory would
+        wait for the stream, a whole decode step on the serving thread."""
+        return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
+
     def _index(self, slot: int, p0: int, p1: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(blocks, offsets), each (p1 - p0,) int64 on the device: where positions p0..p1 - 1 of `slot` live."""
         pos = torch.arange(p0, p1)
@@ -221,7 +228,7 @@ class KVPool:
         if len(rows) * self.page < p1:
             raise ValueError(f"slot {slot} holds {len(rows) * self.page} positions, not {p1}")
         blocks = torch.tensor(rows, dtype=torch.long)[pos // self.page]
-        return blocks.to(self.device), (pos % self.page).to(self.device)
+        return self._up(blocks), self._up(pos % self.page)
 
     def read(self, slot: int, p0: int, p1: int) -> torch.Tensor:
         """Positions p0..p1 - 1 of every layer, token-major: (p1 - p0, layers, 2, kv_heads, head_dim) (a view in the
@@ -271,6 +278,6 @@ class KVPool:
             self.kv[:, :, dst, :, :n].copy_(self.kv[:, :, src, :, :n])
             return
         k = self.blocks_for(n)
-        to = torch.tensor(self._rows[dst][:k], dtype=torch.long).to(self.device)
-        frm = torch.tensor(self._rows[src][:k], dtype=torch.long).to(self.device)
+        to = self._up(torch.tensor(self._rows[dst][:k], dtype=torch.long))
+        frm = self._up(torch.tensor(self._rows[src][:k], dtype=torch.long))
         self.kv[:, :, to] = self.kv[:, :, frm]
