@@ -12,7 +12,7 @@ from kvtransfer.model.loaded import resolve_dtype
 from kvtransfer.model.spec import ModelSpec
 from kvtransfer.rpc.configargs import LOG_LEVELS, check_choices, flag, one_line
 from kvtransfer.rpc.flagchecks import check_address, check_device, check_dist_init, check_positive
-from kvtransfer.rpc.limits import CONTROL_MESSAGE_LIMIT, check_message_limit
+from kvtransfer.rpc.limits import CONTROL_MESSAGE_LIMIT, MAX_WAITING, check_message_limit
 from kvtransfer.rpc.metrics import check_metrics_flags
 from kvtransfer.rpc.security import check_tls_flags, check_token_flags
 from kvtransfer.transport.registry import options_from
@@ -44,7 +44,9 @@ class PrefillConfig:
     layerwise_min_tokens: int = flag(-1, "MODE_AUTO: prompts this long stream layer-wise, shorter bulk; -1: measured "
                                      "per transport (policy.py)")
     max_prompt_tokens: int = flag(32768, "longest prompt accepted; longer: INVALID_ARGUMENT")
-    max_inflight: int = flag(64, "Prefill calls admitted at once (run one by one); beyond: RESOURCE_EXHAUSTED")
+    max_inflight: int = flag(MAX_WAITING, "Prefill calls admitted at once, run one by one (a queue: each decode "
+                             "worker sends one per request it admits, up to its --max-batch rows at once); beyond: "
+                             "RESOURCE_EXHAUSTED")
     max_message_bytes: int = flag(CONTROL_MESSAGE_LIMIT, "gRPC send/receive limit; larger: RESOURCE_EXHAUSTED")
     send_timeout_s: float = flag(60.0, "longest a transfer may take to be sent (and a link to connect), s")
     dist_timeout_s: float = flag(120.0, "nccl/gloo: hosting the rendezvous and joining the process group, s")
