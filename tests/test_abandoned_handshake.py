@@ -17,7 +17,7 @@ import os
 from bench.probes.abandoned_handshake import run
 
 DIST_TIMEOUT_S = 10.0
-RUNS = int(os.environ.get("KVT_ABANDONED_RUNS", "3"))
+RUNS = int(os.environ.get("KVT_ABANDONED_RUNS", "1"))  # CI: one; the 10-run figure: bench.probes.abandoned_handshake
 
 
 def test_a_decode_worker_killed_after_its_handshake_does_not_hold_up_the_next(tmp_path):

@@ -34,18 +34,21 @@ def tiny():
     return load_model(ModelSpec("tiny", "float32"))
 
 
-@pytest.mark.parametrize("transport", ["gloo", "grpc"])
-def test_a_paged_pair_decodes_what_the_slot_layout_does(tmp_path, tiny, transport):
-    with server_pair(tmp_path, prefill_args=["--transport", transport],
-                     decode_args=["--transport", transport, *PAGE]) as run:
-        for n in (1, 7, 33, 130):
-            ids = random_prompt(tiny.config.vocab_size, n, seed=n).view(-1).tolist()
-            want = reference(tiny, ids, 6)
-            for mode in ("layerwise", "bulk", "colocated"):
-                got = asyncio.run(generate(run.addr, ids, 6, mode, digest=True, cache_digest=True))
-                assert got["tokens"] == want["tokens"], (mode, n)
-                assert got["logits_digests"] == want["logits_digests"], (mode, n)
-                assert got["cache_digest"] == want["cache_digest"], (mode, n)
+def decodes_what_the_slot_layout_does(addr: str, tiny) -> None:
+    for n in (1, 7, 33, 130):
+        ids = random_prompt(tiny.config.vocab_size, n, seed=n).view(-1).tolist()
+        want = reference(tiny, ids, 6)
+        for mode in ("layerwise", "bulk", "colocated"):
+            got = asyncio.run(generate(addr, ids, 6, mode, digest=True, cache_digest=True))
+            assert got["tokens"] == want["tokens"], (mode, n)
+            assert got["logits_digests"] == want["logits_digests"], (mode, n)
+            assert got["cache_digest"] == want["cache_digest"], (mode, n)
+
+
+def test_a_paged_grpc_pair_decodes_what_the_slot_layout_does(tmp_path, tiny):
+    """(gloo: in the next test, on its pair once the held transfer is over)"""
+    with server_pair(tmp_path, prefill_args=["--transport", "grpc"], decode_args=["--transport", "grpc", *PAGE]) as run:
+        decodes_what_the_slot_layout_does(run.addr, tiny)
 
 
 def load(addr: str) -> pb.LoadResponse:
@@ -80,7 +83,8 @@ def outcome(addr: str, ids: list[int], new: int, mode: str, timeout: float) -> s
 
 def test_every_block_comes_back_after_requests_end_every_way(tmp_path, tiny):
     """Done, cancelled mid-decode, past its deadline, failed by its peer (a held transfer past --peer-timeout-s):
-    after each, Load says every block of the pool is free again (the prefix cache off: nothing is kept)."""
+    after each, Load says every block of the pool is free again (the prefix cache off: nothing is kept). Then the
+    gloo pair decodes what the slot layout does."""
     ids = random_prompt(tiny.config.vocab_size, 40, seed=3).view(-1).tolist()
     with server_pair(tmp_path, prefill_args=["--transport", "gloo", "--fail-after-layers", "1", "--fail-requests",
                                              "1", "--fail-stall-s", "8"],
@@ -107,3 +111,4 @@ def test_every_block_comes_back_after_requests_end_every_way(tmp_path, tiny):
         assert settled(run.addr, blocks).free_blocks == blocks
         assert outcome(run.addr, ids, 2000, "colocated", 0.5) == "DEADLINE_EXCEEDED"
         assert settled(run.addr, blocks).free_blocks == blocks
+        decodes_what_the_slot_layout_does(run.addr, tiny)  # the gloo pair, every cache landed in scattered blocks
