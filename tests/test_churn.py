@@ -102,6 +102,12 @@ def test_restart_churn_keeps_the_pair_serving(tmp_path):
                 assert again is not None, (side, how, f"not serving again {SERVE_AGAIN_S} s after", pair.log_text())
                 cycles.append({"side": side, "how": how, "exit_s": round(gone, 2), "serving_again_s": round(again, 2),
                                "restart_to_serving_s": round(time.monotonic() - t1, 2)})
+            # the client that kept sending through every restart is served once the pair is back (how many of its
+            # calls succeeded depends on the machine's speed: how short the windows between restarts are)
+            mark, end = len(client.calls), time.monotonic() + SERVE_AGAIN_S
+            while time.monotonic() < end and not any(c == "OK" for c, _ in client.calls[mark:]):
+                time.sleep(0.1)
+            client_served = any(c == "OK" for c, _ in client.calls[mark:])
         finally:
             client.stopped.set()
             client.join(timeout=CALL_S + 10)
@@ -117,4 +123,4 @@ def test_restart_churn_keeps_the_pair_serving(tmp_path):
                                  "max_exit_after_term_s": max([c["exit_s"] for c in cycles if c["how"] == "term"],
                                                               default=None),
                                  "per_cycle": cycles}))
-    assert len(cycles) == CYCLES and not hung and codes.get("OK", 0) > CYCLES
+    assert len(cycles) == CYCLES and not hung and client_served, codes
