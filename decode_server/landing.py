@@ -19,5 +19,4 @@ def pool_destination(pool: KVPool, slot: int, seq_len: int):
         return pool.views(slot, seq_len)
     if pool.blocks_for(seq_len) > len(pool.row_blocks(slot)):
         raise ValueError(f"{seq_len} tokens do not fit the {len(pool.row_blocks(slot))} blocks slot {slot} holds")
-    at = pool.positions(slot, 0, seq_len)  # once per request: every layer lands at the same positions
-    return Landed(lambda i, k, v: pool.write_layer(slot, i, 0, k, v, at))
+    return Landed(lambda i, k, v: pool.write_layer(slot, i, 0, k, v))

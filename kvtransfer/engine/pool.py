@@ -260,21 +260,15 @@ class KVPool:
         """Every layer's (k, v) over `slot`'s positions 0..n - 1, each (1, kv_heads, n, head_dim) (read_layer)."""
         return [self.read_layer(slot, i, n) for i in range(self.geometry.num_layers)]
 
-    def positions(self, slot: int, p0: int, p1: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Where positions p0..p1 - 1 of `slot` live, for write_layer's `at`: a transfer lands every layer at the
-        same positions, so the index is built once per request, not once per layer."""
-        return self._index(slot, p0, p1)
-
-    def write_layer(self, slot: int, i: int, p0: int, k: torch.Tensor, v: torch.Tensor, at=None) -> None:
-        """k, v (1, kv_heads, n, head_dim) into layer i's positions p0..p0 + n - 1 of `slot`: one scatter each.
-        `at`: `positions(slot, p0, p0 + n)`, when the caller already has it."""
+    def write_layer(self, slot: int, i: int, p0: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v (1, kv_heads, n, head_dim) into layer i's positions p0..p0 + n - 1 of `slot`: one scatter each."""
         n = k.shape[2]
         if self.fixed:
             b = self._rows[slot][0]
             self.kv[i, 0, b, :, p0:p0 + n].copy_(k[0])
             self.kv[i, 1, b, :, p0:p0 + n].copy_(v[0])
             return
-        blocks, offs = at if at is not None else self._index(slot, p0, p0 + n)
+        blocks, offs = self._index(slot, p0, p0 + n)
         self.kv[i, 0][blocks, :, offs] = k[0].transpose(0, 1)  # (n, kv_heads, head_dim)
         self.kv[i, 1][blocks, :, offs] = v[0].transpose(0, 1)
 
