@@ -3,8 +3,9 @@
 Why here, once, after the weights are loaded: a user compares servers by starting them with no tuning
 flags, so the defaults must be the configuration that measured fastest, sized to the device they find.
 - dtype `auto` (kvtransfer.model.loaded.resolve_dtype): bfloat16 on CUDA, float32 on CPU.
-- Prefill on CUDA: 256-row mixed steps (prompt chunks ride in the decode steps' forward), the measured
-  fastest serving configuration; on CPU the whole prompt at once. Chunked and mixed prefill give up
+- Prefill on CUDA: mixed steps of up to 512 rows (prompt chunks ride in the decode steps' forward; a step
+  with less prompt work takes a smaller size), the measured fastest serving configuration, with up to 256
+  rows decoding; on CPU the whole prompt at once. Chunked and mixed prefill give up
   bit-identity between a request colocated and disaggregated (other kernel shapes); `--exact` restores it.
 - The KV pool on CUDA takes what `--gpu-memory-utilization` of the device leaves after this process's
   weights and a workspace for one longest prompt's prefill (and the receive buffers of the data plane),
@@ -21,8 +22,8 @@ from dataclasses import dataclass
 import torch
 
 GIB = 1 << 30
-FAST_PREFILL_CHUNK = 256  # rows of a mixed step (decode rows included): the fastest measured on an H200
-MAX_AUTO_BATCH = 128  # auto slots stop here: a mixed step of 256 rows needs >= 2 per decode row; graphs per bucket
+FAST_PREFILL_CHUNK = 512  # rows of a mixed step (decode rows included), its token budget: measured (README)
+MAX_AUTO_BATCH = 256  # auto rows stop here: a mixed step of 512 rows needs >= 2 per decode row; graphs per bucket
 CPU_SLOTS, CPU_SEQ = 16, 4096  # CPU without --kv-pool-gib (tests, demos)
 WORKSPACE = 2 * GIB  # CUDA graphs, cuBLAS workspaces, the allocator's slack
 
@@ -136,7 +137,7 @@ def plan_engine(config, loaded, receive_slots: int):
         auto_chunk = config.prefill_chunk < 0
         chunk = (FAST_PREFILL_CHUNK if cuda or config.mixed_prefill else 0) if auto_chunk else config.prefill_chunk
         mixed = config.mixed_prefill if config.mixed_prefill is not None else (cuda and auto_chunk)
-        prefill_why = (f"{chunk}-row mixed steps" if mixed else f"chunks of {chunk} tokens" if chunk else
+        prefill_why = (f"mixed steps of up to {chunk} rows" if mixed else f"chunks of {chunk} tokens" if chunk else
                        "whole prompts") + (" (the CUDA default; --exact for whole prompts)" if cuda and auto_chunk
                                            and mixed and config.mixed_prefill is None else "")
     cap = min(MAX_AUTO_BATCH, chunk // 2) if mixed else MAX_AUTO_BATCH

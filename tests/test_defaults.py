@@ -91,18 +91,18 @@ def test_the_engine_plan_on_cpu_prefills_whole_prompts(tiny_loaded):
     short, _ = plan_engine(DecodeConfig(colocated=True, max_seq_len=40), tiny_loaded, 0)
     assert (short.max_seq_len, short.kv_block_tokens) == (40, 40)  # a block never outgrows the context
     mixed, _ = plan_engine(DecodeConfig(colocated=True, mixed_prefill=True), tiny_loaded, 0)
-    assert (mixed.prefill_chunk, mixed.mixed_prefill) == (256, True)
+    assert (mixed.prefill_chunk, mixed.mixed_prefill) == (512, True)
 
 
 def test_the_engine_plan_on_cuda_is_the_fastest_measured_and_exact_restores_whole_prompts(tiny_loaded, monkeypatch):
-    """On CUDA (its memory stood in), no flags: 256-row mixed steps and at most 128 slots (2 rows per decode row);
-    --exact: whole prompts. --exact beside a chunk flag is refused."""
+    """On CUDA (its memory stood in), no flags: mixed steps of up to 512 rows and at most 256 rows decoding (2 step
+    rows per decode row); --exact: whole prompts. --exact beside a chunk flag is refused."""
     import decode_server.sizing as sizing
     monkeypatch.setattr(sizing, "device_memory", lambda device: H200)
     cuda = type(tiny_loaded)(tiny_loaded.spec, tiny_loaded.model, tiny_loaded.geometry, torch.device("cuda", 0))
     fast, line = plan_engine(DecodeConfig(colocated=True), cuda, 0)
-    assert (fast.prefill_chunk, fast.mixed_prefill, fast.max_batch) == (256, True, 128)
-    assert "256-row mixed steps (the CUDA default; --exact" in line
+    assert (fast.prefill_chunk, fast.mixed_prefill, fast.max_batch) == (512, True, 256)
+    assert "mixed steps of up to 512 rows (the CUDA default; --exact" in line
     exact, line = plan_engine(DecodeConfig(colocated=True, exact=True), cuda, 0)
     assert (exact.prefill_chunk, exact.mixed_prefill) == (0, False) and "whole prompts (--exact)" in line
     with pytest.raises(ValueError, match="--exact prefills whole prompts"):

@@ -18,7 +18,7 @@ from bench.measure.launch import ROOT, free_port, spawn, stop, wait_serving
 from decode_server.client import generate
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-PROMPT = [1 + i % 500 for i in range(600)]  # longer than one 256-row mixed step; ids inside tiny's vocabulary
+PROMPT = [1 + i % 500 for i in range(600)]  # longer than one 512-row mixed step; ids inside tiny's vocabulary
 
 
 @pytest.mark.parametrize("device", [None, "auto", "cuda", "cuda:0"])
@@ -30,7 +30,7 @@ def test_a_colocated_start_with_no_tuning_flags_serves(tmp_path, device):
         got = asyncio.run(generate(addr, PROMPT, 16, timeout=120))
         assert len(got["tokens"]) == 16
         text = open(log).read()
-        assert "engine defaults on cuda:0: dtype bfloat16 (auto); prefill: 256-row mixed steps" in text, text[-3000:]
+        assert "engine defaults on cuda:0: dtype bfloat16 (auto); prefill: mixed steps of up to 512 rows" in text, text[-3000:]
     finally:
         stop([proc])
     assert proc.returncode == 0, open(log).read()[-3000:]

@@ -239,6 +239,26 @@ def test_a_larger_step_runs_only_when_the_prompt_tokens_waiting_fill_it(tiny):
     assert Step(StepRunner(tiny, pool), 8, False, chunk=24).prompt_budget(3, 500) == 20  # one size only
 
 
+def test_a_step_with_little_prompt_work_takes_a_smaller_size_of_the_ladder(tiny):
+    """--prefill-chunk 512: steps of 128, 256 and 512 rows; a step takes every waiting prompt token in the smallest
+    size that holds them beside its decode rows (bucket b), a size holds at most half decode rows, and when more
+    wait than the budget leaves, the whole 512 rows."""
+    from kvtransfer.engine.graphs import Step
+    from kvtransfer.engine.mixed import step_sizes
+
+    assert step_sizes(512, 0) == [128, 256, 512] and step_sizes(512, 1024) == [128, 256, 512, 1024]
+    assert step_sizes(384, 0) == [192, 384] and step_sizes(200, 0) == [200]  # halves while >= MIN_STEP_ROWS
+    pool = KVPool(CacheGeometry.from_config(tiny.config, torch.float32), torch.device("cpu"), slots=8, max_seq=64)
+    step = Step(StepRunner(tiny, pool), max_batch=80, cuda_graphs=False, chunk=512)
+    # 3 decode rows (bucket 4): 10 waiting -> 124 rows of a 128-row step; 125 -> 256; 300 -> 512; 600 -> the budget
+    assert [step.prompt_budget(3, w) for w in (0, 10, 124, 125, 252, 253, 508, 600)] == [124] * 3 + [252] * 2 + [
+        508] * 3
+    assert [step.rows_for(3, r) for r in (1, 124, 125, 252, 253, 508, 509)] == [128, 128, 256, 256, 512, 512, 0]
+    # 65 decode rows (bucket 80): no 128-row step (most rows would decode); 100 waiting -> a 256-row step
+    assert step.prompt_budget(65, 100) == 176 and step.rows_for(65, 100) == 256 and step.rows_for(65, 40) == 256
+    assert step.prompt_budget(65, 1000) == 432 and step.rows_for(65, 433) == 0
+
+
 def test_prompts_waiting_together_ride_in_one_larger_step(tiny, monkeypatch):
     """Two 20-token prompts queued while one request decodes (--prefill-chunk 17, --mixed-max-rows 34): one step
     of 34 rows carries 33 of their 40 tokens (one of 17 would carry 16), the rest ride in a 17-row step, and

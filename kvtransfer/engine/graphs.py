@@ -7,15 +7,15 @@ the pool's scratch slot. Captured eagerly at start-up (time and memory logged) r
 lazily: the first request must not pay a capture, and a capture that fails should fail the
 start, not a request. All graphs share one memory pool, largest first.
 
-With --mixed-prefill there is a second graph per bucket b: --prefill-chunk rows in all, the b
-decode rows and then prompt chunks in the rest (mixed.py: up to MAX_PIECES prompts, padded when they
-fall short), keeping the bucket's rows and MAX_PIECES more for lm_head (each chunk's last row;
-unused ones point at a padding row). Padding rows write and read only the scratch slot. One row
-count for every bucket, because the GEMMs are compute bound there and run in 128-row tiles: 16
-decode rows + 256 prompt rows would pay for 384.
-With --mixed-max-rows there are such graphs at 2, 4 .. x --prefill-chunk rows too (mixed.step_sizes); a step
-takes the largest size that the prompt tokens waiting fill (`prompt_budget`). Eagerly, a mixed step is host
-bound (its launches cost the same at any row count), so every size is a graph.
+With --mixed-prefill there are more graphs per bucket b, one per step size c >= 2 b (mixed.step_sizes: a
+ladder up to --prefill-chunk rows, the step's token budget): the b decode rows and then prompt chunks in the
+rest (mixed.py: up to MAX_PIECES prompts, padded when they fall short), keeping the bucket's rows and
+MAX_PIECES more for lm_head (each chunk's last row; unused ones point at a padding row). Padding rows write and
+read only the scratch slot. The size counts the decode rows, because the GEMMs are compute bound there and run
+in 128-row tiles: 16 decode rows + 256 prompt rows would pay for 384.
+A step takes the smallest size that holds every prompt token waiting, within the budget; when more wait, the
+largest size they fill (with --mixed-max-rows, up to 2, 4 .. x --prefill-chunk rows): `prompt_budget`.
+Eagerly, a mixed step is host bound (its launches cost the same at any row count), so every size is a graph.
 
 The step's draw (sampler.py, `Sampler`) has graphs of its own, one per bucket (and bucket + MAX_PIECES rows with
 --mixed-prefill, for the first tokens of prompts whose last chunk rode along), replayed after the step only when a
@@ -45,8 +45,8 @@ def buckets(max_batch: int) -> list[int]:
 class Step:
     """`step(tokens, positions, slots)` -> logits (n, vocab): eager (CPU, --no-cuda-graphs) or graph replay.
     `step.mixed(tokens, positions, slots, chunks)` -> (logits (n, vocab), each chunk's last row (P, vocab)): the
-    same step with prompt tokens riding along in P <= MAX_PIECES chunks, in the smallest of `sizes` (`chunk` rows,
-    then 2, 4 .. x chunk) that holds them beside the bucket (graphed when `chunk` > 0; `prompt_budget` says how
+    same step with prompt tokens riding along in P <= MAX_PIECES chunks, in the smallest of `sizes` (a ladder up to
+    `chunk` rows, then 2, 4 .. x chunk) that holds them beside the bucket (graphed when `chunk` > 0; `prompt_budget` says how
     many to hand it).
 
     The graphed logits are a view into the graph's output buffer: valid until the next call. `step.sampler` draws
@@ -92,7 +92,7 @@ class Step:
                                         (1, self.pieces))
         torch.cuda.current_stream(dev).wait_stream(side)
         for c in reversed(self.sizes):  # the largest graphs first: they size the shared pool
-            for b in reversed(self.buckets):
+            for b in reversed(self._beside(c)):
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=mempool):
                     out = self.runner.forward(self.tokens[:c], self.positions[:c], self.slots[:c],
@@ -113,16 +113,30 @@ class Step:
     def bucket(self, n: int) -> int:
         return next(x for x in self.buckets if x >= n)
 
+    def _beside(self, c: int) -> list[int]:
+        """The buckets a step of c rows has a graph for: at most half its rows decode (as --prefill-chunk >= 2 x
+        --max-batch), so a small step of the ladder is never mostly decode rows."""
+        return [b for b in self.buckets if 2 * b <= c]
+
+    def _sizes(self, b: int) -> list[int]:
+        return [c for c in self.sizes if 2 * b <= c]
+
     def prompt_budget(self, n: int, waiting: int) -> int:
-        """Prompt tokens a mixed step beside n decode rows carries while `waiting` prompt tokens wait: the rows left
-        in the largest size they fill, else in the smallest (so only the smallest size is ever padded)."""
+        """Prompt tokens a mixed step beside n decode rows (bucket b) carries while `waiting` prompt tokens wait:
+        all of them in the smallest size that holds them, when the budget (--prefill-chunk rows) does; else the
+        rows left in the largest size they fill. Only a step that takes every waiting token is padded."""
+        if not self.chunk:
+            return 0
         b = self.bucket(n)
-        return max([c for c in self.sizes if c - b <= waiting] or self.sizes[:1]) - b if self.chunk else 0
+        sizes = self._sizes(b)  # never empty: --prefill-chunk >= 2 x --max-batch
+        if b + waiting <= self.chunk:
+            return next(c for c in sizes if c - b >= waiting) - b
+        return max(c for c in sizes if c - b <= waiting) - b
 
     def rows_for(self, n: int, prompt_rows: int) -> int:
         """The mixed step size that carries `prompt_rows` beside n decode rows: the smallest with room (0: none)."""
         b = self.bucket(n)
-        return next((c for c in self.sizes if prompt_rows <= c - b), 0)
+        return next((c for c in self._sizes(b) if prompt_rows <= c - b), 0)
 
     def _fill(self, n: int, b: int, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         """Rows 0..n-1 of the input buffers from the caller's, rows n..b-1 padding (scratch slot, position 0)."""

@@ -6,10 +6,12 @@ A chunk of c prompt tokens and the B decode
 rows share every GEMM instead: the step costs max(compute of c + B rows, one read of the
 weights), so the decode rows ride nearly free while a prefill is in progress.
 
-A step has --prefill-chunk rows in all, its decode rows included (Sarathi-Serve's token budget): the
+A step has at most --prefill-chunk rows, its decode rows included (Sarathi-Serve's token budget): the
 rows left carry the next chunk of the prompt in progress, and when that ends short of them, the first
 chunk of the next prompt too (up to MAX_PIECES prompts a step), so no graph row is padding while
-prompts wait.
+prompts wait. When fewer prompt tokens wait than the budget leaves, the step takes the smallest size
+of a ladder (--prefill-chunk / 2, / 4 .. down to MIN_STEP_ROWS) that holds them all: it pays for the
+rows it has.
 With --mixed-max-rows N there are larger steps too (2, 4 .. x --prefill-chunk rows, up to N, each its
 own graph): a step takes the largest size that the prompt tokens waiting fill, so a burst of arrivals
 drains in fewer, fuller steps and its requests join the batch sooner; when few wait, the smallest size.
@@ -43,11 +45,15 @@ from kvtransfer.engine.runner import StepRunner
 from kvtransfer.engine.sampler import SamplingParams
 
 MAX_PIECES = 4  # prompt chunks in one step (each keeps one row for lm_head)
+MIN_STEP_ROWS = 128  # the smallest mixed step below --prefill-chunk: under it a 7B step is bound by the weights' read
 
 
 def step_sizes(rows: int, max_rows: int) -> list[int]:
-    """The mixed steps' row counts: rows, 2 x rows, 4 x rows .. up to max_rows."""
+    """The mixed steps' row counts, ascending: rows / 2, rows / 4 .. down to MIN_STEP_ROWS (a step with little
+    prompt work pays for the rows it has, not for `rows`), rows, then 2 x rows, 4 x rows .. up to max_rows."""
     out = [rows]
+    while out[0] % 2 == 0 and out[0] // 2 >= MIN_STEP_ROWS:
+        out.insert(0, out[0] // 2)
     while out[-1] * 2 <= max_rows:
         out.append(out[-1] * 2)
     return out
