@@ -10,9 +10,12 @@ import shlex
 import pytest
 
 from bench.cli import build_parser, main
+from bench.measure import roofline
 from bench.measure.launch import ROOT, colocated_server
+from bench.runs import serve
 from bench.runs.serve import METRICS, PERCENTILES, ServeConfig, length_range, make_prompts, sustained
 from bench.runs.serve import config as serve_config
+from kvtransfer.model.spec import load_config
 
 VLLM_KEYS = ["duration", "completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput",
              "output_throughput", "total_token_throughput"] + [
@@ -47,6 +50,11 @@ def test_serve_concurrency(server, capsys, tmp_path):
     report = (tmp_path / "report.md").read_text()
     assert (tmp_path / "result.json").exists() and "TTFT" in report and "sustained" in report
     assert r["sustained_output_throughput"] > 0 and 0 < r["sustained_window_s"] < r["duration"]
+    # a single --concurrency is no sweep; on this CPU-only process the roofline is off, and the report says why
+    assert "sweep" not in r and not (tmp_path / "c4").exists()
+    assert r["roofline"] == {"on": False, "why": "this bench process sees no CUDA device, and the GEMM rate is "
+                             "measured on a GPU only"} and r["of_roofline"] is None
+    assert "Compute roofline" in report and "sees no CUDA device" in report
 
 
 def test_serve_through_the_openai_front(server, capsys, tmp_path):
@@ -227,3 +235,122 @@ def test_serve_samples_when_told(server, capsys, tmp_path):
         ServeConfig(model="tiny", temperature=-1)
     with pytest.raises(ValueError, match="--top-p"):
         ServeConfig(model="tiny", temperature=1, top_p=0)
+
+
+FAKE_RATES = {"device": "fake", "rows": 2048, "dtype": "bfloat16", "reps": 7, "calls_per_rep": 10,
+              "layer_tflops": 1e-6, "lm_head_tflops": 2e-6,
+              "shapes": {"qkv": {"n": 128, "k": 64, "us": 1.0, "tflops": 1e-6}}}
+
+
+def test_serve_sweeps_concurrencies_against_one_server(server, capsys, tmp_path, monkeypatch):
+    """--concurrency 2,4: two runs against the module's server, each in result.json's `sweep`, in the summary (file
+    and console) and in OUT/c<N>/; the roofline's figures per run from a stand-in measurement (none runs on CPU)."""
+    monkeypatch.setattr(roofline, "cuda_visible", lambda: True)
+    monkeypatch.setattr(roofline, "measure_gemm", lambda dims, device: FAKE_RATES)
+    rc = main(["serve", "--addr", server.addr, "--model", "tiny", "--concurrency", "2,4", "--num-prompts", "4",
+               "--prompts-per-concurrency", "2", "--input-len", "12", "--output-len", "4", "--out", str(tmp_path)])
+    console = capsys.readouterr().out.strip().splitlines()
+    r = json.loads(console[-1])
+    assert "Serving sweep" in "\n".join(console[:-1])  # the summary table on the console
+    assert rc == 0 and r["ok"] and r["complete"], r["failures"]
+    assert r["concurrencies"] == [2, 4] and [x["max_concurrency"] for x in r["sweep"]] == [2, 4]
+    assert [x["num_prompts"] for x in r["sweep"]] == [4, 8]  # max(--num-prompts 4, 2 x concurrency)
+    assert [x["completed"] for x in r["sweep"]] == [4, 8] and all(x["ok"] for x in r["sweep"])
+    assert [row["max_concurrency"] for row in r["summary"]] == [2, 4]
+    on_disk = json.loads((tmp_path / "result.json").read_text())
+    assert [x["completed"] for x in on_disk["sweep"]] == [4, 8] and on_disk["complete"]
+    for c, n in ((2, 4), (4, 8)):
+        run = json.loads((tmp_path / f"c{c}" / "result.json").read_text())
+        assert run["max_concurrency"] == c and run["completed"] == n and "sweep" not in run
+        assert "Serving benchmark" in (tmp_path / f"c{c}" / "report.md").read_text()
+    for x, row in zip(r["sweep"], r["summary"]):
+        dims = roofline.Dims.of(load_config("tiny"))
+        lens = [len(p) for p in make_prompts(ServeConfig(model="tiny", num_prompts=x["num_prompts"], input_len=12))]
+        want = roofline.run_figures(FAKE_RATES, dims, lens, 4, x["output_throughput"])
+        assert x["roofline_output_tok_s"] == pytest.approx(want["roofline_output_tok_s"])
+        assert row["of_roofline"] == pytest.approx(x["output_throughput"] / x["roofline_output_tok_s"])
+        assert row["median_ttft_ms"] == x["median_ttft_ms"] and row["p99_itl_ms"] == x["p99_itl_ms"]
+    report = (tmp_path / "report.md").read_text()
+    summary = report.split("## Serving sweep", 1)[1].split("##", 1)[0]
+    rows = [line for line in summary.splitlines() if line.startswith("| 2 |") or line.startswith("| 4 |")]
+    assert len(rows) == 2 and "roofline tok/s" in summary and "TTFT p99 ms" in summary
+    assert "Compute roofline -- bf16 GEMM rate at 2,048 rows on fake" in report
+
+
+def test_a_failed_run_does_not_stop_the_sweep(server, capsys, tmp_path, monkeypatch):
+    """The first concurrency's run raises: recorded, the next one runs, `ok` is false; result.json is rewritten after
+    each run (the second run starts with the first on disk, marked incomplete)."""
+    real, on_disk = serve.run_serve, []
+
+    def flaky(cfg, step, metadata):
+        if cfg.concurrency == 3:
+            raise RuntimeError("boom")
+        on_disk.append(json.loads((tmp_path / "result.json").read_text()))
+        return real(cfg, step, metadata)
+
+    monkeypatch.setattr(serve, "run_serve", flaky)
+    rc, r = run_cli(["serve", "--addr", server.addr, "--model", "tiny", "--concurrency", "3,2", "--num-prompts", "3",
+                     "--input-len", "8", "--output-len", "3", "--out", str(tmp_path)], capsys)
+    assert rc == 1 and not r["ok"] and r["complete"]
+    assert r["failures"] == ["c=3: the run stopped: RuntimeError: boom"]
+    assert [x["completed"] for x in r["sweep"]] == [0, 3] and r["sweep"][1]["ok"]
+    assert not on_disk[0]["complete"] and [x["max_concurrency"] for x in on_disk[0]["sweep"]] == [3]
+    assert "failed: c=3: the run stopped" in (tmp_path / "report.md").read_text()
+
+
+def test_concurrency_list_and_prompts_per_concurrency():
+    args = build_parser().parse_args(["serve", "--model", "tiny", "--concurrency", "64,128,256",
+                                      "--prompts-per-concurrency", "8", "--num-prompts", "1000"])
+    assert [(c.concurrency, c.num_prompts) for c in serve.configs(args)] == [(64, 1000), (128, 1024), (256, 2048)]
+    single = build_parser().parse_args(["serve", "--model", "tiny", "--concurrency", "8"])
+    assert [(c.concurrency, c.num_prompts) for c in serve.configs(single)] == [(8, 100)]
+    assert serve.configs(build_parser().parse_args(["serve", "--model", "tiny"]))[0].concurrency is None
+    for bad in ("0,4", "4,4", "4,x"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "--concurrency", bad])
+    with pytest.raises(ValueError, match="needs K >= 1 and --concurrency"):
+        serve.configs(build_parser().parse_args(["serve", "--model", "tiny", "--prompts-per-concurrency", "2"]))
+
+
+def test_roofline_asked_for_without_a_gpu_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--addr", "127.0.0.1:1", "--model", "tiny", "--roofline"])
+    assert e.value.code == 2 and "--roofline: this bench process sees no CUDA device" in capsys.readouterr().err
+
+
+def test_request_flops_of_qwen_by_hand():
+    """qwen2.5-7b (hidden 3584, 28 q / 4 kv heads of 128, MLP 18944, 28 layers, vocab 152064), a 1,024-token prompt
+    and 128 output tokens: 1,151 tokens fed (the last output token never is)."""
+    dims = roofline.Dims.of(load_config("qwen2.5-7b"))
+    per_layer = 3584 * 3584 + 2 * 3584 * 512 + 3584 * 3584 + 3 * 3584 * 18944  # q, k, v, o, gate, up, down
+    assert per_layer == 233_046_016
+    fed = 1024 + 128 - 1
+    layers = 2 * per_layer * 28 * fed  # 15.02 TFLOP
+    attention = 28 * sum(2 * 2 * 28 * 128 * (t + 1) for t in range(fed))  # QK^T + PV, position t reads t + 1 keys
+    lm_head = 2 * 3584 * 152064 * 128  # logits for the 128 rows that pick a token
+    got = roofline.request_flops(dims, 1024, 128)
+    assert got == {"layers": layers, "attention": attention, "lm_head": lm_head,
+                   "total": layers + attention + lm_head}
+    assert got["total"] == 15_426_857_205_760
+    # the roofline: the FLOPs at the measured rates; layer GEMMs at 700 TFLOP/s, lm_head at 600
+    rates = {"layer_tflops": 700.0, "lm_head_tflops": 600.0}
+    seconds = (layers + attention) / 700e12 + lm_head / 600e12
+    fig = roofline.run_figures(rates, dims, [1024, 1024], 128, 3000.0)
+    assert fig["roofline_output_tok_s"] == pytest.approx(128 / seconds)  # ~5,810 tok/s
+    assert fig["gemm_tflops"] == pytest.approx(got["total"] / seconds / 1e12)
+    assert fig["of_roofline"] == pytest.approx(3000.0 * seconds / 128)
+    assert roofline.run_figures(rates, dims, [1000, 1048], 128, None)["of_roofline"] is None
+    # prompts of several lengths: the mean of each request's count (attention grows with the square of its length)
+    two = roofline.mean_request_flops(dims, [100, 300], 8)
+    assert two["attention"] == (roofline.request_flops(dims, 100, 8)["attention"]
+                                + roofline.request_flops(dims, 300, 8)["attention"]) / 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not roofline.cuda_visible(), reason="the GEMM rate is measured on a CUDA device only")
+def test_gemm_rate_on_the_gpu():
+    dims = roofline.Dims.of(load_config("smollm2-135m"))
+    m = roofline.measure_gemm(dims, "cuda")
+    assert set(m["shapes"]) == {"qkv", "o", "gate_up", "down", "lm_head"}
+    assert all(s["us"] > 0 and s["tflops"] > 1 for s in m["shapes"].values())
+    assert 0 < m["layer_tflops"] < 5000 and m["lm_head_tflops"] == m["shapes"]["lm_head"]["tflops"]

@@ -24,9 +24,10 @@ def write_outputs(out_dir: str, result: dict, tables: list[Table], command: str 
     """result.json, the kind's PNG charts (its `plot`) and report.md embedding them, under `out_dir`."""
     os.makedirs(out_dir, exist_ok=True)
     paths = dict(json=os.path.join(out_dir, "result.json"), markdown=os.path.join(out_dir, "report.md"))
-    with open(paths["json"], "w") as f:
-        json.dump(result, f, indent=1, allow_nan=False)
+    with open(paths["json"] + ".tmp", "w") as f:  # written aside, then moved in: a kill mid-write (a sweep that
+        json.dump(result, f, indent=1, allow_nan=False)  # rewrites it after every run) leaves the last whole one
         f.write("\n")
+    os.replace(paths["json"] + ".tmp", paths["json"])
     try:  # matplotlib is imported by the kind's `plot`: only when files are written
         images = plots_for(result, out_dir)
     except Exception as e:  # the measurement is kept; the report says the chart is missing and why

@@ -12,6 +12,11 @@ the keys of vLLM's result JSON (mean_ttft_ms, p99_itl_ms, request_throughput,
 output_throughput, ...), so a kvtransfer run reads beside a vLLM run. Beside them,
 sustained_output_throughput: the steady state between the opening burst and the tail (`sustained`).
 With `--multi-turn`: conversations whose turns resend their history, prefix cache off then on (serve_multiturn.py).
+`--concurrency 64,128,256` runs the load once per value against the same server, one after the other (a sweep:
+every run in result.json's `sweep`, a summary beside them, each run's files in OUT/c<N>/). `--roofline` (on by
+default where this process sees a CUDA device and --model names a preset or directory) measures the bf16 GEMM rate
+of the model's shapes right before the load and reports each run's output tok/s against the compute roofline
+(bench/measure/roofline.py).
 Bounded by design: loopback addresses only, at most MAX_PROMPTS prompts, one wall-clock
 budget after which nothing new is sent and requests in flight end at their deadline.
 """
@@ -21,20 +26,24 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import os
 import time
 from collections import Counter
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
-from bench.common import Job, Step
-from bench.measure import serve_figures
+from bench.common import Job, Step, ints
+from bench.measure import roofline, serve_figures
 from bench.measure.serve_doors import grpc_door, http_door
 from bench.measure.serve_figures import by_length, summary, sustained, ttft_and_itl
 from bench.measure.serve_metrics import BatchWatch
+from bench.report.kinds import tables_for
+from bench.report.output import write_outputs
 from bench.runs import serve_multiturn
 from bench.runs.serve_config import MAX_PROMPTS, ServeConfig, is_loopback  # noqa: F401 (re-exported)
+from kvtransfer.model.spec import load_config
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 PERCENTILES = serve_figures.PERCENTILES  # the pNN keys of every metric
@@ -116,6 +125,17 @@ def run_serve(cfg: ServeConfig, step: Step = lambda _: None, metadata=None) -> d
         runner = asyncio.Runner()
     with runner:
         results, duration, failures = runner.run(_run(cfg, prompts, step, metadata, watch))
+    return serve_result(cfg, prompts, results, duration, failures, watch)
+
+
+def config_record(cfg: ServeConfig) -> dict:
+    """The config as the result records it (an infinite request rate as "inf": result.json holds no inf)."""
+    return asdict(cfg) | {"request_rate": cfg.request_rate if math.isfinite(cfg.request_rate) else "inf"}
+
+
+def serve_result(cfg: ServeConfig, prompts: list[list[int]], results: list, duration: float, failures: list[str],
+                 watch=None) -> dict:
+    """The run's result from its request records (none: a run that stopped before any, its `failures` say why)."""
     sent = [r for r in results if r is not None]
     done = [r for r in sent if r["code"] is None]
     codes = Counter(r["code"] for r in sent if r["code"])
@@ -129,8 +149,8 @@ def run_serve(cfg: ServeConfig, step: Step = lambda _: None, metadata=None) -> d
         failures.append(f"{sum(codes.values())} requests failed: {dict(codes)}")
     if not_sent:
         failures.append(f"{not_sent} requests not sent: the {cfg.max_duration_s:g} s budget ran out")
-    rate = cfg.request_rate if math.isfinite(cfg.request_rate) else "inf"
-    config = asdict(cfg) | {"request_rate": rate}
+    config = config_record(cfg)
+    rate = config["request_rate"]
     result = {"kind": "serve", "ok": not failures, "failures": failures, "config": config,
               "num_prompts": cfg.num_prompts, "request_rate": rate, "max_concurrency": cfg.concurrency,
               "duration": duration, "completed": len(done), "failed": sum(codes.values()),
@@ -156,6 +176,110 @@ def total_steps(cfg: ServeConfig) -> int:
     return cfg.warmup + cfg.num_prompts
 
 
+@dataclass(frozen=True)
+class RooflinePlan:
+    """Whether the run measures the roofline: `why_not` empty when it does; `asked`: --roofline given (then a
+    failed measurement is a failed check; by default it is a note)."""
+    dims: roofline.Dims | None
+    device: str
+    why_not: str
+    asked: bool
+
+
+def roofline_plan(args: argparse.Namespace, cfg: ServeConfig) -> RooflinePlan:
+    """--roofline / --no-roofline / neither (on where this process sees a CUDA device and --model is given). Asked
+    for where it cannot run: ValueError (a usage error) saying why."""
+    asked = getattr(args, "roofline", None)
+    dims = roofline.Dims.of(load_config(cfg.model)) if cfg.model is not None else None
+    if asked is False:
+        why = "off (--no-roofline)"
+    elif dims is None:
+        why = "no --model (only --vocab-size): the model's layer shapes are unknown"
+    elif not roofline.cuda_visible():
+        why = "this bench process sees no CUDA device, and the GEMM rate is measured on a GPU only"
+    else:
+        why = ""
+    if asked and why:
+        raise ValueError(f"--roofline: {why}")
+    return RooflinePlan(dims, getattr(args, "roofline_device", "cuda"), why, bool(asked))
+
+
+def measure_roofline(plan: RooflinePlan, step: Step) -> dict:
+    """The result's `roofline` record: the measured GEMM rates (bench/measure/roofline.py), or why there are none."""
+    if plan.why_not:
+        return {"on": False, "why": plan.why_not}
+    try:
+        measured = roofline.measure_gemm(plan.dims, plan.device)
+    except Exception as e:  # the load still runs; the report says why the roofline is absent
+        return {"on": False, "why": f"the GEMM measurement failed on {plan.device}: {type(e).__name__}: {e}",
+                "failed": True}
+    finally:
+        step("roofline: GEMM rate")
+    return {"on": True, **measured, "counted": roofline.COUNTED}
+
+
+def roofline_failure(plan: RooflinePlan, roof: dict) -> list[str]:
+    return [f"--roofline: {roof['why']}"] if plan.asked and roof.get("failed") else []
+
+
+def with_roofline(r: dict, cfg: ServeConfig, plan: RooflinePlan, roof: dict) -> dict:
+    """A run's result with its roofline figures (None where the roofline is off) and the `roofline` record."""
+    figures = dict.fromkeys(("roofline_output_tok_s", "gemm_tflops", "of_roofline"))
+    if roof["on"]:
+        figures = roofline.run_figures(roof, plan.dims, [len(p) for p in make_prompts(cfg)], cfg.output_len,
+                                       r["output_throughput"])
+    r |= figures | {"roofline": roof}
+    if failed := roofline_failure(plan, roof):
+        r["failures"] = [*r["failures"], *failed]
+        r["ok"] = False
+    return r
+
+
+def run_one(cfg: ServeConfig, plan: RooflinePlan, step: Step, metadata) -> dict:
+    """One concurrency: the roofline's GEMM rate (when on), then the load."""
+    roof = measure_roofline(plan, step)
+    return with_roofline(run_serve(cfg, step, metadata), cfg, plan, roof)
+
+
+SUMMARY_KEYS = ("max_concurrency", "num_prompts", "completed", "failed", "not_sent", "output_throughput",
+                "sustained_output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms",
+                "roofline_output_tok_s", "gemm_tflops", "of_roofline")
+
+
+def sweep_result(cfgs: list[ServeConfig], runs: list[dict], failures: list[str], roof: dict,
+                 complete: bool) -> dict:
+    """A sweep's result: every run in `sweep` (each as a single run's result), one summary row per run; `ok` only
+    when every run is and the sweep finished."""
+    config = config_record(cfgs[0]) | {"concurrency": [c.concurrency for c in cfgs],
+                                       "num_prompts": [c.num_prompts for c in cfgs]}
+    return {"kind": "serve", "ok": complete and not failures, "complete": complete, "failures": failures,
+            "config": config, "concurrencies": config["concurrency"], "roofline": roof,
+            "summary": [{k: r.get(k) for k in SUMMARY_KEYS} for r in runs], "sweep": runs}
+
+
+def run_sweep(cfgs: list[ServeConfig], plan: RooflinePlan, step: Step, metadata, out: str | None,
+              command: str | None) -> dict:
+    """Each config's load in turn against the same server, the roofline measured once before the first. A run that
+    fails (or raises) is recorded and the next one runs. With `out`: each run's files in OUT/c<N>/ and OUT/result.json
+    + report.md rewritten after every run (complete: false until the last), so a sweep cut short keeps what ran."""
+    roof = measure_roofline(plan, step)
+    runs, failures = [], roofline_failure(plan, roof)
+    for cfg in cfgs:
+        c = cfg.concurrency
+        try:
+            r = run_serve(cfg, lambda text, c=c: step(f"c={c} {text}"), metadata)
+        except Exception as e:  # the next concurrency still runs
+            r = serve_result(cfg, make_prompts(cfg), [], 0.0, [f"the run stopped: {type(e).__name__}: {e}"])
+        r = with_roofline(r, cfg, RooflinePlan(plan.dims, plan.device, plan.why_not, False), roof)
+        runs.append(r)
+        failures += [f"c={c}: {f}" for f in r["failures"]]
+        if out:
+            r["outputs"] = write_outputs(os.path.join(out, f"c{c}"), r, tables_for(r), command)
+            partial = sweep_result(cfgs, runs, failures, roof, complete=False)
+            write_outputs(out, partial, tables_for(partial), command)
+    return sweep_result(cfgs, runs, failures, roof, complete=True)
+
+
 HELP = "load against a running decode server (vllm bench serve metrics)"
 DESCRIPTION = __doc__.split("\n\n")[1].replace("\n", " ")
 
@@ -166,8 +290,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "e.g. http://127.0.0.1:8000 (loopback only); the same prompts, as token ids to /v1/completions")
     p.add_argument("--server-metrics", default="", help="the decode server's /metrics URL (its --metrics-port): "
                    "report its batch size over the run")
-    p.add_argument("--num-prompts", type=int, default=100)
-    p.add_argument("--concurrency", type=int, help="most requests in flight (default: no limit)")
+    p.add_argument("--num-prompts", type=int, default=100, help="prompts per run")
+    p.add_argument("--concurrency", type=concurrency_list, metavar="C[,C...]",
+                   help="most requests in flight (default: no limit); a comma list, e.g. 64,128,256, runs the load "
+                        "once per value against the same server, one after the other (a sweep: result.json's "
+                        "`sweep` holds every run and `summary` a row each, OUT/c<N>/ each run's own files; a failed "
+                        "run does not stop the next, but makes the exit status 1)")
+    p.add_argument("--prompts-per-concurrency", type=int, metavar="K",
+                   help="with --concurrency: each run sends max(--num-prompts, K x its concurrency) prompts, e.g. K 8 "
+                        "at 64,128,256 sends 512, 1024, 2048 (add --num-prompts 1 for exactly K x C); without it "
+                        "every run sends --num-prompts")
     p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals/s (default inf)")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--input-len-range", type=float, default=0.0, help="r: lengths uniform in len*[1-r, 1+r]")
@@ -183,7 +315,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "greedy)")
     p.add_argument("--top-p", type=float, default=1.0, help="with --temperature: nucleus sampling's top_p")
     p.add_argument("--timeout", type=float, default=120.0, help="per request, s")
-    p.add_argument("--max-duration", type=float, default=600.0, help="whole run, s; later requests are not sent")
+    p.add_argument("--max-duration", type=float, default=600.0, help="whole run (each concurrency's, in a sweep), s; "
+                   "later requests are not sent")
+    p.add_argument("--roofline", action=argparse.BooleanOptionalAction, default=None,
+                   help="measure the bf16 GEMM rate of --model's layer shapes (and lm_head) at 2,048 rows in this "
+                        "process right before the load, and report each run's output tok/s against the compute "
+                        "roofline: that rate over the FLOPs per request (bench/measure/roofline.py says what is "
+                        "counted) x --output-len. Default: on where this process sees a CUDA device and --model is "
+                        "given, else off with the reason in the report; --roofline where it cannot run is an error")
+    p.add_argument("--roofline-device", default="cuda", help="the GPU the rate is measured on: the server's "
+                   "(cuda: this process's current one)")
     p.add_argument("--auth-token", help="bearer token, when the server requires one (the API key, with --api)")
     p.add_argument("--auth-token-file")
     p.add_argument("--out", help="write result.json and report.md in this directory")
@@ -196,9 +337,39 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --multi-turn: new user tokens a later turn adds (default 256)")
 
 
-def config(args: argparse.Namespace) -> ServeConfig:
-    """`serve`'s flags as its config; ValueError (a usage error, exit 2) says which flag to fix."""
-    return ServeConfig(addr=args.addr, num_prompts=args.num_prompts, concurrency=args.concurrency,
+def concurrency_list(text: str) -> list[int]:
+    """--concurrency: one value, or a comma list of distinct values >= 1 (a sweep)."""
+    values = ints(text)
+    if not values or min(values) < 1 or len(set(values)) < len(values):
+        raise argparse.ArgumentTypeError(f"expected distinct integers >= 1, e.g. 64 or 64,128,256; got {text!r}")
+    return values
+
+
+def prompt_counts(args: argparse.Namespace) -> list[int]:
+    """Prompts per run: --num-prompts, or with --prompts-per-concurrency K max(--num-prompts, K x concurrency)."""
+    k, concs = args.prompts_per_concurrency, args.concurrency
+    if k is None:
+        return [args.num_prompts] * len(concs or [None])
+    if k < 1 or not concs:
+        raise ValueError("--prompts-per-concurrency K needs K >= 1 and --concurrency (it sends K x concurrency)")
+    counts = [max(args.num_prompts, k * c) for c in concs]
+    if max(counts) > MAX_PROMPTS:
+        raise ValueError(f"--prompts-per-concurrency {k} x --concurrency {max(concs)} is {max(counts)} prompts, over "
+                         f"{MAX_PROMPTS}: lower K")
+    return counts
+
+
+def configs(args: argparse.Namespace) -> list[ServeConfig]:
+    """One config per --concurrency value (one, with no limit, when it is not given)."""
+    return [config(args, c, n) for c, n in zip(args.concurrency or [None], prompt_counts(args))]
+
+
+def config(args: argparse.Namespace, concurrency: int | None = None, num_prompts: int | None = None) -> ServeConfig:
+    """`serve`'s flags as its config (the first --concurrency's unless given); ValueError (a usage error, exit 2) says
+    which flag to fix."""
+    if concurrency is None and args.concurrency:
+        concurrency = args.concurrency[0]
+    return ServeConfig(addr=args.addr, num_prompts=num_prompts or args.num_prompts, concurrency=concurrency,
                        request_rate=args.request_rate, input_len=args.input_len, input_len_range=args.input_len_range,
                        output_len=args.output_len, vocab_size=args.vocab_size, model=args.model, mode=args.mode,
                        warmup=args.warmup, seed=args.seed, timeout_s=args.timeout, max_duration_s=args.max_duration,
@@ -207,12 +378,19 @@ def config(args: argparse.Namespace) -> ServeConfig:
 
 
 def job(args: argparse.Namespace) -> Job:
-    cfg = config(args)
+    cfgs = configs(args)
+    cfg = cfgs[0]
     try:
         token = args.auth_token or (Path(args.auth_token_file).read_text().strip() if args.auth_token_file else "")
     except OSError as e:  # a usage error too: the flag names a file that cannot be read
         raise ValueError(str(e)) from None
     meta = (("authorization", f"Bearer {token}"),) if token else None  # kept out of the result
     if args.multi_turn or "turns" in args or "user_len" in args:  # its own checks and run
+        if len(cfgs) > 1 or args.roofline or args.prompts_per_concurrency:
+            raise ValueError("--multi-turn runs one --concurrency, without --roofline or --prompts-per-concurrency")
         return serve_multiturn.job(args, cfg, meta)
-    return Job(total_steps(cfg), lambda step: run_serve(cfg, step, meta))
+    plan = roofline_plan(args, cfg)
+    steps = sum(total_steps(c) for c in cfgs) + (0 if plan.why_not else 1)
+    if len(cfgs) == 1:
+        return Job(steps, lambda step: run_one(cfg, plan, step, meta))
+    return Job(steps, lambda step: run_sweep(cfgs, plan, step, meta, args.out, getattr(args, "command_line", None)))
