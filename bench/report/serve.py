@@ -24,7 +24,8 @@ def sweep_tables(result: dict) -> list[Table]:
     t = Table(f"Serving sweep -- {cfg['addr']}, {workload(cfg)}, request rate "
               + (f"{rate}/s (Poisson)" if rate != "inf" else "inf"),
               ["concurrency", "prompts", "completed", "failed", "output tok/s", "sustained tok/s", "TTFT p50 ms",
-               "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms"] + (["roofline tok/s", "of roofline"] if roof.get("on") else []))
+               "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms"]
+              + (["roofline tok/s", "of roofline"] if roof.get("on") else []))
     for row in result["summary"]:
         t.rows.append([str(row["max_concurrency"]), str(row["num_prompts"]), str(row["completed"]),
                        str(row["failed"]) + (f" (+{row['not_sent']} not sent)" if row.get("not_sent") else "")]
