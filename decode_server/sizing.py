@@ -77,12 +77,16 @@ def pool_budget(kv_pool_gib: float, utilization: float, memory: Memory | None, w
 
 
 def plan_blocks(bytes_per_token: int, context: int, page: int, max_batch: int, max_seq_len: int, budget: int,
-                source: str, batch_cap: int) -> PoolPlan:
+                source: str, batch_cap: int, pool_given: bool = False) -> PoolPlan:
     """The paged pool: as many blocks of `page` tokens as the budget holds (CPU with nothing said: the memory of
     CPU_SLOTS x CPU_SEQ tokens), `max_batch` rows (0: `batch_cap`, CPU_SLOTS on CPU), a request's context up to
     --max-seq-len (0: the model's, CPU_SEQ at most on CPU) and never more than the pool."""
     cpu = not source
     tokens = CPU_SLOTS * CPU_SEQ if cpu else budget // bytes_per_token
+    if max_batch and not cpu and not pool_given:  # rows given: no more than they can fill (another server may share
+        # the GPU, as the fixed slots of --max-batch x the context left it)
+        tokens = min(tokens, max_batch * (max_seq_len or context))
+        source += f", at most --max-batch {max_batch} x {max_seq_len or context} tokens"
     page = min(page, max_seq_len or context)  # a block never outgrows the context a row can hold
     blocks = tokens // page
     if blocks < 1:
@@ -147,7 +151,8 @@ def plan_engine(config, loaded, receive_slots: int):
     memory, context = device_memory(loaded.device), model.max_position_embeddings
     if config.kv_block_tokens:
         plan = plan_blocks(g.bytes_per_token, context, config.kv_block_tokens, config.max_batch, config.max_seq_len,
-                           *pool_budget(config.kv_pool_gib, config.gpu_memory_utilization, memory, workspace), cap)
+                           *pool_budget(config.kv_pool_gib, config.gpu_memory_utilization, memory, workspace), cap,
+                           pool_given=bool(config.kv_pool_gib))
     else:
         plan = plan_pool(g.bytes_per_token, context, config.max_batch, config.max_seq_len, config.kv_pool_gib,
                          config.gpu_memory_utilization, memory, workspace, cap)

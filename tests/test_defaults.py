@@ -112,6 +112,12 @@ def test_the_engine_plan_on_cuda_is_the_fastest_measured_and_exact_restores_whol
     paged, line = plan_engine(DecodeConfig(colocated=True, kv_pool_gib=1, max_batch=2, max_seq_len=64), cuda, 0)
     assert (paged.max_batch, paged.max_seq_len, paged.kv_blocks) == (2, 64, (1 << 30) // (64 * 1024))  # paged: apart
     assert (fast.kv_block_tokens, fast.max_seq_len) == (64, tiny_loaded.model.config.max_position_embeddings)
+    # --max-batch alone: the pool holds no more than those rows can fill (as the fixed slots did: the ttft bench's
+    # decode worker with --max-batch 2 shares one GPU with its prefill worker), whatever the utilization leaves
+    context = tiny_loaded.model.config.max_position_embeddings
+    two, line = plan_engine(DecodeConfig(colocated=True, max_batch=2), cuda, 0)
+    assert (two.max_batch, two.kv_blocks * two.kv_block_tokens) == (2, 2 * context) and "at most --max-batch 2" in line
+    assert fast.kv_blocks * fast.kv_block_tokens > 2 * context  # without it, the pool is what memory leaves
 
 
 @pytest.fixture(scope="module")

@@ -135,3 +135,30 @@ def test_mixed_graph_matches_the_eager_mixed_step_and_the_whole_prefill():
     print(f"136-row step: vs plain step {gaps[0]:.5f}, graph vs eager {gaps[1]:.5f} / {gaps[2]:.5f}")
     assert max(gaps) <= GPU_BATCH_TOL
     assert (pool.kv[:, :, [3, 4, 7]] == 0).all()  # padding rows wrote only the scratch slot
+
+
+def test_the_ladder_of_mixed_steps_replays_the_smallest_graph_that_holds_the_prompt_rows():
+    """--prefill-chunk 512: graphs at 128, 256 and 512 rows, only where at most half the rows decode (graphs.py);
+    a prompt chunk of 100 tokens beside 3 decode rows replays the 128-row graph, 200 the 256-row one, and each
+    equals the eager mixed forward within GPU_BATCH_TOL (padding changes the GEMM shapes)."""
+    from kvtransfer.engine.mixed import Chunk, mixed_forward
+
+    model, pool, runner = build("smollm2-135m", slots=8)
+    step = Step(runner, max_batch=8, cuda_graphs=True, chunk=512)
+    assert step.sizes == [128, 256, 512]
+    assert set(step.mixed_graphs) == {(c, b) for c in (128, 256, 512) for b in step.graphs}
+    lengths = [40, 300, 77]
+    firsts = [fill(model, pool, s, random_prompt(model.config.vocab_size, n, seed=n, device="cuda"))
+              for s, n in enumerate(lengths)]
+    tok, pos = torch.tensor(firsts, device="cuda"), torch.tensor(lengths, device="cuda")
+    slots = torch.arange(3, device="cuda")
+    for n, rows, slot in ((100, 128, 5), (200, 256, 6), (500, 512, 7)):
+        chunks = [Chunk(random_prompt(model.config.vocab_size, n, seed=n, device="cuda")[0], slot, 0, True)]
+        assert step.rows_for(3, n) == rows
+        dec, lasts = step.mixed(tok, pos, slots, chunks)
+        assert dec.data_ptr() == step.mixed_graphs[rows, 4][1].data_ptr()  # replayed, not eager
+        dec, lasts = dec.clone(), lasts.clone()
+        e_dec, e_lasts = mixed_forward(runner, tok, pos, slots, chunks)
+        gaps = rel(dec, e_dec), rel(lasts, e_lasts)
+        print(f"{n} prompt rows in the {rows}-row graph: graph vs eager {gaps[0]:.5f} / {gaps[1]:.5f}")
+        assert max(gaps) <= GPU_BATCH_TOL
