@@ -268,9 +268,24 @@ class KVPool:
             self.kv[i, 0, b, :, p0:p0 + n].copy_(k[0])
             self.kv[i, 1, b, :, p0:p0 + n].copy_(v[0])
             return
-        blocks, offs = self._index(slot, p0, p0 + n)
-        self.kv[i, 0][blocks, :, offs] = k[0].transpose(0, 1)  # (n, kv_heads, head_dim)
-        self.kv[i, 1][blocks, :, offs] = v[0].transpose(0, 1)
+        if p0 % self.page:  # starts inside a block (a chunk's continuation): position by position
+            blocks, offs = self._index(slot, p0, p0 + n)
+            self.kv[i, 0][blocks, :, offs] = k[0].transpose(0, 1)  # (n, kv_heads, head_dim)
+            self.kv[i, 1][blocks, :, offs] = v[0].transpose(0, 1)
+            return
+        # whole blocks by block index (one index_copy_ each: an index of blocks, not of positions, built on the host
+        # per call), then the partial last block as a slice
+        full, rest = divmod(n, self.page)
+        first = p0 // self.page
+        ids = self._rows[slot][first:first + full + (1 if rest else 0)]
+        if len(ids) < full + (1 if rest else 0):
+            raise ValueError(f"slot {slot} holds {len(self._rows[slot]) * self.page} positions, not {p0 + n}")
+        index = self._up(torch.tensor(ids[:full], dtype=torch.long)) if full else None
+        for dst, src in ((self.kv[i, 0], k[0]), (self.kv[i, 1], v[0])):  # dst (blocks, kv_heads, page, head_dim)
+            if full:  # src (kv_heads, n, head_dim) -> (full, kv_heads, page, head_dim)
+                dst.index_copy_(0, index, src[:, :full * self.page].unflatten(1, (full, self.page)).transpose(0, 1))
+            if rest:
+                dst[ids[full], :, :rest].copy_(src[:, full * self.page:])
 
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
         """Row src's first n positions into row dst (whole blocks: one indexed copy; the slot layout: one copy)."""
