@@ -51,8 +51,8 @@ class DecodeConfig:
                              "RESOURCE_EXHAUSTED at once (0: no cap; --max-waiting bounds the queue)")
     max_waiting: int = flag(MAX_WAITING, "requests that may wait for KV memory, admitted in arrival order, each as "
                             "long as its deadline allows; beyond it: RESOURCE_EXHAUSTED at once (0: none waits)")
-    max_batch: int = flag(0, "KV pool slots: requests decoded together (more wait for a slot); 0: as many slots of "
-                          "--max-seq-len as the pool holds (at most 128; CPU: 16)")
+    max_batch: int = flag(0, "KV pool rows: requests decoded together (more wait in arrival order); 0: 256 on CUDA "
+                          "(half a mixed step's rows), 16 on CPU; --kv-block-tokens 0: slots of --max-seq-len")
     max_seq_len: int = flag(0, "tokens per KV pool slot: prompt + max_new_tokens must fit; 0: the model's context, "
                             "capped by the pool (CPU: at most 4096)")
     kv_pool_gib: float = flag(0.0, "KV pool size, GiB; 0: what --gpu-memory-utilization leaves after the weights "
@@ -64,7 +64,7 @@ class DecodeConfig:
                                          "workspace); two servers on one GPU: split it between them")
     cuda_graphs: bool = flag(True, "capture the decode step as CUDA graphs per batch bucket (CUDA only)")
     prefill_chunk: int = flag(-1, "colocated/recompute prefill: tokens per chunk between decode steps (0: whole; "
-                              "-1: 256-row --mixed-prefill steps on CUDA, whole on CPU)")
+                              "-1: --mixed-prefill steps of up to 512 rows on CUDA, whole on CPU)")
     mixed_prefill: bool | None = flag(None, "prompt chunks ride in the decode steps' forward (Sarathi-style piggybacking) "
                                "instead of running between two steps; --prefill-chunk is then the rows of such a "
                                "step, decode rows included (>= 2 x --max-batch; 256 on an H200). Default: on with CUDA when --prefill-chunk "
