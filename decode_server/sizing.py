@@ -144,6 +144,9 @@ def plan_engine(config, loaded, receive_slots: int):
         prefill_why = (f"mixed steps of up to {chunk} rows" if mixed else f"chunks of {chunk} tokens" if chunk else
                        "whole prompts") + (" (the CUDA default; --exact for whole prompts)" if cuda and auto_chunk
                                            and mixed and config.mixed_prefill is None else "")
+        if cuda and chunk and not mixed and config.mixed_prefill is None:  # measured far slower: say how to get steps
+            prefill_why += (f" between decode steps (an explicit --prefill-chunk turns the mixed steps off on CUDA; "
+                            f"--mixed-prefill makes them steps of up to {chunk} rows)")
     cap = min(MAX_AUTO_BATCH, chunk // 2) if mixed else MAX_AUTO_BATCH
     g = loaded.geometry
     model = loaded.model.config

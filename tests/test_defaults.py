@@ -103,6 +103,8 @@ def test_the_engine_plan_on_cuda_is_the_fastest_measured_and_exact_restores_whol
     fast, line = plan_engine(DecodeConfig(colocated=True), cuda, 0)
     assert (fast.prefill_chunk, fast.mixed_prefill, fast.max_batch) == (512, True, 256)
     assert "mixed steps of up to 512 rows (the CUDA default; --exact" in line
+    chunked, line = plan_engine(DecodeConfig(colocated=True, prefill_chunk=1024), cuda, 0)
+    assert not chunked.mixed_prefill and "--mixed-prefill makes them steps of up to 1024 rows" in line
     exact, line = plan_engine(DecodeConfig(colocated=True, exact=True), cuda, 0)
     assert (exact.prefill_chunk, exact.mixed_prefill) == (0, False) and "whole prompts (--exact)" in line
     with pytest.raises(ValueError, match="--exact prefills whole prompts"):
