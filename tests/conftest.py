@@ -3,18 +3,33 @@
 The session models are shared: tests must never change their weights and must remove
 any hook they register (use the `forward_inputs` fixture, which cleans up after itself).
 Tests that need to mutate weights load their own copy (`load_model` of `tiny` is ~0.2 s).
+
+The decode and prefill servers the tests start through bench/measure/launch.py (support.servers, the benches run
+in process) or support.faultkit are forked from a fork server that imported them once (support/forked.py says
+why and what still starts `python -m`); KVT_TEST_SPAWN=1 spawns each as a fresh interpreter instead.
 """
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
+
+from bench.measure import launch
 
 from kvtransfer.model.prefill import random_prompt
 from kvtransfer.model.spec import ModelSpec, load_model
 
 DTYPES = ("float32", "bfloat16")
 PROMPT_LEN = 24
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _forked_servers():
+    from support import forked
+    with mock.patch.object(launch, "spawn", forked.spawn):
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -4,8 +4,9 @@ Why: each lifecycle fix (tests/test_pair_lifecycle.py) is one order of events; a
 any order, while clients keep sending. What must hold after every cycle: the pair serves again (within
 SERVE_AGAIN_S of the restart: a bound that catches a pair that never comes back, not a speed), a stopped process
 is gone within its grace plus EXIT_S, and no request hangs (each ends by its deadline, give or take CALL_SLACK_S).
-The times (a worker's start is mostly its imports: a busy machine stretches them) are printed as one `CHURN {...}`
-line, not asserted.
+The times (a busy machine stretches them) are printed as one `CHURN {...}` line, not asserted. The workers are forked
+from the test worker's fork server (support/forked.py), so a restart is the model's load and the pairing, not the
+seconds of imports of a fresh interpreter (~1 s a cycle, was ~9 s).
 
 The order (ORDER): every kind of restart comes right after every other kind once (an Eulerian circuit of the
 four kinds: 12 transitions in 13 cycles), so each of the 12 "this, then that" sequences runs, each kind 3 or 4
@@ -33,9 +34,9 @@ CYCLES = len(ORDER)
 GRACE_S = 3.0  # --shutdown-grace-s of both workers
 EXIT_S = 10.0  # a stopped process is gone within its grace plus this (~1 s on an idle machine; a torch process's
 # exit takes seconds more on a busy one; a stop that hangs is still caught)
-SERVE_AGAIN_S = 60.0  # a restarted worker's pair serves again within this of its restart (a start is ~8-10 s of imports
-# and loading on a CI core, 16.5 s was seen beside other work, more on a busier machine: the bound catches a pair that
-# never comes back)
+SERVE_AGAIN_S = 60.0  # a restarted worker's pair serves again within this of its restart (~1-2 s forked on an idle
+# machine; a spawned start, KVT_TEST_SPAWN=1, is ~8-10 s of imports and loading on a CI core, 16.5 s was seen beside
+# other work: the bound catches a pair that never comes back)
 CALL_S = 5.0  # each client request's deadline
 CALL_SLACK_S = 5.0  # a call's own set-up beyond its deadline (a fresh event loop and channel): a hang is longer
 PROMPT = [5, 6, 7, 8]

@@ -1,9 +1,10 @@
 """A local model directory that cannot be served is refused at start in one line, exit 2, by both servers.
 
 Why real processes: what an operator sees is the server's exit code and its log, not an exception in a
-test. Each broken directory is a copy of one `save_pretrained` wrote for the `tiny` preset, broken one way:
-no safetensors, a safetensors cut to half, no config.json, an architecture the engine does not run. Both
-servers of a case start at once (each start costs seconds on a shared CPU). The in-process tests check what
+test (forked from the test worker's fork server, support/forked.py: the flags, the load and the exit are the
+server's own, without seconds of imports per start). Each broken directory is a copy of one `save_pretrained`
+wrote for the `tiny` preset, broken one way: no safetensors, a safetensors cut to half, no config.json, an
+architecture the engine does not run. Both servers of a case start at once. The in-process tests check what
 needs no server: the intact, sharded and tied directories still load, and weights the checkpoint lacks are
 refused instead of left random.
 """
@@ -14,12 +15,12 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 
 import pytest
 
-from bench.measure.launch import ROOT
+from bench.measure.launch import stop
 from kvtransfer.model.spec import PRESETS, ModelSpec, load_model, weights_fingerprint
+from support.forked import spawn
 
 START_DEADLINE_S = 180  # a refused start ends well within this; a server that does start would serve forever
 
@@ -71,8 +72,8 @@ BROKEN = [
 ]
 
 SERVERS = {
-    "decode": ["-m", "decode_server", "--colocated"],
-    "prefill": ["-m", "prefill_server"],
+    "decode": ("decode_server", ["--colocated"]),
+    "prefill": ("prefill_server", []),
 }
 
 
@@ -80,25 +81,20 @@ SERVERS = {
 def test_broken_model_directory_exits_2_in_one_line(intact, tmp_path, name, brk, words):
     d = _copy(intact, tmp_path, name)
     brk(d)
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    procs = {role: subprocess.Popen([sys.executable, *argv, "--model", str(d), "--device", "cpu",
-                                     "--listen", "127.0.0.1:0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    text=True, env=env, cwd=ROOT)
-             for role, argv in SERVERS.items()}
+    procs = {role: spawn(module, [*argv, "--model", str(d), "--device", "cpu", "--listen", "127.0.0.1:0"],
+                         str(tmp_path / f"{role}.log"))
+             for role, (module, argv) in SERVERS.items()}
     outs = {}
     try:
         for role, p in procs.items():
             try:
-                outs[role] = p.communicate(timeout=START_DEADLINE_S)[0]
+                p.wait(timeout=START_DEADLINE_S)
             except subprocess.TimeoutExpired:
-                p.kill()
-                outs[role] = p.communicate()[0]
-                pytest.fail(f"{role} server started on the broken directory ({name}):\n{outs[role][-3000:]}")
+                pytest.fail(f"{role} server started on the broken directory ({name}):\n"
+                            f"{(tmp_path / f'{role}.log').read_text()[-3000:]}")
+            outs[role] = (tmp_path / f"{role}.log").read_text()
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        stop(list(procs.values()), grace_s=5)
     for role, p in procs.items():
         out = outs[role]
         assert p.returncode == 2, f"{role}: rc {p.returncode}\n{out[-3000:]}"

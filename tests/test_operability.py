@@ -3,7 +3,9 @@ request, flags checked at start, a decode server that listens while it waits for
 CPU quickstart run as written (ports aside).
 
 Why one colocated server for three tests: each start costs seconds on a shared CPU; the tests run in file
-order and the last one (SIGTERM) ends it.
+order and the last one (SIGTERM) ends it. It and the decode server waiting for its peer are forked from the test
+worker's fork server (support/forked.py: the server's own flags, signals and exit code, without the seconds of
+imports); the README quickstart, the second server on a taken port and the bad flags run `python -m` as written.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from bench.measure.launch import ROOT, free_port, spawn, stop, wait_serving
 from decode_server.client import generate
 from proto import kvtransfer_pb2 as pb
 from proto import kvtransfer_pb2_grpc as pbg
+from support import forked
 
 S = grpc.StatusCode
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -96,8 +99,8 @@ def colocated(tmp_path_factory):
     d = tmp_path_factory.mktemp("colo")
     addr, mport = f"127.0.0.1:{free_port()}", free_port()
     log = str(d / "decode.log")
-    proc = spawn("decode_server", ["--colocated", "--device", "cpu", "--listen", addr, "--max-batch", "2",
-                                   "--metrics-port", str(mport), "--shutdown-grace-s", str(GRACE_S)], log)
+    proc = forked.spawn("decode_server", ["--colocated", "--device", "cpu", "--listen", addr, "--max-batch", "2",
+                                          "--metrics-port", str(mport), "--shutdown-grace-s", str(GRACE_S)], log)
     try:
         wait_serving(addr, [proc], timeout=120)
         yield addr, mport, proc, log
@@ -230,9 +233,9 @@ def test_decode_listens_and_waits_for_its_peer(tmp_path):
     every 10 s, and the handshake timeout exits 2 naming --prefill-addr and --handshake-timeout-s."""
     addr, peer = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     log = str(tmp_path / "decode.log")
-    proc = spawn("decode_server", ["--device", "cpu", "--listen", addr, "--prefill-addr", peer,
-                                   "--dist-init", f"tcp://127.0.0.1:{free_port()}", "--handshake-timeout-s", "11"],
-                 log)
+    proc = forked.spawn("decode_server", ["--device", "cpu", "--listen", addr, "--prefill-addr", peer,
+                                          "--dist-init", f"tcp://127.0.0.1:{free_port()}",
+                                          "--handshake-timeout-s", "11"], log)
     try:
         status, deadline = None, time.monotonic() + 60
         while status is None and time.monotonic() < deadline and proc.poll() is None:

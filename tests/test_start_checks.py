@@ -25,9 +25,10 @@ import time
 import grpc
 import pytest
 
-from bench.measure.launch import ROOT, free_port
+from bench.measure.launch import ROOT, free_port, stop
 from decode_server.client import generate
 from support.faultkit import SERVING, Half, Pair
+from support.forked import spawn
 
 
 def python(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -35,13 +36,20 @@ def python(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def test_a_max_seq_len_over_the_models_context_is_refused_at_start():
-    p = python("-m", "decode_server", "--colocated", "--model", "tiny", "--max-seq-len", "100000",
-               "--listen", f"127.0.0.1:{free_port()}")
-    errors = [line for line in (p.stdout + p.stderr).splitlines() if " ERROR " in line]
-    assert p.returncode == 2, (p.returncode, (p.stdout + p.stderr)[-2000:])
+def test_a_max_seq_len_over_the_models_context_is_refused_at_start(tmp_path):
+    """A forked server (support/forked.py): its own flags, load and exit, without a start's imports."""
+    log = tmp_path / "decode.log"
+    p = spawn("decode_server", ["--colocated", "--model", "tiny", "--max-seq-len", "100000",
+                                "--listen", f"127.0.0.1:{free_port()}"], str(log))
+    try:
+        rc = p.wait(timeout=300)
+    finally:
+        stop([p], grace_s=5)
+    text = log.read_text()
+    errors = [line for line in text.splitlines() if " ERROR " in line]
+    assert rc == 2, (rc, text[-2000:])
     assert len(errors) == 1 and "--max-seq-len 100000 is over the model's context of 4096 tokens" in errors[0], errors
-    assert "KV pool:" not in p.stdout + p.stderr  # refused before the pool was allocated
+    assert "KV pool:" not in text  # refused before the pool was allocated
 
 
 def test_a_wrong_rendezvous_port_fails_clearly_within_dist_timeout(tmp_path):

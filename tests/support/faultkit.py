@@ -24,9 +24,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.measure.launch import free_port, spawn, stop
+from bench.measure.launch import free_port, stop
 from decode_server.client import generate
 from support import netns
+from support.forked import spawn
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 

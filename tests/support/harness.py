@@ -15,7 +15,6 @@ are unchanged. GPU pairs keep spawn (a CUDA context must not be inherited).
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import tempfile
 import threading
 import traceback
@@ -29,7 +28,7 @@ from bench.measure import twoproc
 from bench.measure.launch import free_port
 from bench.measure.twoproc import exit_now, run_pair
 from kvtransfer.transport import registry
-from support import contract
+from support import contract, forked
 
 __all__ = ["forked_pairs", "free_port", "run_in_threads", "run_two_processes"]
 
@@ -99,16 +98,12 @@ def run_two_processes(backend: str, scenario: str, options=None, device: str = "
         run_pair(*args, what=f"{backend}/{scenario}")
 
 
-PRELOAD = [__name__, "bench.measure.p2p", "kvtransfer.transport.dist.backend", "kvtransfer.transport.grpc.backend"]
-
-
 def _forkserver(method: str):
-    """run_pair's context on CPU: forked from a server that imported PRELOAD (so torch, the transports, the
-    contract and the p2p bench's side) once; `method` is the one run_pair asks for (spawn)."""
+    """run_pair's context on CPU: forked from the fork server that imported support.forked.PRELOAD (so torch, the
+    transports, the contract, the p2p bench's side and the servers) once; `method` is the one run_pair asks for
+    (spawn)."""
     assert method == "spawn", method
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
-    return ctx
+    return forked.context()
 
 
 @contextmanager
