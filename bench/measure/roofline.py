@@ -20,7 +20,7 @@ the requests' counts (prompt lengths vary).
 
 What the rate is (`measure_gemm`, CUDA only): F.linear at ROWS rows in bf16 over the engine's shapes
 (kvtransfer/model/fused.py fuses q, k, v into one weight and gate, up into another): qkv, o, gate_up, down and
-lm_head, each warmed up, then the median over REPS of CUDA-event-timed loops (bench.probes.timing.loop_us). The
+lm_head, each warmed up, then the median over REPS of CUDA-event-timed loops (bench.measure.timing.loop_us). The
 layer GEMMs' rate is one layer's FLOPs over their summed times (each runs once per token); lm_head has its own.
 Attention's FLOPs are priced at the layer rate. Per run, `gemm_tflops` is the rate the request's FLOPs get over
 those two (FLOPs / time), and roofline output tok/s = gemm_tflops / FLOPs per request x O.
@@ -99,7 +99,7 @@ def measure_gemm(dims: Dims, device: str = "cuda", rows: int = ROWS) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from bench.probes.timing import loop_us
+    from bench.measure.timing import loop_us
 
     dev = torch.device(device)
     if dev.type != "cuda" or not torch.cuda.is_available():

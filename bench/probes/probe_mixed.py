@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.measure.stats import summarize
-from bench.probes.timing import loop_us
+from bench.measure.timing import loop_us
 from kvtransfer.engine.graphs import Step
 from kvtransfer.engine.pool import KVPool
 from kvtransfer.engine.runner import StepRunner, graph_us

@@ -32,7 +32,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from bench.measure.stats import summarize
 from bench.probes import probe_mixed, probe_served
-from bench.probes.timing import loop_us
+from bench.measure.timing import loop_us
 from kvtransfer.engine.graphs import Step
 from kvtransfer.engine.pool import KVPool
 from kvtransfer.engine.runner import StepRunner, graph_us

@@ -1,7 +1,8 @@
-"""GPU time of back-to-back calls, measured with CUDA events: the timer the probes share.
+"""GPU time of back-to-back calls, measured with CUDA events: the timer the probes and the serve roofline share.
 
-Why apart: probe_round and probe_mixed both time this way, and probe_round imports probe_mixed;
-the timer lives below both so neither imports the other back.
+Why apart, in measure/: probe_round and probe_mixed both time this way (probe_round imports probe_mixed), and the
+serve run's roofline (measure/roofline.py) times its GEMMs the same way; the timer lives below all of them so the
+rooms import only downward.
 """
 
 from __future__ import annotations
