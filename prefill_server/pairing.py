@@ -14,7 +14,10 @@ which supersedes its old one (never another pair's):
 - grpc/cuda_ipc: the device thread connects to the data address the decode side
   announced (closing the pair's old link) and warms it up before the answer goes back.
 Each request names the decode instance that asked (PrefillRequest.decode_instance), and its
-cache goes to that pair's link.
+cache goes to that pair's link. A request that comes while its pair's process-group pairing is in
+progress (the decode side counts the pair up once its own join returns, and sends at once; this
+side's join thread may not have handed the group to the device thread yet, or be warming it up)
+waits for that pairing to end (`request`), rather than finding no data plane.
 
 Health, per pair: the service `pair_service(decode instance)` is SERVING while that pair is
 up, and each decode worker watches its own (so one pair's handshake or failure never ends
@@ -33,7 +36,7 @@ import collections
 import logging
 import secrets
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -80,6 +83,10 @@ class Pair:
     link: object = None
     group: object = None  # nccl/gloo: the pair's own process group
     up: bool = False
+    settled: asyncio.Event = field(default_factory=asyncio.Event)  # clear while a process-group pairing is joined
+
+    def __post_init__(self):
+        self.settled.set()
 
 
 class PrefillPairing:
@@ -120,6 +127,7 @@ class PrefillPairing:
         await self._set_up(pair, False)
         resp = pb.HandshakeResponse(instance_id=self.instance_id, epoch=epoch)
         if self.process_group:
+            pair.settled.clear()  # until this epoch's join ends: paired (_set_up), failed or given up (_settle)
             self.loop.run_in_executor(self.gpu, self._rejoin, pair, epoch, gone).add_done_callback(_log_failure)
             return resp
         try:
@@ -156,7 +164,7 @@ class PrefillPairing:
         self._forget(gone)
         if epoch != pair.epoch:
             log.info("pairing epoch %d superseded by %d before it started", epoch, pair.epoch)
-            return
+            return  # the newer epoch settles it
         self._drop(pair)
         threading.Thread(target=self._join, args=(pair, epoch), name=f"pair-join-{epoch}", daemon=True).start()
 
@@ -192,18 +200,21 @@ class PrefillPairing:
         except PairingAbandoned:
             log.info("pairing epoch %d abandoned before the decode peer joined (%s)", epoch,
                      self._abandoned(pair, epoch) or "?")
+            self._from_thread(self._settle(pair, epoch))
             return
         except Exception as e:  # noqa: BLE001 - torch reports a failed rendezvous as RuntimeError; logged, never lost
             why = self._abandoned(pair, epoch)
             log.log(logging.INFO if why else logging.ERROR, "pairing epoch %d failed: %s; %s", epoch,
                     str(e).splitlines()[0] if str(e) else repr(e),
                     f"it was abandoned meanwhile ({why})" if why else "waiting for the decode peer to handshake again")
+            self._from_thread(self._settle(pair, epoch))
             return
         try:
             self.gpu.submit(self._joined, pair, epoch, group).add_done_callback(_log_failure)
         except RuntimeError:  # the device thread was shut down: the server stopped
             from kvtransfer.transport.rendezvous import leave_pair
             leave_pair(group)
+            self._from_thread(self._settle(pair, epoch))
 
     def _joined(self, pair: Pair, epoch: int, group) -> None:
         """Device thread: a joined group becomes the pair's link, warmed up, unless the join was abandoned meanwhile."""
@@ -211,6 +222,7 @@ class PrefillPairing:
         if why := self._abandoned(pair, epoch):
             log.info("pairing epoch %d joined after it was abandoned (%s); its group left", epoch, why)
             leave_pair(group)
+            self._from_thread(self._settle(pair, epoch))
             return
         pair.group = group
         try:
@@ -219,6 +231,7 @@ class PrefillPairing:
         except (TransferError, RuntimeError) as e:
             log.error("pairing epoch %d failed: %s; waiting for the decode peer to handshake again", epoch, e)
             self._drop(pair)
+            self._from_thread(self._settle(pair, epoch))
             return
         self._paired(pair, epoch)
 
@@ -243,6 +256,19 @@ class PrefillPairing:
         log.info("paired with decode instance %x (epoch %d)", pair.instance, epoch)
         self.metrics.pairings.inc()
         self._from_thread(self._set_up(pair, True))
+
+    async def request(self, decode_instance: int, *args):
+        """run_request on the device thread, once the asking decode worker's pairing in progress, if any, has ended
+        (paired, failed or given up; at most --dist-timeout-s): the decode side counts the pair up as soon as its own
+        join returns, and a request it sends at once could reach the device thread before this side's join thread
+        handed it the group (UNAVAILABLE "no data plane paired here" for a request sent once it was SERVING)."""
+        pair = self.pairs.get(decode_instance)
+        if pair is not None and not pair.settled.is_set():
+            try:
+                await asyncio.wait_for(pair.settled.wait(), self.config.dist_timeout_s)
+            except asyncio.TimeoutError:
+                pass  # run_request says what is missing
+        return await asyncio.get_running_loop().run_in_executor(self.gpu, self.run_request, decode_instance, *args)
 
     def run_request(self, decode_instance: int, *args):
         """worker.run over the asking decode worker's link, on the device thread; a transfer that broke its process
@@ -275,9 +301,17 @@ class PrefillPairing:
 
     async def _set_up(self, pair: Pair, up: bool) -> None:
         pair.up = up
+        if up:
+            pair.settled.set()
         if self.health is not None:
             await self.health.set(pair_service(pair.instance), SERVING if up else NOT_SERVING)
         await self._publish_any()
+
+    async def _settle(self, pair: Pair, epoch: int) -> None:
+        """A pairing that ended without a pair up: requests waiting for it go on (and find no data plane), unless a
+        newer epoch of the pair is under way (it settles them)."""
+        if pair.epoch == epoch:
+            pair.settled.set()
 
     async def _publish_any(self) -> None:
         """"" and the peer_up gauge: SERVING while any pair is up (the gauge counts them)."""

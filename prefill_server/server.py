@@ -136,14 +136,12 @@ class PrefillService(pbg.PrefillServicer):
     async def _prefill(self, request, context):
         n = len(request.token_ids)
         mode = self.resolve_mode(request.mode, n)
-        loop = asyncio.get_running_loop()
         s = request.sampling  # the decode server always sets the seed; a direct call without one gets a drawn seed
         sampling = sampling_params(s.temperature, s.top_p if s.HasField("top_p") else None, s.top_k,
                                    s.seed if s.HasField("seed") else None) if request.HasField("sampling") else None
         self.queued_tokens += n
         try:
-            r = await loop.run_in_executor(self.gpu, self.pairing.run_request, request.decode_instance,
-                                           request.request_id, list(request.token_ids), mode,
+            r = await self.pairing.request(request.decode_instance, request.request_id, list(request.token_ids), mode,
                                            request.return_logits_digest, sampling)
         except TransferError as e:
             log.error("request %d: transfer failed: %s", request.request_id, e)

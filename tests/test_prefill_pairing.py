@@ -1,0 +1,94 @@
+"""A prefill worker's request that comes while its pair's process-group pairing is still in progress waits for it
+(prefill_server/pairing.py, PrefillPairing.request), in process, with the join held where the test wants it.
+
+Why: the decode worker counts the pair up (and turns SERVING) as soon as its own side of the gloo/NCCL join returns,
+and a client may send at once. On the prefill side the join runs on a thread of its own, which then hands the group
+to the device thread to be warmed up; a request that reached the device thread first found "no data plane paired
+here" (UNAVAILABLE for a request sent once the decode worker was SERVING: test_prefix_servers failed so on a
+fresh clone with one core kept busy). Why in process: the window is a thread's scheduling, which real processes
+show only now and then; here the join is held until the request has queued whatever it queues on the device
+thread, so the old order happens every time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvtransfer.transport import TransferError, rendezvous
+from kvtransfer.transport.registry import Rendezvous
+from prefill_server.pairing import PrefillPairing
+
+DECODE = 5  # the decode instance
+GUARD_S = 60  # a request still waiting this long is a hang (the pairing's own bound is --dist-timeout-s, 3600 here)
+
+
+@pytest.fixture
+def held_join(monkeypatch):
+    """The rendezvous with the join held: `joining` is set once the join thread is in it, `release` lets it go
+    (`fail`: then it raises, as a join whose peer never came)."""
+    held = SimpleNamespace(joining=threading.Event(), release=threading.Event(), fail=False)
+
+    def join_pair(rank, store, prefix, device, *args):
+        held.joining.set()
+        assert held.release.wait(GUARD_S)
+        if held.fail:
+            raise RuntimeError("the peer did not join the process group")
+        return f"group {prefix}"
+
+    monkeypatch.setattr(rendezvous, "open_store", lambda *a: "store")
+    monkeypatch.setattr(rendezvous, "store_address", lambda init: ("127.0.0.1", 1))
+    monkeypatch.setattr(rendezvous, "pairing_prefix", lambda instance, epoch: f"{instance:x}/{epoch}")
+    monkeypatch.setattr(rendezvous, "join_pair", join_pair)
+    return held
+
+
+def pairing(gpu) -> PrefillPairing:
+    config = SimpleNamespace(dist_init="tcp://127.0.0.1:1", dist_timeout_s=3600.0, dist_op_timeout_s=0.0,
+                             warmup_tokens=0)
+    worker = SimpleNamespace(m=SimpleNamespace(device=torch.device("cpu")), warmup=lambda n, link: None,
+                             run=lambda link, *args: (link, args))
+    backend = SimpleNamespace(name="gloo", rendezvous=Rendezvous.PROCESS_GROUP)
+    metrics = SimpleNamespace(pairings=SimpleNamespace(inc=lambda: None), peer_up=SimpleNamespace(set=lambda n: None))
+    return PrefillPairing(config, worker, backend, lambda address="", group=None: f"link over {group}", gpu, metrics)
+
+
+async def request_during_the_join(p: PrefillPairing, gpu, held) -> asyncio.Future:
+    """A handshake, then a request while the join is held; once whatever the request queued on the device thread
+    has run, the join goes on. The request's future."""
+    loop = asyncio.get_running_loop()
+    await p.handshake(SimpleNamespace(instance_id=DECODE, data_address=""), context=None)
+    assert await asyncio.to_thread(held.joining.wait, GUARD_S)
+    task = asyncio.ensure_future(p.request(DECODE, "request 1"))
+    for _ in range(5):
+        await asyncio.sleep(0)  # the request is either waiting or queued on the device thread
+    await loop.run_in_executor(gpu, lambda: None)  # the device thread is one FIFO: what was queued before has run
+    held.release.set()
+    return task
+
+
+def test_a_request_during_the_join_waits_for_it_and_goes_over_the_new_link(held_join):
+    with ThreadPoolExecutor(1) as gpu:
+        async def scenario():
+            p = pairing(gpu)
+            task = await request_during_the_join(p, gpu, held_join)
+            return await asyncio.wait_for(task, GUARD_S), p
+        (link, args), p = asyncio.run(scenario())
+    assert link == f"link over group {p.instance_id:x}/1" and args == ("request 1",)  # this epoch's group
+    assert p.pairs[DECODE].up
+
+
+def test_a_request_during_a_join_that_fails_fails_once_it_has_failed(held_join):
+    """Not after --dist-timeout-s: the failed pairing lets its waiting requests go on, to find no data plane."""
+    held_join.fail = True
+    with ThreadPoolExecutor(1) as gpu:
+        async def scenario():
+            task = await request_during_the_join(pairing(gpu), gpu, held_join)
+            with pytest.raises(TransferError, match="no data plane paired here"):
+                await asyncio.wait_for(task, GUARD_S)
+        asyncio.run(scenario())
