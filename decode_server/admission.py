@@ -17,6 +17,10 @@ The rules:
   when set, refuses it sooner with RESOURCE_EXHAUSTED. --max-waiting bounds the queue: a request that would make it
   longer is refused at once with RESOURCE_EXHAUSTED naming the flag (0: no request waits).
 
+- A preempted request (kvtransfer/engine/preempt.py) comes back ahead of every new arrival (`acquire(...,
+  resumed=rid)`; among themselves, the oldest request first), and is never refused for the queue's length or
+  --admission-wait-s: it was admitted once, and only its deadline ends its wait.
+
 What is taken is `take()`: any callable that returns a lease or raises PoolFull (today a pool slot, through the
 prefix cache when there is one), so the queue stays as it is when the pool's unit of memory changes. The queue
 lives on the server's event loop; only the pool's callback comes from other threads.
@@ -43,10 +47,11 @@ ADMISSION_RECHECK_S = 1.0
 
 
 class _Waiter:
-    __slots__ = ("arrival", "event")
+    __slots__ = ("arrival", "event", "resumed")
 
-    def __init__(self, arrival: int):
+    def __init__(self, arrival: int, resumed: int | None = None):
         self.arrival, self.event = arrival, asyncio.Event()
+        self.resumed = resumed  # a preempted request's id (it goes ahead of new arrivals); None: a new arrival
 
 
 def _busy(pool) -> str:
@@ -91,17 +96,18 @@ class AdmissionQueue:
         if self._queue:
             self._queue[0].event.set()
 
-    async def acquire(self, deadline: float, take=None) -> Lease:
+    async def acquire(self, deadline: float, take=None, resumed: int | None = None) -> Lease:
         """A lease from `take()` (default: pool.try_lease) once this request's turn comes and memory is free; waits
-        at most until `deadline` (perf_counter) and --admission-wait-s. Raises RequestError when refused."""
+        at most until `deadline` (perf_counter) and --admission-wait-s. Raises RequestError when refused.
+        `resumed`: the id of a preempted request coming back (ahead of new arrivals; refused only by its deadline)."""
         self._loop = asyncio.get_running_loop()
         take = take or self.pool.try_lease
-        if self._queue and len(self._queue) >= self.max_waiting:
+        if resumed is None and self._queue and len(self._queue) >= self.max_waiting:
             raise self._full()
         t0 = time.perf_counter()
-        give_up = min(deadline, t0 + self.wait_s) if self.wait_s else deadline
-        w = _Waiter(next(self._arrivals))
-        self._queue.append(w)  # before the first try: a release after it wakes this one (see _freed)
+        give_up = min(deadline, t0 + self.wait_s) if self.wait_s and resumed is None else deadline
+        w = _Waiter(next(self._arrivals), resumed)
+        self._join(w)  # before the first try: a release after it wakes this one (see _freed)
         admitted = waited = False
         try:
             while True:
@@ -110,7 +116,7 @@ class AdmissionQueue:
                     try:
                         lease = take()
                     except PoolFull:
-                        if self.max_waiting == 0:
+                        if self.max_waiting == 0 and resumed is None:
                             raise self._full() from None
                     else:
                         self._queue.popleft()
@@ -134,6 +140,17 @@ class AdmissionQueue:
                 self._queue.remove(w)
                 if head:
                     self._wake_head()
+
+    def _join(self, w: _Waiter) -> None:
+        """Into the queue: a new arrival at the back; a resumed request behind the resumed ones older than it, ahead
+        of every new arrival (a head it displaces waits again: only the head takes)."""
+        if w.resumed is None:
+            self._queue.append(w)
+            return
+        at = 0
+        while at < len(self._queue) and self._queue[at].resumed is not None and self._queue[at].resumed < w.resumed:
+            at += 1
+        self._queue.insert(at, w)
 
     def _full(self) -> RequestError:
         if self.max_waiting == 0:

@@ -58,8 +58,8 @@ class DecodeConfig:
     kv_pool_gib: float = flag(0.0, "KV pool size, GiB; 0: what --gpu-memory-utilization leaves after the weights "
                               "and a prefill workspace (CUDA), 16 slots (CPU)")
     kv_block_tokens: int = flag(64, "the KV pool in blocks of this many tokens: a request takes the blocks its "
-                                "prompt + max_new_tokens need, not a whole --max-seq-len slot (docs/paging.md); 0: "
-                                "one slot of --max-seq-len per request")
+                                "prompt and answer need as it goes, not a whole --max-seq-len slot (docs/paging.md); "
+                                "0: one slot of --max-seq-len per request")
     gpu_memory_utilization: float = flag(0.9, "share of the GPU's memory this server may hold (weights, KV pool, "
                                          "workspace); two servers on one GPU: split it between them")
     cuda_graphs: bool = flag(True, "capture the decode step as CUDA graphs per batch bucket (CUDA only)")

@@ -24,11 +24,12 @@ def info_response(engine, config, vocab: int) -> pb.InfoResponse:
                            kv_blocks=engine.pool.blocks, max_batch=engine.pool.slots)
 
 
-def load_response(requests, engine, serving: bool, queued: int) -> pb.LoadResponse:
+def load_response(requests, engine, serving: bool, queued: int, preemptions: int = 0) -> pb.LoadResponse:
     """`requests`: the server's running requests (kvtransfer.rpc.lifecycle.Request): decoding ones count their
-    context and the tokens left to make, admitted ones not decoding yet their prompt; `queued` of those are in the
-    admission queue (decode_server/admission.py), waiting for KV memory."""
-    out = pb.LoadResponse(serving=serving, queued_requests=queued)
+    context and the tokens left to make, admitted ones not decoding yet their prompt (a preempted one waiting to be
+    readmitted too); `queued` of those are in the admission queue (decode_server/admission.py), waiting for KV
+    memory; `preemptions`: since start."""
+    out = pb.LoadResponse(serving=serving, queued_requests=queued, preemptions=preemptions)
     for r in list(requests):
         seq = r.seq
         if seq is not None and not seq.over:

@@ -27,7 +27,7 @@ from decode_server.landing import pool_destination
 from decode_server.peer.peers import PrefillPeers
 from decode_server.peer.remote import PeerFailure, RequestError
 from decode_server.reports import info_response, load_response, watch_gauges
-from decode_server.reuse import count_reuse, slot_taker
+from decode_server.reuse import count_reuse, resume_taker, slot_taker
 from decode_server.streams import Mailbox, TokenStream, slot_ready
 from decode_server.validate import request_problem
 from kvtransfer.engine.engine import DecodeEngine
@@ -73,6 +73,7 @@ class DecodeService(pbg.DecodeServicer):
         self.running = RunningRequests(self.metrics)
         self._mailbox: Mailbox | None = None  # tokens from the scheduler thread to this server's loop, one wake a burst
         self.failed = ""  # set by fail_all: a thread the server depends on died; every request ends INTERNAL
+        self.preemptions = 0  # running requests preempted since start (Load.preemptions)
         watch_gauges(self.metrics, engine, peers, lambda: self.admit.count, lambda: self.admission.waiting)
 
     def _box(self) -> Mailbox:
@@ -102,7 +103,7 @@ class DecodeService(pbg.DecodeServicer):
         """Running and waiting requests and tokens, and the pool's free slots (a router places requests by it)."""
         serving = not (self.failed or self.running.draining) and (
             self.peers is None or self.peers.up or self.config.on_failure == "recompute")
-        return load_response(self.running.requests, self.engine, serving, self.admission.waiting)
+        return load_response(self.running.requests, self.engine, serving, self.admission.waiting, self.preemptions)
 
     async def Generate(self, request, context):
         with self.running.request(context) as r:  # counts the request's one outcome when it ends
@@ -154,13 +155,15 @@ class DecodeService(pbg.DecodeServicer):
             lease = await self.admission.acquire(deadline, self._take(request))  # in arrival order
         except RequestError as e:
             await self._abort(context, e.code, e.message)
+        held = [lease]  # the request's lease (a preempted request's is replaced by the one it is readmitted with)
         try:
             await slot_ready(lease)  # copies into or out of the slot (the prefix cache's) are done
-            async with aclosing(self._generate(request, context, deadline, lease, r)) as tokens:
+            async with aclosing(self._generate(request, context, deadline, held, r)) as tokens:
                 async for msg in tokens:
                     yield msg
         finally:
-            lease.release()
+            for le in held:
+                le.release()
 
     def _take(self, request):
         return slot_taker(self.engine.cache, self.config, request, self.metrics, self.engine.pool)
@@ -228,7 +231,30 @@ class DecodeService(pbg.DecodeServicer):
             future.cancel()
             await self._abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, late)
 
-    async def _generate(self, request, context, deadline: float, lease, r):
+    async def _resume(self, request, context, deadline: float, rid: int, tokens: list[int], left: int):
+        """A preempted request back in: readmitted ahead of every new arrival, and its context (`tokens` but the
+        last, whose KV the next step makes) put back in the new lease's row: prefilled here, after any prefix the
+        cache held. Returns the lease; `left`: tokens still to make."""
+        take = resume_taker(self.engine.cache, request, tokens, left, self.metrics, self.engine.pool)
+        try:
+            lease = await self.admission.acquire(deadline, take, resumed=rid)
+        except RequestError as e:
+            await self._abort(context, e.code, e.message)
+        try:
+            await slot_ready(lease)
+            n, reused = len(tokens) - 1, lease.reuse.length if lease.reuse is not None else 0
+            if reused < n:  # its first token is the one already made: dropped
+                job = self.engine.prefill(tokens[:n], lease, False, None, reused)
+                await self._within(context, job, deadline, "the preempted request's context was not prefilled "
+                                   "again before the deadline")
+            log.debug("request %d resumed at %d tokens (%d reused, %d prefilled)", rid, n, reused, n - reused)
+        except BaseException:
+            lease.release()
+            raise
+        return lease
+
+    async def _generate(self, request, context, deadline: float, held: list, r):
+        lease = held[0]
         t_in, rid = time.perf_counter(), next(self.ids)
         n, want = len(request.token_ids), request.return_logits_digest
         sm = request.sampling  # absent or temperature 0: None (greedy); a seed drawn here when the request has none
@@ -256,7 +282,8 @@ class DecodeService(pbg.DecodeServicer):
             return
         yield pb.GenerateResponse(token_id=p.first, index=0, logits_digest=p.digest, cache_digest=cache_dig)
         stream = TokenStream(self._box(), self.config.stream_buffer_tokens)
-        lease.hold()  # the sequence's own hold: the scheduler lets go when it drops or finishes it
+        lease.hold()  # the sequence's own hold: the scheduler lets go when it drops or finishes it (or preempts it:
+        # then this request is readmitted and continues from the tokens it made, `_resume`)
         seq = stream.seq = Sequence(rid, lease, n, p.first, steps, stream.sink, want, stops, sampling=sampling)
         r.seq = seq
         self.engine.scheduler.add(seq)
@@ -264,6 +291,20 @@ class DecodeService(pbg.DecodeServicer):
         try:
             while True:
                 item = await stream.next(deadline)
+                if isinstance(item, Ended) and item.cause is EndCause.PREEMPTED:  # not the client's business
+                    self.preemptions += 1
+                    self.metrics.preemptions.labels(item.reason).inc()
+                    r.seq = None  # waiting again (Load; a shutdown cancels it)
+                    held.pop().release()
+                    tokens = prompt.tolist() + made
+                    left = request.max_new_tokens - len(made)
+                    lease = await self._resume(request, context, deadline, rid, tokens, left)
+                    held.append(lease)
+                    seq = stream.seq = Sequence(rid, lease, len(tokens) - 1, made[-1], left, stream.sink, want,
+                                                stops, index=len(made) - 1, sampling=sampling)
+                    r.seq = seq
+                    self.engine.scheduler.add(seq)
+                    continue
                 if isinstance(item, Ended):
                     await self._abort(context, END_STATUS[item.cause], item.reason)
                 made.append(item.token_id)
@@ -281,7 +322,8 @@ class DecodeService(pbg.DecodeServicer):
             await self._abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, "decoding did not finish before the deadline")
         finally:
             seq.stop("the request ended (client gone, deadline or error)")  # no-op once it finished
-            lease.keep = np.concatenate([prompt, np.asarray(made[:-1], dtype=np.int64)])
+            if held:
+                held[-1].keep = np.concatenate([prompt, np.asarray(made[:-1], dtype=np.int64)])
 
 
 def finish_reason(last: int, stops: frozenset[int]) -> int:

@@ -17,6 +17,7 @@ from kvtransfer.model.spec import ModelSpec, load_model
 from kvtransfer.model.streaming import cache_digest, cache_layers
 from proto import kvtransfer_pb2 as pb
 from proto import kvtransfer_pb2_grpc as pbg
+from support.cancel import cancel_after
 from support.enginekit import engine_generate
 from support.servers import server_pair
 
@@ -96,18 +97,7 @@ def test_every_block_comes_back_after_requests_end_every_way(tmp_path, tiny):
         assert settled(run.addr, blocks).free_blocks == blocks
         ok = asyncio.run(generate(run.addr, ids, 4, "bulk", timeout=30))
         assert len(ok["tokens"]) == 4 and settled(run.addr, blocks).free_blocks == blocks
-
-        async def cancel_mid_decode():
-            async with grpc.aio.insecure_channel(run.addr) as ch:
-                call = pbg.DecodeStub(ch).Generate(pb.GenerateRequest(token_ids=ids, max_new_tokens=2000,
-                                                                      mode=pb.MODE_COLOCATED))
-                got = 0
-                async for _ in call:
-                    got += 1
-                    if got == 3:
-                        call.cancel()
-                        break
-        asyncio.run(cancel_mid_decode())
+        assert asyncio.run(cancel_after(run.addr, ids, 2000)) == "CANCELLED"
         assert settled(run.addr, blocks).free_blocks == blocks
         assert outcome(run.addr, ids, 2000, "colocated", 0.5) == "DEADLINE_EXCEEDED"
         assert settled(run.addr, blocks).free_blocks == blocks

@@ -4,7 +4,8 @@ Two limits, kept apart: rows (`slots`, --max-batch) bound how many requests run 
 A row is a request's place in the step (its row of the block table, what the kernels index by); its blocks hold
 its K/V, `page` positions each: row r's position n is block table[r, n // page] at offset n % page
 (kernels/triton_paging.py reads it so). A lease takes a free row and the blocks its tokens need (admission reserves
-the prompt plus its answer limit up front), and gives both back when its last holder lets go.
+the prompt and a small reserve; the scheduler grows a decoding row a block at a time, `grow_locked`), and gives both
+back when its last holder lets go, or at once when the scheduler preempts it (`preempt_locked`, preempt.py).
 
 The slot layout is the case page == max_seq (the default): one block of the whole context per row, row r owning
 block r for good, so `kv[:, :, r]` is row r's cache and `views` hands transports strided views of it. Paged
@@ -52,6 +53,8 @@ class Lease:
         self.ready = None  # torch.cuda.Event: copies into (or out of) the row's blocks queued on a copy stream; wait
         # for it before writing them (None: nothing queued)
         self.reuse = None  # prefix_cache.Reuse: the prompt's prefix already in the row once `ready` fired
+        self.gone = False  # preempted: its row and blocks went back to the pool while still held; letting go of it
+        # then frees nothing
 
     def hold(self) -> None:
         with self.pool._lock:
@@ -64,7 +67,7 @@ class Lease:
             if self._holders == 0:
                 return
             self._holders -= 1
-            if self._holders:
+            if self._holders or self.gone:
                 return
             if self.ready is not None:  # a copy into the row may still read its source (rare: a request that
                 self.ready.synchronize()  # gave up before waiting for it)
@@ -176,6 +179,15 @@ class KVPool:
         self._free_blocks.extend(reversed(rows[keep:]))
         del rows[keep:]
         self.table[slot, keep:].fill_(self.null)
+
+    def preempt_locked(self, lease: Lease) -> None:
+        """Take a held lease's row and blocks back now (the scheduler preempts its request: a step needs blocks and
+        none is free); its holders let go of it later and free nothing. The caller has set `fence` after every
+        write still queued into the row."""
+        if lease.gone:
+            raise RuntimeError(f"slot {lease.slot} was already preempted")
+        lease.gone = True
+        self._free_row_locked(lease.slot)
 
     def _free_row_locked(self, slot: int) -> None:
         """Row `slot` and its blocks back to the free lists (a cached row taken back, or a lease let go)."""

@@ -5,7 +5,8 @@ the device, and tokens must come out in step order. Between two steps the thread
 runs one piece of device work asked for by the servicer (a local prefill, or one chunk of a
 chunked one; a digest), drops the sequences asked to stop (their slots are let go once no queued
 step writes into them), admits the sequences whose caches are complete, then queues one step for
-all of them; with --mixed-prefill that step also carries prompt tokens, in a step of --prefill-chunk
+all of them (each row's next block taken first, the newest request preempted when none is free: preempt.py);
+with --mixed-prefill that step also carries prompt tokens, in a step of --prefill-chunk
 rows in all (or a larger size, --mixed-max-rows): the next chunk of each prompt in progress, then of
 new ones (prompt_queue.py).
 A sequence leaves when its last token is made. Nothing here waits on a client: tokens go to each
@@ -33,6 +34,7 @@ import torch
 
 from kvtransfer.engine.graphs import Step
 from kvtransfer.engine.mixed import Chunk, MixedPrefill
+from kvtransfer.engine.preempt import make_room
 from kvtransfer.engine.prompt_queue import PromptQueue
 from kvtransfer.engine.queued import QueuedStep, StepStats, let_go, queue_step
 from kvtransfer.engine.sequence import EndCause, Ended, LocalPrefill, Sequence, Token
@@ -184,6 +186,8 @@ class Scheduler:
             newer = None
             pieces: list[tuple[MixedPrefill, Chunk]] = []
             try:
+                if make_room(self.running, self._end):  # blocks for this step's rows
+                    self.running = [s for s in self.running if not s.over]
                 launch = [s for s in self.running if s.remaining > 0 and not s.over]
                 pieces = self._prompts.pieces(self.step, len(launch))
                 newer = queue_step(self.step, self.device, launch, pending, pieces) if launch or pieces else None

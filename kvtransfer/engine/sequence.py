@@ -34,6 +34,8 @@ class EndCause(enum.Enum):
     STEP_FAILED = "step failed"  # the device step raised
     SHUTDOWN = "shutdown"  # the server is stopping
     ENGINE_FAILED = "engine failed"  # the scheduler thread died: nothing will decode here again
+    PREEMPTED = "preempted"  # a step needed its blocks (preempt.py): not an end for the client, the servicer
+    # readmits the request and it continues from the tokens it made (the reason says "recompute" or "swap")
 
 
 @dataclass(frozen=True)

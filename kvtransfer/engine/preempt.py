@@ -1,0 +1,88 @@
+"""Preemption (issue #38): before each step, every decoding row gets the block its next position needs; when none is
+free, the newest running request gives its blocks back and is readmitted later.
+
+Why: admission reserves a request's prompt and a small reserve, not its whole answer limit (decode_server/reuse.py),
+so the pool holds the requests that fit now rather than the few whose longest possible answers would. The price is
+that a step may find no free block for a row that crosses into a new one. Then, as vLLM's scheduler does
+(v1/core/sched/scheduler.py: it pops the last of its running list and frees its blocks; SGLang's retract_decode
+likewise retracts running requests to the waiting queue), the newest running request is preempted: its row and
+blocks go back to the pool now, and the request is readmitted ahead of every new arrival and continues from the
+tokens it already made (decode_server/server.py: its context is prefilled again here, "recompute").
+
+The rules kept here:
+- Oldest first: rows are grown in admission order (Sequence.rid), and the victim is the running request with the
+  highest rid, so the oldest request always progresses (a request alone always fits: prompt + max_new_tokens <=
+  --max-seq-len <= the pool, decode_server/validate.py and sizing.py). A resumed request keeps its rid, so it is
+  not the first victim again. A row whose last token is already queued (remaining 0) is never a victim: it ends at
+  the next delivery.
+- The prefix cache's rows go first: `grow_locked` takes back cached rows before it says the pool is full.
+- The step still in flight may write into the victim's blocks (its row in it: the token it makes there is dropped,
+  and made again after the resume). So the pool's `fence` is set after that step (and after every copy on the
+  prefix cache's stream) before the blocks are freed: a lease that takes them on another stream waits for it, and
+  this thread's own steps are queued after it on the same stream.
+- The victim ends with Ended(PREEMPTED): its sequence leaves the batch, its holds are let go (they free nothing:
+  `Lease.gone`), and the servicer, not the client, sees that end.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kvtransfer.engine.pool import KVPool, PoolFull
+from kvtransfer.engine.sequence import EndCause, Ended, Sequence
+
+log = logging.getLogger("kvtransfer.decode.scheduler")
+
+RECOMPUTE = "recompute"
+
+
+def make_room(running: list[Sequence], end) -> int:
+    """Before a step: each running sequence that decodes in it holds the block of the position it writes
+    (`length`), the oldest first; where none is free, the newest running sequence is preempted (`end(seq,
+    Ended(PREEMPTED, how))` on this thread, outside the pool's lock) until one is. Returns how many were preempted
+    (they are `over`; the caller drops them from `running`)."""
+    pool: KVPool | None = running[0].lease.pool if running else None
+    if pool is None or pool.fixed:
+        return 0  # nothing runs, or a row owns a whole context
+    preempted = 0
+    for s in sorted(running, key=lambda s: s.rid):
+        if s.over or s.remaining <= 0:
+            continue
+        while True:
+            victim = None
+            with pool._lock:
+                try:
+                    ready = pool.grow_locked(s.slot, pool.blocks_for(s.length + 1))
+                except PoolFull:
+                    victim = max((v for v in running if not v.over and v.remaining > 0), key=lambda v: v.rid)
+                    _fence_locked(pool)
+                    pool.preempt_locked(victim.lease)
+                    victim.over = True  # before it leaves the lock: no later pass takes it for a victim again
+            if victim is None:
+                if ready is not None:  # blocks freed by a copy still reading them (the prefix cache's): after it
+                    torch.cuda.current_stream(pool.device).wait_event(ready)
+                break
+            preempted += 1
+            log.debug("request %d preempted at %d tokens (%s): request %d needs a block and none is free", victim.rid,
+                      victim.length, RECOMPUTE, s.rid)
+            end(victim, Ended(EndCause.PREEMPTED, RECOMPUTE))
+            if victim is s:
+                break
+    return preempted
+
+
+def _fence_locked(pool: KVPool) -> None:
+    """pool.fence after every write queued into the pool so far (this thread's stream: the step in flight) and
+    every copy queued on the prefix cache's stream (pool.py: a lease taking freed blocks carries it)."""
+    if pool.device.type != "cuda":
+        return
+    ev = torch.cuda.Event()
+    ev.record(torch.cuda.current_stream(pool.device))
+    stream = getattr(pool.keeper, "stream", None)
+    if stream is not None:
+        stream.wait_event(ev)
+        ev = torch.cuda.Event()
+        ev.record(stream)
+    pool.fence = ev

@@ -1,0 +1,128 @@
+"""Preemption (issue #38) in the engine, on CPU: a paged pool far smaller than what its requests will need.
+
+What is claimed (and tested here):
+- rows grow a block at a time as they decode; when a step needs a block and none is free, the newest running request
+  (highest rid) is preempted: it ends with Ended(PREEMPTED) and its blocks are free at once, though the step in
+  flight and the request still hold its lease; the oldest request always runs to its end;
+- a preempted request readmitted as the servicer does it (its context prefilled again into a new lease, decoding on
+  from the last token it made, its index and its draw positions continued) makes the tokens an unpressured run
+  makes (the tiny model's margins are far above the recompute tolerance), with no token repeated or lost;
+- seeded sampling continues after a preemption: the same tokens as unpressured;
+- every block comes back once everything ended.
+The servers' side (admission ahead of new arrivals, the client's stream, Load): tests/test_preempt_servers.py.
+"""
+
+from __future__ import annotations
+
+import queue
+from collections import deque
+
+import pytest
+import torch
+
+from kvtransfer.engine.engine import DecodeEngine, EngineOptions
+from kvtransfer.engine.pool import PoolFull
+from kvtransfer.engine.sampler import SamplingParams
+from kvtransfer.engine.sequence import EndCause, Ended, Sequence
+from kvtransfer.geometry import CacheGeometry
+from kvtransfer.model.loaded import LoadedModel
+from kvtransfer.model.prefill import random_prompt
+from kvtransfer.model.spec import ModelSpec, load_model
+
+PAGE = 4
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model(ModelSpec("tiny", "float32", 0), "cpu")
+
+
+def engine(tiny, blocks: int, **kw) -> DecodeEngine:
+    lm = LoadedModel(ModelSpec("tiny"), tiny, CacheGeometry.from_config(tiny.config, torch.float32),
+                     torch.device("cpu"))
+    return DecodeEngine(lm, EngineOptions(max_batch=4, max_seq_len=64, kv_block_tokens=PAGE, kv_blocks=blocks, **kw))
+
+
+def run(e: DecodeEngine, prompts, new: int, sampling=None):
+    """Each prompt decodes `new` tokens, all sent at once; each takes a lease as admission does (its context and a
+    block of reserve, in arrival order) and a preempted one is readmitted as decode_server does it, ahead of the
+    others. Returns (per prompt its tokens, the rids preempted in order)."""
+    q: queue.Queue = queue.Queue()
+    made, leases, preempted = {}, {}, []
+    waiting = deque((rid, p) for rid, p in enumerate(prompts, 1))  # (rid, context: its last token's KV not made)
+
+    def admit():
+        while waiting:
+            rid, tokens = waiting[0]
+            try:
+                lease = e.pool.try_lease(len(tokens) + PAGE)
+            except PoolFull:
+                return
+            waiting.popleft()
+            if rid not in made:  # a new request: the prompt's prefill chooses its first token
+                made[rid] = [e.prefill(tokens, lease, False, sampling).result(timeout=60).first]
+                tokens = tokens + made[rid][-1:]
+            else:
+                e.prefill(tokens[:-1], lease, False).result(timeout=60)  # its first token is one already made
+            leases[rid] = lease
+            lease.hold()
+            e.scheduler.add(Sequence(rid, lease, len(tokens) - 1, tokens[-1], new - len(made[rid]),
+                                     lambda item, rid=rid: q.put((rid, item)), index=len(made[rid]) - 1,
+                                     sampling=sampling))
+    admit()
+    live = len(prompts)
+    while live:
+        rid, item = q.get(timeout=120)
+        if isinstance(item, Ended):
+            assert item.cause is EndCause.PREEMPTED, item
+            preempted.append(rid)
+            leases.pop(rid).release()  # the request's own hold (freeing nothing: the blocks went already)
+            waiting.appendleft((rid, prompts[rid - 1] + made[rid]))
+        else:
+            assert item.index == len(made[rid]), (rid, item.index, len(made[rid]))  # nothing repeated or lost
+            made[rid].append(item.token_id)
+            if item.last:
+                leases.pop(rid).release()
+                live -= 1
+        admit()
+    return [made[r] for r in range(1, len(prompts) + 1)], preempted
+
+
+PROMPTS = [random_prompt(512, n, seed=n)[0].tolist() for n in (9, 14, 6, 11)]
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+def test_the_newest_request_is_preempted_and_continues_as_if_unpressured(tiny, sampled):
+    sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=1234) if sampled else None
+    roomy, tight = engine(tiny, 64), engine(tiny, 14)  # 14 blocks of 4: two requests of 40 tokens do not fit
+    try:
+        want, none = run(roomy, PROMPTS, 30, sampling)
+        assert none == []
+        got, preempted = run(tight, PROMPTS, 30, sampling)
+        assert preempted and preempted[0] != 1  # the oldest request is never the first victim
+        assert got == want
+        assert all(len(t) == 30 for t in got)
+        assert tight.pool.used() == 0 and tight.pool.free_blocks() == 14
+    finally:
+        roomy.close()
+        tight.close()
+
+
+def test_a_preempted_lease_frees_its_blocks_at_once_and_nothing_when_let_go(tiny):
+    e = engine(tiny, 6)
+    try:
+        a = e.pool.try_lease(8)  # 2 blocks
+        b = e.pool.try_lease(16)  # 4 blocks: the pool is full
+        b.hold()  # e.g. the step in flight
+        with e.pool._lock:
+            e.pool.preempt_locked(b)
+        assert e.pool.free_blocks() == 4 and e.pool.used() == 1
+        c = e.pool.try_lease(16)  # b's blocks and row, at once
+        b.release()
+        b.release()  # its last holder: frees nothing (c holds them now)
+        assert e.pool.free_blocks() == 0 and e.pool.used() == 2
+        for le in (a, c):
+            le.release()
+        assert e.pool.free_blocks() == 6 and e.pool.used() == 0
+    finally:
+        e.close()
