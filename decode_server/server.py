@@ -243,6 +243,8 @@ class DecodeService(pbg.DecodeServicer):
         try:
             await slot_ready(lease)
             n, reused = len(tokens) - 1, lease.reuse.length if lease.reuse is not None else 0
+            if lease.reuse is not None and lease.reuse.tier == "host":  # swapped back in (or another's context)
+                self.metrics.reload_bytes.inc(lease.reuse.bytes)
             if reused < n:  # its first token is the one already made: dropped
                 job = self.engine.prefill(tokens[:n], lease, False, None, reused)
                 await self._within(context, job, deadline, "the preempted request's context was not prefilled "
@@ -252,6 +254,12 @@ class DecodeService(pbg.DecodeServicer):
             lease.release()
             raise
         return lease
+
+    def _swaps(self, request) -> bool:
+        """Whether a preempted row of this request may be swapped to the host tier (preempt.py): there is one, and
+        the request does not skip the prefix cache (its resume reloads through it)."""
+        cache = self.engine.cache
+        return cache is not None and cache.host is not None and not request.skip_prefix_cache
 
     async def _generate(self, request, context, deadline: float, held: list, r):
         lease = held[0]
@@ -284,7 +292,9 @@ class DecodeService(pbg.DecodeServicer):
         stream = TokenStream(self._box(), self.config.stream_buffer_tokens)
         lease.hold()  # the sequence's own hold: the scheduler lets go when it drops or finishes it (or preempts it:
         # then this request is readmitted and continues from the tokens it made, `_resume`)
-        seq = stream.seq = Sequence(rid, lease, n, p.first, steps, stream.sink, want, stops, sampling=sampling)
+        swaps = self._swaps(request)  # the sequence keeps its tokens: a preempted row may go to the host tier
+        seq = stream.seq = Sequence(rid, lease, n, p.first, steps, stream.sink, want, stops, sampling=sampling,
+                                    tokens=[*request.token_ids, p.first] if swaps else None)
         r.seq = seq
         self.engine.scheduler.add(seq)
         made = [p.first]  # the tokens delivered: a delivered token's predecessor has its KV in the slot
@@ -301,7 +311,8 @@ class DecodeService(pbg.DecodeServicer):
                     lease = await self._resume(request, context, deadline, rid, tokens, left)
                     held.append(lease)
                     seq = stream.seq = Sequence(rid, lease, len(tokens) - 1, made[-1], left, stream.sink, want,
-                                                stops, index=len(made) - 1, sampling=sampling)
+                                                stops, index=len(made) - 1, sampling=sampling,
+                                                tokens=tokens if swaps else None)
                     r.seq = seq
                     self.engine.scheduler.add(seq)
                     continue

@@ -43,19 +43,23 @@ def engine(tiny, blocks: int, **kw) -> DecodeEngine:
     return DecodeEngine(lm, EngineOptions(max_batch=4, max_seq_len=64, kv_block_tokens=PAGE, kv_blocks=blocks, **kw))
 
 
-def run(e: DecodeEngine, prompts, new: int, sampling=None):
+def run(e: DecodeEngine, prompts, new: int, sampling=None, reloads=None):
     """Each prompt decodes `new` tokens, all sent at once; each takes a lease as admission does (its context and a
     block of reserve, in arrival order) and a preempted one is readmitted as decode_server does it, ahead of the
-    others. Returns (per prompt its tokens, the rids preempted in order)."""
+    others (with a prefix cache, through it: a swapped context is reloaded, the rest prefilled). Returns (per
+    prompt its tokens, the (rid, how) preempted in order); `reloads` gets (context, its row's KV once reloaded,
+    whether that was the whole context)."""
     q: queue.Queue = queue.Queue()
     made, leases, preempted = {}, {}, []
+    swaps = e.cache is not None and e.cache.host is not None
     waiting = deque((rid, p) for rid, p in enumerate(prompts, 1))  # (rid, context: its last token's KV not made)
 
     def admit():
         while waiting:
             rid, tokens = waiting[0]
             try:
-                lease = e.pool.try_lease(len(tokens) + PAGE)
+                lease = (e.cache.acquire(tokens, rid in made, None, len(tokens) + PAGE) if e.cache is not None
+                         else e.pool.try_lease(len(tokens) + PAGE))
             except PoolFull:
                 return
             waiting.popleft()
@@ -63,19 +67,24 @@ def run(e: DecodeEngine, prompts, new: int, sampling=None):
                 made[rid] = [e.prefill(tokens, lease, False, sampling).result(timeout=60).first]
                 tokens = tokens + made[rid][-1:]
             else:
-                e.prefill(tokens[:-1], lease, False).result(timeout=60)  # its first token is one already made
+                reused = lease.reuse.length if lease.reuse is not None else 0
+                if reused and reloads is not None:
+                    reloads.append((tokens[:reused], e.pool.read(lease.slot, 0, reused).clone(),
+                                    reused == len(tokens) - 1))
+                if reused < len(tokens) - 1:  # its first token is one already made
+                    e.prefill(tokens[:-1], lease, False, None, reused).result(timeout=60)
             leases[rid] = lease
             lease.hold()
             e.scheduler.add(Sequence(rid, lease, len(tokens) - 1, tokens[-1], new - len(made[rid]),
                                      lambda item, rid=rid: q.put((rid, item)), index=len(made[rid]) - 1,
-                                     sampling=sampling))
+                                     sampling=sampling, tokens=list(tokens) if swaps else None))
     admit()
     live = len(prompts)
     while live:
         rid, item = q.get(timeout=120)
         if isinstance(item, Ended):
             assert item.cause is EndCause.PREEMPTED, item
-            preempted.append(rid)
+            preempted.append((rid, item.reason))
             leases.pop(rid).release()  # the request's own hold (freeing nothing: the blocks went already)
             waiting.appendleft((rid, prompts[rid - 1] + made[rid]))
         else:
@@ -99,7 +108,8 @@ def test_the_newest_request_is_preempted_and_continues_as_if_unpressured(tiny, s
         want, none = run(roomy, PROMPTS, 30, sampling)
         assert none == []
         got, preempted = run(tight, PROMPTS, 30, sampling)
-        assert preempted and preempted[0] != 1  # the oldest request is never the first victim
+        assert preempted and preempted[0][0] != 1  # the oldest request is never the first victim
+        assert {how for _, how in preempted} == {"recompute"}
         assert got == want
         assert all(len(t) == 30 for t in got)
         assert tight.pool.used() == 0 and tight.pool.free_blocks() == 14
@@ -126,3 +136,38 @@ def test_a_preempted_lease_frees_its_blocks_at_once_and_nothing_when_let_go(tiny
         assert e.pool.free_blocks() == 6 and e.pool.used() == 0
     finally:
         e.close()
+
+
+HOST_GIB = 16 * 256 * 1024 / 2**30  # 16 host-tier pages of 256 tokens (tiny: 1 KiB a token)
+
+
+def test_a_swapped_request_gets_its_bytes_back_and_continues_as_unpressured(tiny):
+    """With the host tier, a preempted context is copied out and reloaded on resume: the row then holds exactly the
+    bytes it held when preempted, and every request makes the tokens it makes unpressured."""
+    roomy = engine(tiny, 64)
+    tight = engine(tiny, 14, prefix_cache=True, host_cache_gib=HOST_GIB)
+    tight.cache.speeds = None  # the break-even rule out of the way: every context that fits the tier is swapped
+    swapped_out = {}
+    store = tight.cache.swap_out_locked
+
+    def spy(slot, tokens):  # the preempted row's bytes, as the swap finds them (a context shorter than a prefix
+        data = tight.pool.read(slot, 0, len(tokens)).clone()  # block is not swapped: recomputed)
+        if store(slot, tokens):
+            swapped_out[tuple(tokens.tolist())] = data
+            return True
+        return False
+    tight.cache.swap_out_locked = spy
+    try:
+        want, _ = run(roomy, PROMPTS, 30)
+        reloads = []
+        got, preempted = run(tight, PROMPTS, 30, reloads=reloads)
+        assert got == want
+        assert "swap" in {how for _, how in preempted} and tight.cache.stats.swapped == len(swapped_out) > 0
+        assert len(reloads) == len(swapped_out)
+        for tokens, data, whole in reloads:
+            assert whole  # the whole context came back: nothing of it prefilled again
+            assert torch.equal(data, swapped_out[tuple(tokens)])  # bit for bit
+        assert tight.pool.used() == 0 and tight.pool.free_blocks() + tight.cache.cached_blocks() == 14
+    finally:
+        roomy.close()
+        tight.close()

@@ -25,7 +25,7 @@ from kvtransfer.model.prefill import random_prompt
 from proto import kvtransfer_pb2 as pb
 from proto import kvtransfer_pb2_grpc as pbg
 from support.cancel import cancel_after
-from support.servers import free_port, server_pair
+from support.servers import colocated_server, free_port, server_pair
 
 PAGE, BLOCKS, ROWS, NEW = 8, 24, 16, 44
 TINY_BYTES_PER_TOKEN = 1024  # tiny fp32: 4 layers x K,V x 2 heads x 16 dims x 4 B
@@ -49,19 +49,21 @@ def load(addr: str) -> pb.LoadResponse:
 
 
 def settled(addr: str) -> pb.LoadResponse:
-    """Load once nothing runs or waits and every block is free (ends are asynchronous), or the last one after
-    BOUND_S (the assert that follows then fails)."""
+    """Load once nothing runs or waits and every block is free or cached (ends are asynchronous), or the last one
+    after BOUND_S (the assert that follows then fails)."""
     end = time.monotonic() + BOUND_S
     while True:
         out = load(addr)
-        if (out.running_requests == out.waiting_requests == 0 and out.free_blocks == BLOCKS) or time.monotonic() > end:
+        if out.running_requests == out.waiting_requests == 0 and out.free_blocks + out.cached_blocks == BLOCKS:
+            return out
+        if time.monotonic() > end:
             return out
         time.sleep(0.05)
 
 
-def preemptions_counted(port: int) -> float:
+def preemptions_counted(port: int, how: str = "recompute") -> float:
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    found = re.search(r'^kvt_preemptions_total\{how="recompute"\} (\S+)$', text, re.M)
+    found = re.search(rf'^kvt_preemptions_total\{{how="{how}"\}} (\S+)$', text, re.M)
     return float(found.group(1)) if found else 0.0
 
 
@@ -128,3 +130,31 @@ def test_a_pool_of_a_few_blocks_serves_16_requests_at_once_and_gives_every_block
         assert [len(t) for t in rest] == [NEW] * len(ps[2:])
         final = settled(addr)
         assert final.free_blocks == BLOCKS and final.free_slots == ROWS and final.preemptions >= after.preemptions
+
+
+HOST_GIB = 16 * 256 * TINY_BYTES_PER_TOKEN / 2**30  # 16 host-tier pages of 256 tokens
+
+
+def test_with_the_host_tier_preempted_requests_are_swapped_and_make_what_they_make_alone(tmp_path, vocab):
+    """A colocated server with the prefix cache and a host tier (on CPU the break-even rule measured at start says
+    reload): the same 16 requests at once, then each alone (in that order: the alone runs' cached contexts are
+    never what a resumed request reloads); preempted contexts go to the host tier and come back whole, and every
+    request makes the tokens it makes alone. Every block is free or cached after."""
+    port = free_port()
+    ps = prompts(vocab)
+    with colocated_server(tmp_path, args=[*POOL, "--host-cache-gib", repr(HOST_GIB), "--metrics-port", str(port)],
+                          prefix_cache=True) as run:
+        addr = run.addr
+
+        async def burst():
+            return await asyncio.gather(*(generate(addr, p, NEW, sampling=seeded(i), timeout=BOUND_S)
+                                          for i, p in enumerate(ps)))
+        together = [r["tokens"] for r in asyncio.run(burst())]
+        after = settled(addr)
+        assert after.free_blocks + after.cached_blocks == BLOCKS and after.free_slots == ROWS
+        assert preemptions_counted(port, "swap") > 0
+        assert preemptions_counted(port, "swap") + preemptions_counted(port, "recompute") == after.preemptions
+        alone = [asyncio.run(generate(addr, p, NEW, sampling=seeded(i), timeout=BOUND_S))["tokens"]
+                 for i, p in enumerate(ps)]
+        assert together == alone
+        assert load(addr).preemptions == after.preemptions

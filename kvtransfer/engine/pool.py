@@ -180,14 +180,18 @@ class KVPool:
         del rows[keep:]
         self.table[slot, keep:].fill_(self.null)
 
-    def preempt_locked(self, lease: Lease) -> None:
+    def preempt_locked(self, lease: Lease, keep=None) -> bool:
         """Take a held lease's row and blocks back now (the scheduler preempts its request: a step needs blocks and
-        none is free); its holders let go of it later and free nothing. The caller has set `fence` after every
-        write still queued into the row."""
+        none is free); its holders let go of it later and free nothing. `keep`: the token ids whose KV the row
+        holds, for the keeper to swap them to the host tier first (prefix_cache.swap_out_locked). The caller has set
+        `fence` after every write still queued into the row. True when they were swapped."""
         if lease.gone:
             raise RuntimeError(f"slot {lease.slot} was already preempted")
         lease.gone = True
+        if keep is not None and self.keeper is not None and self.keeper.swap_out_locked(lease.slot, keep):
+            return True
         self._free_row_locked(lease.slot)
+        return False
 
     def _free_row_locked(self, slot: int) -> None:
         """Row `slot` and its blocks back to the free lists (a cached row taken back, or a lease let go)."""

@@ -9,6 +9,13 @@ likewise retracts running requests to the waiting queue), the newest running req
 blocks go back to the pool now, and the request is readmitted ahead of every new arrival and continues from the
 tokens it already made (decode_server/server.py: its context is prefilled again here, "recompute").
 
+Swap: with the host tier (--host-cache-gib), when the break-even rule (reload_rule.py, the speeds measured at
+start) says copying the victim's context back beats prefilling it again, the context goes to the pinned host
+tier first, as a host entry of the prefix cache (prefix_cache.swap_out_locked; vLLM's v0 swapped blocks to CPU the
+same way), and the readmitted request reloads it there (PrefixCache.acquire finds it): the same bytes, so it
+decodes on exactly as if it had never left. Whatever the tier cannot hold (a context shorter than one prefix
+block, or longer than the whole tier), or the rule sends to recompute, is recomputed.
+
 The rules kept here:
 - Oldest first: rows are grown in admission order (Sequence.rid), and the victim is the running request with the
   highest rid, so the oldest request always progresses (a request alone always fits: prompt + max_new_tokens <=
@@ -28,6 +35,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from kvtransfer.engine.pool import KVPool, PoolFull
@@ -35,7 +43,7 @@ from kvtransfer.engine.sequence import EndCause, Ended, Sequence
 
 log = logging.getLogger("kvtransfer.decode.scheduler")
 
-RECOMPUTE = "recompute"
+RECOMPUTE, SWAP = "recompute", "swap"
 
 
 def make_room(running: list[Sequence], end) -> int:
@@ -58,7 +66,7 @@ def make_room(running: list[Sequence], end) -> int:
                 except PoolFull:
                     victim = max((v for v in running if not v.over and v.remaining > 0), key=lambda v: v.rid)
                     _fence_locked(pool)
-                    pool.preempt_locked(victim.lease)
+                    how = SWAP if pool.preempt_locked(victim.lease, _to_swap(pool, victim)) else RECOMPUTE
                     victim.over = True  # before it leaves the lock: no later pass takes it for a victim again
             if victim is None:
                 if ready is not None:  # blocks freed by a copy still reading them (the prefix cache's): after it
@@ -66,11 +74,23 @@ def make_room(running: list[Sequence], end) -> int:
                 break
             preempted += 1
             log.debug("request %d preempted at %d tokens (%s): request %d needs a block and none is free", victim.rid,
-                      victim.length, RECOMPUTE, s.rid)
-            end(victim, Ended(EndCause.PREEMPTED, RECOMPUTE))
+                      victim.length, how, s.rid)
+            end(victim, Ended(EndCause.PREEMPTED, how))
             if victim is s:
                 break
     return preempted
+
+
+def _to_swap(pool: KVPool, s: Sequence) -> np.ndarray | None:
+    """The context to swap to the host tier (the ids whose KV delivered steps wrote), or None: recompute it (no host
+    tier, the sequence keeps no tokens, or the break-even rule says a prefill of it is cheaper than a reload)."""
+    cache = pool.keeper
+    if s.tokens is None or getattr(cache, "host", None) is None:
+        return None
+    n = len(s.tokens) - 1
+    if cache.speeds is not None and not cache.speeds.reload_pays(n):
+        return None
+    return np.asarray(s.tokens[:n], dtype=np.int64)
 
 
 def _fence_locked(pool: KVPool) -> None:

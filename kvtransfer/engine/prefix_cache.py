@@ -62,6 +62,7 @@ class Stats:
     evicted_host: int = 0  # host-tier entries dropped for room
     stored_bytes: int = 0  # copied out to the host tier
     host_recomputed: int = 0  # host hits the break-even rule sent to recompute
+    swapped: int = 0  # preempted rows whose context went to the host tier (preempt.py)
 
 
 class PrefixCache:
@@ -106,6 +107,21 @@ class PrefixCache:
         if self.index.add((DEVICE, slot), tokens) is None:
             return False
         self.pool.trim_locked(slot, len(tokens))  # paged: the blocks its answer limit reserved and did not fill
+        return True
+
+    def swap_out_locked(self, slot: int, tokens: np.ndarray) -> bool:
+        """A preempted row (preempt.py): its context (`tokens`, the ids whose KV it holds) copied to the host tier
+        as a host entry, then its row and blocks freed, fenced after that copy, as a cached row taken back is. False,
+        nothing done, without a host tier or for a context the tier cannot hold (shorter than a block, or longer
+        than the whole tier): the caller frees the row."""
+        if self.host is None or len(tokens) < self.block or self.host.pages_for(len(tokens)) > self.host.pages:
+            return False
+        e = self.index.add((DEVICE, slot), tokens)
+        if e is None:
+            return False
+        self._evict(e)
+        self.stats.evicted_device -= 1  # not a cached row
+        self.stats.swapped += 1
         return True
 
     def take_slot(self) -> tuple[int, torch.cuda.Event | None]:

@@ -271,6 +271,8 @@ class Scheduler:
                 continue
             s.index += 1
             s.last_token = tokens[j]
+            if s.tokens is not None:  # what a swap would store (preempt.py)
+                s.tokens.append(tokens[j])
             last = done.left[j] == 0 or tokens[j] in s.eos
             tok = Token(s.index, tokens[j], logits_digest(done.rows[j]) if s.want_digest else "", t, last)
             if not last:

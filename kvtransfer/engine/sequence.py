@@ -77,6 +77,9 @@ class Sequence:
     stop_cause: EndCause = EndCause.REQUEST_ENDED
     stop_reason: str = ""
     sampling: SamplingParams | None = None  # None: greedy (sampler.py; each row's draw position is length + 1)
+    tokens: list[int] | None = None  # the context's ids through last_token as delivered (the scheduler appends each
+    # token it hands out), so tokens[:-1] is what delivered steps wrote at positions 0..: what a preempted row swaps
+    # to the host tier (preempt.py). None: not kept (no host tier; the row is then recomputed)
 
     @property
     def slot(self) -> int:
