@@ -44,17 +44,19 @@ def load_response(requests, engine, serving: bool, queued: int, preemptions: int
     out.cached_slots = cache.cached_slots() if cache is not None else 0
     out.cached_blocks = cache.cached_blocks() if cache is not None else 0
     out.free_blocks = pool.free_blocks()
+    out.shared_blocks = pool.shared_blocks()
     return out
 
 
 def watch_gauges(metrics, engine, peers, inflight, waiting) -> None:
     """The gauges that read their value when scraped: requests in the server (`inflight()`) and of those waiting
-    for KV memory (`waiting()`), pool slots used, free blocks, cached slots and host-tier bytes (with the prefix cache),
+    for KV memory (`waiting()`), pool slots used, free and shared blocks, cached slots and host-tier bytes (with the prefix cache),
     sequences running, and with prefill peers the data plane's buffers, expected frames and receivers."""
     metrics.inflight.set_function(inflight)
     metrics.waiting.set_function(waiting)
     metrics.pool_slots.set_function(engine.pool.used)
     metrics.free_blocks.set_function(engine.pool.free_blocks)
+    metrics.shared_blocks.set_function(engine.pool.shared_blocks)
     if engine.cache is not None:
         metrics.cached_slots.set_function(engine.cache.cached_slots)
         metrics.host_cache_bytes.set_function(engine.cache.host_bytes)

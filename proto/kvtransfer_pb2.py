@@ -24,21 +24,21 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16proto/kvtransfer.proto\x12\rkvtransfer.v1\"h\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x01\x88\x01\x01\x42\x08\n\x06_top_pB\x07\n\x05_seed\"\x8d\x02\n\x0fGenerateRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x16\n\x0emax_new_tokens\x18\x02 \x01(\r\x12!\n\x04mode\x18\x03 \x01(\x0e\x32\x13.kvtransfer.v1.Mode\x12\x1c\n\x14return_logits_digest\x18\x04 \x01(\x08\x12\x1b\n\x13return_cache_digest\x18\x05 \x01(\x08\x12\x13\n\x0bstop_on_eos\x18\x06 \x01(\x08\x12)\n\x08sampling\x18\x07 \x01(\x0b\x32\x17.kvtransfer.v1.Sampling\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x03\x12\x19\n\x11skip_prefix_cache\x18\t \x01(\x08\"\r\n\x0bLoadRequest\"\xa1\x02\n\x0cLoadResponse\x12\x18\n\x10running_requests\x18\x01 \x01(\r\x12\x16\n\x0erunning_tokens\x18\x02 \x01(\x04\x12\x18\n\x10remaining_tokens\x18\x03 \x01(\x04\x12\x18\n\x10waiting_requests\x18\x04 \x01(\r\x12\x16\n\x0ewaiting_tokens\x18\x05 \x01(\x04\x12\x12\n\nfree_slots\x18\x06 \x01(\r\x12\x14\n\x0c\x63\x61\x63hed_slots\x18\x07 \x01(\r\x12\x0f\n\x07serving\x18\x08 \x01(\x08\x12\x17\n\x0fqueued_requests\x18\t \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\n \x01(\r\x12\x15\n\rcached_blocks\x18\x0b \x01(\r\x12\x13\n\x0bpreemptions\x18\x0c \x01(\x04\"\r\n\x0bInfoRequest\"\x99\x02\n\x0cInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x16\n\x0e\x63ontext_length\x18\x03 \x01(\r\x12\x13\n\x0bmax_seq_len\x18\x04 \x01(\r\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\r\x12\x19\n\x11max_prompt_tokens\x18\x06 \x01(\r\x12\x15\n\reos_token_ids\x18\x07 \x03(\x03\x12\x1b\n\x13prefix_block_tokens\x18\x08 \x01(\r\x12\x13\n\x0bmax_waiting\x18\t \x01(\r\x12\x17\n\x0fkv_block_tokens\x18\n \x01(\r\x12\x11\n\tkv_blocks\x18\x0b \x01(\r\x12\x11\n\tmax_batch\x18\x0c \x01(\r\"\x93\x02\n\x06Timing\x12\x12\n\nprefill_ms\x18\x01 \x01(\x01\x12\x16\n\x0e\x63\x61\x63he_ready_ms\x18\x02 \x01(\x01\x12\x16\n\x0e\x66irst_token_ms\x18\x03 \x01(\x01\x12\x17\n\x0fsecond_token_ms\x18\x04 \x01(\x01\x12\x16\n\x0etransfer_bytes\x18\x05 \x01(\x01\x12\x10\n\x08total_ms\x18\x07 \x01(\x01\x12!\n\x04mode\x18\x08 \x01(\x0e\x32\x13.kvtransfer.v1.Mode\x12\x15\n\rreused_tokens\x18\t \x01(\r\x12,\n\nreuse_tier\x18\n \x01(\x0e\x32\x18.kvtransfer.v1.CacheTier\x12\x14\n\x0creload_bytes\x18\x0b \x01(\x01J\x04\x08\x06\x10\x07\"\xbb\x01\n\x10GenerateResponse\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\r\n\x05index\x18\x02 \x01(\r\x12\x15\n\rlogits_digest\x18\x03 \x01(\t\x12%\n\x06timing\x18\x04 \x01(\x0b\x32\x15.kvtransfer.v1.Timing\x12\x14\n\x0c\x63\x61\x63he_digest\x18\x05 \x01(\t\x12\x32\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x1b.kvtransfer.v1.FinishReason\"\xd5\x01\n\x06\x43ompat\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x1b\n\x13weights_fingerprint\x18\x03 \x01(\t\x12\x17\n\x0fgeometry_digest\x18\x04 \x01(\t\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x10\n\x08kv_heads\x18\x06 \x01(\r\x12\x10\n\x08head_dim\x18\x07 \x01(\r\x12\x0e\n\x06layout\x18\x08 \x01(\t\x12\x18\n\x10protocol_version\x18\t \x01(\r\x12\x15\n\rdeterministic\x18\n \x01(\x08\"\xb2\x01\n\x10HandshakeRequest\x12%\n\x06\x63ompat\x18\x01 \x01(\x0b\x32\x15.kvtransfer.v1.Compat\x12+\n\ttransport\x18\x06 \x01(\x0e\x32\x18.kvtransfer.v1.Transport\x12\x19\n\x11max_receive_bytes\x18\x03 \x01(\x04\x12\x14\n\x0c\x64\x61ta_address\x18\x04 \x01(\t\x12\x13\n\x0binstance_id\x18\x05 \x01(\x04J\x04\x08\x02\x10\x03\"\xac\x01\n\x11HandshakeResponse\x12%\n\x06\x63ompat\x18\x01 \x01(\x0b\x32\x15.kvtransfer.v1.Compat\x12+\n\ttransport\x18\x05 \x01(\x0e\x32\x18.kvtransfer.v1.Transport\x12\x13\n\x0binstance_id\x18\x03 \x01(\x04\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12\x19\n\x11max_prompt_tokens\x18\x06 \x01(\rJ\x04\x08\x02\x10\x03\"\xbc\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12!\n\x04mode\x18\x03 \x01(\x0e\x32\x13.kvtransfer.v1.Mode\x12\x1c\n\x14return_logits_digest\x18\x04 \x01(\x08\x12)\n\x08sampling\x18\x05 \x01(\x0b\x32\x17.kvtransfer.v1.Sampling\x12\x17\n\x0f\x64\x65\x63ode_instance\x18\x06 \x01(\x04\"\xad\x01\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x03\x12\x1b\n\x13\x66irst_logits_digest\x18\x02 \x01(\t\x12\x12\n\nprefill_ms\x18\x03 \x01(\x01\x12\x14\n\x0csend_done_ms\x18\x04 \x01(\x01\x12!\n\x04mode\x18\x06 \x01(\x0e\x32\x13.kvtransfer.v1.Mode\x12\x15\n\rqueued_tokens\x18\x07 \x01(\x04J\x04\x08\x05\x10\x06*`\n\x04Mode\x12\r\n\tMODE_AUTO\x10\x00\x12\x12\n\x0eMODE_LAYERWISE\x10\x01\x12\r\n\tMODE_BULK\x10\x02\x12\x12\n\x0eMODE_COLOCATED\x10\x03\x12\x12\n\x0eMODE_RECOMPUTE\x10\x04*z\n\tTransport\x12\x19\n\x15TRANSPORT_UNSPECIFIED\x10\x00\x12\x12\n\x0eTRANSPORT_NCCL\x10\x01\x12\x12\n\x0eTRANSPORT_GLOO\x10\x02\x12\x12\n\x0eTRANSPORT_GRPC\x10\x03\x12\x16\n\x12TRANSPORT_CUDA_IPC\x10\x04*L\n\tCacheTier\x12\x13\n\x0f\x43\x41\x43HE_TIER_NONE\x10\x00\x12\x15\n\x11\x43\x41\x43HE_TIER_DEVICE\x10\x01\x12\x13\n\x0f\x43\x41\x43HE_TIER_HOST\x10\x02*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x32\xd9\x01\n\x06\x44\x65\x63ode\x12M\n\x08Generate\x12\x1e.kvtransfer.v1.GenerateRequest\x1a\x1f.kvtransfer.v1.GenerateResponse0\x01\x12?\n\x04Info\x12\x1a.kvtransfer.v1.InfoRequest\x1a\x1b.kvtransfer.v1.InfoResponse\x12?\n\x04Load\x12\x1a.kvtransfer.v1.LoadRequest\x1a\x1b.kvtransfer.v1.LoadResponse2\xa3\x01\n\x07Prefill\x12N\n\tHandshake\x12\x1f.kvtransfer.v1.HandshakeRequest\x1a .kvtransfer.v1.HandshakeResponse\x12H\n\x07Prefill\x12\x1d.kvtransfer.v1.PrefillRequest\x1a\x1e.kvtransfer.v1.PrefillResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16proto/kvtransfer.proto\x12\rkvtransfer.v1\"h\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x01\x88\x01\x01\x42\x08\n\x06_top_pB\x07\n\x05_seed\"\x8d\x02\n\x0fGenerateRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x16\n\x0emax_new_tokens\x18\x02 \x01(\r\x12!\n\x04mode\x18\x03 \x01(\x0e\x32\x13.kvtransfer.v1.Mode\x12\x1c\n\x14return_logits_digest\x18\x04 \x01(\x08\x12\x1b\n\x13return_cache_digest\x18\x05 \x01(\x08\x12\x13\n\x0bstop_on_eos\x18\x06 \x01(\x08\x12)\n\x08sampling\x18\x07 \x01(\x0b\x32\x17.kvtransfer.v1.Sampling\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x03\x12\x19\n\x11skip_prefix_cache\x18\t \x01(\x08\"\r\n\x0bLoadRequest\"\xb8\x02\n\x0cLoadResponse\x12\x18\n\x10running_requests\x18\x01 \x01(\r\x12\x16\n\x0erunning_tokens\x18\x02 \x01(\x04\x12\x18\n\x10remaining_tokens\x18\x03 \x01(\x04\x12\x18\n\x10waiting_requests\x18\x04 \x01(\r\x12\x16\n\x0ewaiting_tokens\x18\x05 \x01(\x04\x12\x12\n\nfree_slots\x18\x06 \x01(\r\x12\x14\n\x0c\x63\x61\x63hed_slots\x18\x07 \x01(\r\x12\x0f\n\x07serving\x18\x08 \x01(\x08\x12\x17\n\x0fqueued_requests\x18\t \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\n \x01(\r\x12\x15\n\rcached_blocks\x18\x0b \x01(\r\x12\x13\n\x0bpreemptions\x18\x0c \x01(\x04\x12\x15\n\rshared_blocks\x18\r \x01(\r\"\r\n\x0bInfoRequest\"\x99\x02\n\x0cInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x16\n\x0e\x63ontext_length\x18\x03 \x01(\r\x12\x13\n\x0bmax_seq_len\x18\x04 \x01(\r\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\r\x12\x19\n\x11max_prompt_tokens\x18\x06 \x01(\r\x12\x15\n\reos_token_ids\x18\x07 \x03(\x03\x12\x1b\n\x13prefix_block_tokens\x18\x08 \x01(\r\x12\x13\n\x0bmax_waiting\x18\t \x01(\r\x12\x17\n\x0fkv_block_tokens\x18\n \x01(\r\x12\x11\n\tkv_blocks\x18\x0b \x01(\r\x12\x11\n\tmax_batch\x18\x0c \x01(\r\"\x93\x02\n\x06Timing\x12\x12\n\nprefill_ms\x18\x01 \x01(\x01\x12\x16\n\x0e\x63\x61\x63he_ready_ms\x18\x02 \x01(\x01\x12\x16\n\x0e\x66irst_token_ms\x18\x03 \x01(\x01\x12\x17\n\x0fsecond_token_ms\x18\x04 \x01(\x01\x12\x16\n\x0etransfer_bytes\x18\x05 \x01(\x01\x12\x10\n\x08total_ms\x18\x07 \x01(\x01\x12!\n\x04mode\x18\x08 \x01(\x0e\x32\x13.kvtransfer.v1.Mode\x12\x15\n\rreused_tokens\x18\t \x01(\r\x12,\n\nreuse_tier\x18\n \x01(\x0e\x32\x18.kvtransfer.v1.CacheTier\x12\x14\n\x0creload_bytes\x18\x0b \x01(\x01J\x04\x08\x06\x10\x07\"\xbb\x01\n\x10GenerateResponse\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\r\n\x05index\x18\x02 \x01(\r\x12\x15\n\rlogits_digest\x18\x03 \x01(\t\x12%\n\x06timing\x18\x04 \x01(\x0b\x32\x15.kvtransfer.v1.Timing\x12\x14\n\x0c\x63\x61\x63he_digest\x18\x05 \x01(\t\x12\x32\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x1b.kvtransfer.v1.FinishReason\"\xd5\x01\n\x06\x43ompat\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x1b\n\x13weights_fingerprint\x18\x03 \x01(\t\x12\x17\n\x0fgeometry_digest\x18\x04 \x01(\t\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x10\n\x08kv_heads\x18\x06 \x01(\r\x12\x10\n\x08head_dim\x18\x07 \x01(\r\x12\x0e\n\x06layout\x18\x08 \x01(\t\x12\x18\n\x10protocol_version\x18\t \x01(\r\x12\x15\n\rdeterministic\x18\n \x01(\x08\"\xb2\x01\n\x10HandshakeRequest\x12%\n\x06\x63ompat\x18\x01 \x01(\x0b\x32\x15.kvtransfer.v1.Compat\x12+\n\ttransport\x18\x06 \x01(\x0e\x32\x18.kvtransfer.v1.Transport\x12\x19\n\x11max_receive_bytes\x18\x03 \x01(\x04\x12\x14\n\x0c\x64\x61ta_address\x18\x04 \x01(\t\x12\x13\n\x0binstance_id\x18\x05 \x01(\x04J\x04\x08\x02\x10\x03\"\xac\x01\n\x11HandshakeResponse\x12%\n\x06\x63ompat\x18\x01 \x01(\x0b\x32\x15.kvtransfer.v1.Compat\x12+\n\ttransport\x18\x05 \x01(\x0e\x32\x18.kvtransfer.v1.Transport\x12\x13\n\x0binstance_id\x18\x03 \x01(\x04\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12\x19\n\x11max_prompt_tokens\x18\x06 \x01(\rJ\x04\x08\x02\x10\x03\"\xbc\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12!\n\x04mode\x18\x03 \x01(\x0e\x32\x13.kvtransfer.v1.Mode\x12\x1c\n\x14return_logits_digest\x18\x04 \x01(\x08\x12)\n\x08sampling\x18\x05 \x01(\x0b\x32\x17.kvtransfer.v1.Sampling\x12\x17\n\x0f\x64\x65\x63ode_instance\x18\x06 \x01(\x04\"\xad\x01\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x03\x12\x1b\n\x13\x66irst_logits_digest\x18\x02 \x01(\t\x12\x12\n\nprefill_ms\x18\x03 \x01(\x01\x12\x14\n\x0csend_done_ms\x18\x04 \x01(\x01\x12!\n\x04mode\x18\x06 \x01(\x0e\x32\x13.kvtransfer.v1.Mode\x12\x15\n\rqueued_tokens\x18\x07 \x01(\x04J\x04\x08\x05\x10\x06*`\n\x04Mode\x12\r\n\tMODE_AUTO\x10\x00\x12\x12\n\x0eMODE_LAYERWISE\x10\x01\x12\r\n\tMODE_BULK\x10\x02\x12\x12\n\x0eMODE_COLOCATED\x10\x03\x12\x12\n\x0eMODE_RECOMPUTE\x10\x04*z\n\tTransport\x12\x19\n\x15TRANSPORT_UNSPECIFIED\x10\x00\x12\x12\n\x0eTRANSPORT_NCCL\x10\x01\x12\x12\n\x0eTRANSPORT_GLOO\x10\x02\x12\x12\n\x0eTRANSPORT_GRPC\x10\x03\x12\x16\n\x12TRANSPORT_CUDA_IPC\x10\x04*L\n\tCacheTier\x12\x13\n\x0f\x43\x41\x43HE_TIER_NONE\x10\x00\x12\x15\n\x11\x43\x41\x43HE_TIER_DEVICE\x10\x01\x12\x13\n\x0f\x43\x41\x43HE_TIER_HOST\x10\x02*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x32\xd9\x01\n\x06\x44\x65\x63ode\x12M\n\x08Generate\x12\x1e.kvtransfer.v1.GenerateRequest\x1a\x1f.kvtransfer.v1.GenerateResponse0\x01\x12?\n\x04Info\x12\x1a.kvtransfer.v1.InfoRequest\x1a\x1b.kvtransfer.v1.InfoResponse\x12?\n\x04Load\x12\x1a.kvtransfer.v1.LoadRequest\x1a\x1b.kvtransfer.v1.LoadResponse2\xa3\x01\n\x07Prefill\x12N\n\tHandshake\x12\x1f.kvtransfer.v1.HandshakeRequest\x1a .kvtransfer.v1.HandshakeResponse\x12H\n\x07Prefill\x12\x1d.kvtransfer.v1.PrefillRequest\x1a\x1e.kvtransfer.v1.PrefillResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.kvtransfer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MODE']._serialized_start=2432
-  _globals['_MODE']._serialized_end=2528
-  _globals['_TRANSPORT']._serialized_start=2530
-  _globals['_TRANSPORT']._serialized_end=2652
-  _globals['_CACHETIER']._serialized_start=2654
-  _globals['_CACHETIER']._serialized_end=2730
-  _globals['_FINISHREASON']._serialized_start=2732
-  _globals['_FINISHREASON']._serialized_end=2827
+  _globals['_MODE']._serialized_start=2455
+  _globals['_MODE']._serialized_end=2551
+  _globals['_TRANSPORT']._serialized_start=2553
+  _globals['_TRANSPORT']._serialized_end=2675
+  _globals['_CACHETIER']._serialized_start=2677
+  _globals['_CACHETIER']._serialized_end=2753
+  _globals['_FINISHREASON']._serialized_start=2755
+  _globals['_FINISHREASON']._serialized_end=2850
   _globals['_SAMPLING']._serialized_start=41
   _globals['_SAMPLING']._serialized_end=145
   _globals['_GENERATEREQUEST']._serialized_start=148
@@ -46,27 +46,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LOADREQUEST']._serialized_start=419
   _globals['_LOADREQUEST']._serialized_end=432
   _globals['_LOADRESPONSE']._serialized_start=435
-  _globals['_LOADRESPONSE']._serialized_end=724
-  _globals['_INFOREQUEST']._serialized_start=726
-  _globals['_INFOREQUEST']._serialized_end=739
-  _globals['_INFORESPONSE']._serialized_start=742
-  _globals['_INFORESPONSE']._serialized_end=1023
-  _globals['_TIMING']._serialized_start=1026
-  _globals['_TIMING']._serialized_end=1301
-  _globals['_GENERATERESPONSE']._serialized_start=1304
-  _globals['_GENERATERESPONSE']._serialized_end=1491
-  _globals['_COMPAT']._serialized_start=1494
-  _globals['_COMPAT']._serialized_end=1707
-  _globals['_HANDSHAKEREQUEST']._serialized_start=1710
-  _globals['_HANDSHAKEREQUEST']._serialized_end=1888
-  _globals['_HANDSHAKERESPONSE']._serialized_start=1891
-  _globals['_HANDSHAKERESPONSE']._serialized_end=2063
-  _globals['_PREFILLREQUEST']._serialized_start=2066
-  _globals['_PREFILLREQUEST']._serialized_end=2254
-  _globals['_PREFILLRESPONSE']._serialized_start=2257
-  _globals['_PREFILLRESPONSE']._serialized_end=2430
-  _globals['_DECODE']._serialized_start=2830
-  _globals['_DECODE']._serialized_end=3047
-  _globals['_PREFILL']._serialized_start=3050
-  _globals['_PREFILL']._serialized_end=3213
+  _globals['_LOADRESPONSE']._serialized_end=747
+  _globals['_INFOREQUEST']._serialized_start=749
+  _globals['_INFOREQUEST']._serialized_end=762
+  _globals['_INFORESPONSE']._serialized_start=765
+  _globals['_INFORESPONSE']._serialized_end=1046
+  _globals['_TIMING']._serialized_start=1049
+  _globals['_TIMING']._serialized_end=1324
+  _globals['_GENERATERESPONSE']._serialized_start=1327
+  _globals['_GENERATERESPONSE']._serialized_end=1514
+  _globals['_COMPAT']._serialized_start=1517
+  _globals['_COMPAT']._serialized_end=1730
+  _globals['_HANDSHAKEREQUEST']._serialized_start=1733
+  _globals['_HANDSHAKEREQUEST']._serialized_end=1911
+  _globals['_HANDSHAKERESPONSE']._serialized_start=1914
+  _globals['_HANDSHAKERESPONSE']._serialized_end=2086
+  _globals['_PREFILLREQUEST']._serialized_start=2089
+  _globals['_PREFILLREQUEST']._serialized_end=2277
+  _globals['_PREFILLRESPONSE']._serialized_start=2280
+  _globals['_PREFILLRESPONSE']._serialized_end=2453
+  _globals['_DECODE']._serialized_start=2853
+  _globals['_DECODE']._serialized_end=3070
+  _globals['_PREFILL']._serialized_start=3073
+  _globals['_PREFILL']._serialized_end=3236
 # @@protoc_insertion_point(module_scope)

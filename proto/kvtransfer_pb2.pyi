@@ -90,7 +90,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadResponse(_message.Message):
-    __slots__ = ("running_requests", "running_tokens", "remaining_tokens", "waiting_requests", "waiting_tokens", "free_slots", "cached_slots", "serving", "queued_requests", "free_blocks", "cached_blocks", "preemptions")
+    __slots__ = ("running_requests", "running_tokens", "remaining_tokens", "waiting_requests", "waiting_tokens", "free_slots", "cached_slots", "serving", "queued_requests", "free_blocks", "cached_blocks", "preemptions", "shared_blocks")
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REMAINING_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +103,7 @@ class LoadResponse(_message.Message):
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     running_requests: int
     running_tokens: int
     remaining_tokens: int
@@ -115,7 +116,8 @@ class LoadResponse(_message.Message):
     free_blocks: int
     cached_blocks: int
     preemptions: int
-    def __init__(self, running_requests: _Optional[int] = ..., running_tokens: _Optional[int] = ..., remaining_tokens: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., waiting_tokens: _Optional[int] = ..., free_slots: _Optional[int] = ..., cached_slots: _Optional[int] = ..., serving: _Optional[bool] = ..., queued_requests: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., preemptions: _Optional[int] = ...) -> None: ...
+    shared_blocks: int
+    def __init__(self, running_requests: _Optional[int] = ..., running_tokens: _Optional[int] = ..., remaining_tokens: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., waiting_tokens: _Optional[int] = ..., free_slots: _Optional[int] = ..., cached_slots: _Optional[int] = ..., serving: _Optional[bool] = ..., queued_requests: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., preemptions: _Optional[int] = ..., shared_blocks: _Optional[int] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()

@@ -19,14 +19,14 @@ import numpy as np
 import pytest
 import torch
 
-from kvtransfer.engine.engine import DecodeEngine, EngineOptions
+from kvtransfer.engine.engine import DecodeEngine
 from kvtransfer.engine.pool import KVPool, PoolFull
 from kvtransfer.engine.prefix_cache import PrefixCache
 from kvtransfer.engine.sequence import Ended, Sequence
 from kvtransfer.geometry import CacheGeometry
-from kvtransfer.model.loaded import LoadedModel
 from kvtransfer.model.prefill import random_prompt
 from kvtransfer.model.spec import ModelSpec, load_model
+from support.enginekit import cpu_engine
 
 GEO = CacheGeometry(num_layers=2, kv_heads=2, head_dim=4, dtype=torch.float32)
 
@@ -101,11 +101,13 @@ def test_the_prefix_cache_keeps_a_rows_blocks_trimmed_and_gives_them_back_when_t
     assert torch.equal(pool.read(claimed.slot, 0, 20), data)
     claimed.keep = prompt[:16]
     claimed.release()
-    copied = cache.acquire(prompt[:12].tolist() + [999] * 4, need=16)  # shares 12 of the 16 cached: copied
-    assert copied.reuse.how == "copied" and torch.equal(pool.read(copied.slot, 0, 12), data[:12])
-    assert cache.cached_slots() == 1 and pool.free_blocks() == 20 - 4 - 4
-    big = cache.acquire(np.arange(500, 550), need=64)  # 16 blocks: 12 free, the cached row taken back for it
-    assert big.reuse is None and cache.cached_slots() == 0 and pool.free_blocks() == 0
+    copied = cache.acquire(prompt[:12].tolist() + [999] * 4, need=16)  # shares 12 of the 16 cached: 3 full blocks
+    assert copied.reuse.how == "shared" and torch.equal(pool.read(copied.slot, 0, 12), data[:12])
+    assert copied.blocks[:3] == pool.row_blocks(cache.index.entries()[0].where[1])[:3]  # by reference
+    assert cache.cached_slots() == 1 and pool.free_blocks() == 20 - 4 - 1 and pool.shared_blocks() == 3
+    big = cache.acquire(np.arange(500, 550), need=64)  # 16 blocks: 15 free, the cached row taken back (1 more)
+    assert big.reuse is None and cache.cached_slots() == 0 and pool.free_blocks() == 0 and pool.shared_blocks() == 0
+    assert torch.equal(pool.read(copied.slot, 0, 12), data[:12])  # its blocks stayed with the request
     for le in (copied, big):
         le.release()
     assert pool.used() == 0 and pool.free_blocks() == 20
@@ -142,9 +144,7 @@ def tiny():
 
 
 def engine(tiny, **kw) -> DecodeEngine:
-    lm = LoadedModel(ModelSpec("tiny"), tiny, CacheGeometry.from_config(tiny.config, torch.float32),
-                     torch.device("cpu"))
-    e = DecodeEngine(lm, EngineOptions(max_batch=4, max_seq_len=256, **kw))
+    e = cpu_engine(tiny, max_batch=4, max_seq_len=256, **kw)
     if not e.pool.fixed:
         shuffle_free_blocks(e.pool, 7)
     return e

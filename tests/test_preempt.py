@@ -20,14 +20,13 @@ from collections import deque
 import pytest
 import torch
 
-from kvtransfer.engine.engine import DecodeEngine, EngineOptions
+from kvtransfer.engine.engine import DecodeEngine
 from kvtransfer.engine.pool import PoolFull
 from kvtransfer.engine.sampler import SamplingParams
 from kvtransfer.engine.sequence import EndCause, Ended, Sequence
-from kvtransfer.geometry import CacheGeometry
-from kvtransfer.model.loaded import LoadedModel
 from kvtransfer.model.prefill import random_prompt
 from kvtransfer.model.spec import ModelSpec, load_model
+from support.enginekit import cpu_engine
 
 PAGE = 4
 
@@ -38,9 +37,7 @@ def tiny():
 
 
 def engine(tiny, blocks: int, **kw) -> DecodeEngine:
-    lm = LoadedModel(ModelSpec("tiny"), tiny, CacheGeometry.from_config(tiny.config, torch.float32),
-                     torch.device("cpu"))
-    return DecodeEngine(lm, EngineOptions(max_batch=4, max_seq_len=64, kv_block_tokens=PAGE, kv_blocks=blocks, **kw))
+    return cpu_engine(tiny, max_batch=4, max_seq_len=64, kv_block_tokens=PAGE, kv_blocks=blocks, **kw)
 
 
 def run(e: DecodeEngine, prompts, new: int, sampling=None, reloads=None):

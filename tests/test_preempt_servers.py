@@ -139,7 +139,8 @@ def test_with_the_host_tier_preempted_requests_are_swapped_and_make_what_they_ma
     """A colocated server with the prefix cache and a host tier (on CPU the break-even rule measured at start says
     reload): the same 16 requests at once, then each alone (in that order: the alone runs' cached contexts are
     never what a resumed request reloads); preempted contexts go to the host tier and come back whole, and every
-    request makes the tokens it makes alone. Every block is free or cached after."""
+    request makes the tokens it makes alone. Every block is free or cached after. Then 4 prompts over one cached
+    opening hold its blocks once (Load.shared_blocks)."""
     port = free_port()
     ps = prompts(vocab)
     with colocated_server(tmp_path, args=[*POOL, "--host-cache-gib", repr(HOST_GIB), "--metrics-port", str(port)],
@@ -158,3 +159,16 @@ def test_with_the_host_tier_preempted_requests_are_swapped_and_make_what_they_ma
                  for i, p in enumerate(ps)]
         assert together == alone
         assert load(addr).preemptions == after.preemptions
+
+        # a shared opening: 8 full blocks cached once, then 4 requests over it take them by reference (each adds
+        # one block of its own); kept, their contexts still share them: 13 blocks where copies would need 45
+        opening = random_prompt(vocab, 64, seed=77).view(-1).tolist()
+        asyncio.run(generate(addr, opening + [1], 4, timeout=BOUND_S))
+
+        async def over_the_opening():
+            return await asyncio.gather(*(generate(addr, opening + [10 + i] * 3, 4, timeout=BOUND_S)
+                                          for i in range(4)))
+        reused = [r["timing"].get("reused_tokens") for r in asyncio.run(over_the_opening())]
+        assert reused == [64] * 4
+        shared = settled(addr)
+        assert shared.shared_blocks == 8 and shared.free_blocks + shared.cached_blocks == BLOCKS

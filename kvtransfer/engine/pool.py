@@ -19,7 +19,12 @@ cache be written over by the late frame.
 
 With a prefix cache (prefix_cache.py, the pool's `keeper`), a row let go with `lease.keep` set (the tokens whose KV
 it holds) stays cached with its blocks instead of free, and a lease that finds no free row, or too few free blocks,
-takes back the least recently used cached rows. `used()` counts leased rows only; cached ones are as good as free.
+takes back the least recently used cached rows.
+
+Blocks are counted by reference (paged): a prompt that starts with a cached context takes that context's full
+blocks into its own row (`share_locked`: no copy, the same block ids in both rows of the table) and a block is
+free only when no row holds it. A shared block is never written: it is a full block inside the shared opening,
+and every row holding it writes only past its own context, which runs past that block (prefix_cache.py). `used()` counts leased rows only; cached ones are as good as free.
 Blocks freed by taking back a cached row may still be read by a copy on the cache's copy stream (to the host tier,
 or into another row): `fence` is an event after those copies, and every lease that takes blocks while it has not
 fired carries it as `ready` (its holder waits for it before writing).
@@ -107,6 +112,7 @@ class KVPool:
         self._lock = threading.Lock()
         self._free = list(range(slots - 1, -1, -1))  # pop() hands out row 0 first
         self._free_blocks = [] if self.fixed else list(range(self.blocks - 1, -1, -1))
+        self._refs = [0] * self.blocks  # paged: the rows holding each block (free at 0)
         self._listeners: set = set()  # called (on the releasing thread) each time a row is freed
         self.keeper = None  # the prefix cache, when there is one (it sets itself here)
         self.fence = None  # torch.cuda.Event after copies still reading freed blocks (see the module docstring)
@@ -126,7 +132,8 @@ class KVPool:
             return self.slots - len(self._free) - (self.keeper.cached_slots_locked() if self.keeper else 0)
 
     def free_blocks(self) -> int:
-        """Blocks held by no row (cached rows' blocks are not free, though they are taken back on demand)."""
+        """Blocks held by no row (cached rows' blocks are not free, though they are taken back on demand; a block
+        several rows share counts once)."""
         with self._lock:
             return len(self._free) if self.fixed else len(self._free_blocks)
 
@@ -163,6 +170,8 @@ class KVPool:
         if len(self._free_blocks) < more:
             raise PoolFull()
         new = [self._free_blocks.pop() for _ in range(more)]
+        for b in new:
+            self._refs[b] = 1
         have.extend(new)
         self.table[slot, len(have) - more:len(have)].copy_(self._up(torch.tensor(new, dtype=torch.int32)),
                                                          non_blocking=True)
@@ -176,9 +185,34 @@ class KVPool:
         rows = self._rows[slot]
         if self.fixed or len(rows) <= keep:
             return
-        self._free_blocks.extend(reversed(rows[keep:]))
+        self._unref_locked(rows[keep:])
         del rows[keep:]
         self.table[slot, keep:].fill_(self.null)
+
+    def share_locked(self, src: int, dst: int, k: int) -> None:
+        """Row `dst` (holding no block) takes row `src`'s first k blocks by reference: positions 0..k x page - 1 of
+        both are the same memory from now on, and neither row writes them (they are full, inside a context both
+        hold: prefix_cache.py)."""
+        if self.fixed or self._rows[dst]:
+            raise RuntimeError(f"slot {dst} cannot share blocks (slot layout, or it holds blocks already)")
+        shared = self._rows[src][:k]
+        for b in shared:
+            self._refs[b] += 1
+        self._rows[dst] = shared
+        if shared:
+            self.table[dst, :k].copy_(self._up(torch.tensor(shared, dtype=torch.int32)), non_blocking=True)
+
+    def shared_blocks(self) -> int:
+        """Blocks held by more than one row (a shared opening's, each counted once)."""
+        with self._lock:
+            return sum(1 for r in self._refs if r > 1)
+
+    def _unref_locked(self, blocks: list[int]) -> None:
+        """A row lets go of `blocks`: each one no other row holds is free again."""
+        for b in reversed(blocks):
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                self._free_blocks.append(b)
 
     def preempt_locked(self, lease: Lease, keep=None) -> bool:
         """Take a held lease's row and blocks back now (the scheduler preempts its request: a step needs blocks and
@@ -196,7 +230,7 @@ class KVPool:
     def _free_row_locked(self, slot: int) -> None:
         """Row `slot` and its blocks back to the free lists (a cached row taken back, or a lease let go)."""
         if not self.fixed:
-            self._free_blocks.extend(reversed(self._rows[slot]))
+            self._unref_locked(self._rows[slot])
             self._rows[slot] = []
             self.table[slot].fill_(self.null)
         self._free.append(slot)
@@ -303,12 +337,15 @@ class KVPool:
             if rest:
                 dst[ids[full], :, :rest].copy_(src[:, full * self.page:])
 
-    def copy_prefix(self, src: int, dst: int, n: int) -> None:
-        """Row src's first n positions into row dst (whole blocks: one indexed copy; the slot layout: one copy)."""
+    def copy_prefix(self, src: int, dst: int, n: int, skip: int = 0) -> None:
+        """Row src's first n positions into row dst (whole blocks: one indexed copy; the slot layout: one copy).
+        `skip`: leading blocks not copied (dst shares them with src)."""
         if self.fixed:
             self.kv[:, :, dst, :, :n].copy_(self.kv[:, :, src, :, :n])
             return
         k = self.blocks_for(n)
-        to = self._up(torch.tensor(self._rows[dst][:k], dtype=torch.long))
-        frm = self._up(torch.tensor(self._rows[src][:k], dtype=torch.long))
+        if k <= skip:
+            return
+        to = self._up(torch.tensor(self._rows[dst][skip:k], dtype=torch.long))
+        frm = self._up(torch.tensor(self._rows[src][skip:k], dtype=torch.long))
         self.kv[:, :, to] = self.kv[:, :, frm]

@@ -10,8 +10,12 @@ How a prompt takes a cached prefix (`acquire`, under the pool's lock, so two req
   checked token for token; the reused length L is the verified common prefix, at most the prompt's length
   less one (the last prompt token is always prefilled: its logits choose the first token);
 - a device entry wholly inside the prompt is claimed: its slot becomes the request's, nothing is copied;
-- a device entry longer than what the prompt shares (a shared system prompt, a branch) stays cached, and its
-  first L tokens are copied into a fresh slot with one device copy;
+- a device entry longer than what the prompt shares (a shared system prompt, a branch) stays cached; paged, the
+  fresh slot takes its full blocks inside the L shared tokens by reference (KVPool.share_locked: no copy, the
+  blocks held once however many requests start with them) and a copy of the partial block after them, if any;
+  in the slot layout its first L tokens are copied with one device copy. Neither the entry nor the request ever
+  writes a shared block: each writes only past its own context, and a shared block ends at or before L, inside
+  both (an entry is shared from only when it holds more than L tokens, and a request's context holds L + 1);
 - a host-tier entry (host_tier.py, --host-cache-gib) is copied back into a fresh slot when the break-even rule
   (reload_rule.py, speeds measured at start) says a reload beats recomputing its L tokens;
 - a slot taken back from the cache goes to the host tier first when there is one (its copy queued before the
@@ -50,7 +54,8 @@ class Reuse:
 
     tier: str  # DEVICE or HOST
     length: int  # prompt tokens 0..length - 1 are in the slot: prefill the rest
-    how: str  # "claimed" (the cached slot itself), "copied" (on the device) or "reloaded" (from the host tier)
+    how: str  # "claimed" (the cached slot itself), "shared" (paged: its full blocks by reference, the partial one
+    # copied), "copied" (the slot layout: on the device) or "reloaded" (from the host tier)
     bytes: int  # KV bytes copied for it (0 when claimed)
 
 
@@ -92,9 +97,10 @@ class PrefixCache:
         return sum(1 for e in self.index.entries() if e.where[0] == DEVICE)
 
     def cached_blocks(self) -> int:
-        """Pool blocks held by cached rows (the slot layout: one each)."""
+        """Pool blocks held by cached rows, each once however many rows share it (the slot layout: one a row)."""
         with self.pool._lock:
-            return sum(len(self.pool.row_blocks(e.where[1])) for e in self.index.entries() if e.where[0] == DEVICE)
+            return len({b for e in self.index.entries() if e.where[0] == DEVICE for b in self.pool.row_blocks(
+                e.where[1])})
 
     def host_bytes(self) -> int:
         with self.pool._lock:
@@ -203,19 +209,21 @@ class PrefixCache:
             m, n = choice
             e = m.entry
             if e.where[0] == DEVICE:
-                if m.length < e.length:  # the entry holds more than the prompt shares: copy, keep it for others
+                if m.length < e.length:  # the entry holds more than the prompt shares: share or copy, keep it
+                    src, shared = e.where[1], 0 if self.pool.fixed else n // self.pool.page  # full blocks shared
                     e.pins += 1
                     try:
-                        slot, ready = self._fresh(blocks)
+                        slot, ready = self._fresh(blocks, src, shared)
                     except PoolFull:
                         slot = None
                     finally:
                         e.pins -= 1
                     if slot is not None:
-                        src = e.where[1]
                         self.index.touch(e.where)
-                        ready = self._copy(src, slot, n, ready)
-                        return self._lease(slot, ready, Reuse(DEVICE, n, "copied", n * self.geometry.bytes_per_token))
+                        ready = self._copy(src, slot, n, ready, shared)
+                        copied = n - shared * self.pool.page
+                        return self._lease(slot, ready, Reuse(DEVICE, n, "shared" if shared else "copied",
+                                                              copied * self.geometry.bytes_per_token))
                 e.pins += 1  # claimed: its slot is the request's now (after copies reading it), grown to `need`
                 try:
                     ready = self.pool.grow_locked(e.where[1], blocks)
@@ -257,25 +265,29 @@ class PrefixCache:
             return m, n
         return None
 
-    def _fresh(self, blocks: int) -> tuple[int, torch.cuda.Event | None]:
-        """A row with `blocks` blocks for a new lease (take_slot, then its blocks); raises PoolFull."""
+    def _fresh(self, blocks: int, src: int = 0, shared: int = 0) -> tuple[int, torch.cuda.Event | None]:
+        """A row with `blocks` blocks for a new lease (take_slot, then its blocks), the first `shared` of them row
+        `src`'s by reference; raises PoolFull."""
         slot, ready = self.take_slot()
         try:
+            if shared:
+                self.pool.share_locked(src, slot, shared)
             return slot, self.pool.grow_locked(slot, blocks) or ready
         except PoolFull:
             self.pool._free_row_locked(slot)
             raise
 
-    def _copy(self, src: int, dst: int, n: int, after: torch.cuda.Event | None) -> torch.cuda.Event | None:
-        """One device copy of slot src's first n positions into slot dst, on the copy stream (after any store
-        queued out of dst)."""
+    def _copy(self, src: int, dst: int, n: int, after: torch.cuda.Event | None, skip: int = 0
+              ) -> torch.cuda.Event | None:
+        """One device copy of slot src's first n positions into slot dst but the `skip` blocks they share, on the
+        copy stream (after any store queued out of dst)."""
         if self.stream is None:
-            self.pool.copy_prefix(src, dst, n)
+            self.pool.copy_prefix(src, dst, n, skip)
             return None
         with torch.cuda.stream(self.stream):
             if after is not None:
                 self.stream.wait_event(after)
-            self.pool.copy_prefix(src, dst, n)
+            self.pool.copy_prefix(src, dst, n, skip)
             ev = torch.cuda.Event()
             ev.record(self.stream)
         return ev

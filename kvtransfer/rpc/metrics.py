@@ -63,6 +63,8 @@ class Metrics:
         self.pool_slots = Gauge("kvt_kv_pool_slots_used", "decode: KV pool slots held by requests", registry=r)
         self.free_blocks = Gauge("kvt_kv_pool_free_blocks", "decode: KV pool blocks held by no request and no cached "
                                  "context", registry=r)
+        self.shared_blocks = Gauge("kvt_kv_pool_shared_blocks", "decode: KV pool blocks held by several requests or "
+                                   "cached contexts at once (a shared opening's, held once)", registry=r)
         self.preemptions = Counter("kvt_preemptions", "decode: running requests preempted (a step needed their KV "
                                    "blocks; each was readmitted and continued), by how its context came back: "
                                    "recompute or swap (the host tier)", ["how"], registry=r)

@@ -20,6 +20,13 @@ from kvtransfer.model.spec import ModelSpec
 _ENGINES: dict[int, DecodeEngine] = {}
 
 
+def cpu_engine(model, **options) -> DecodeEngine:
+    """A fresh engine over a float32 `model` on CPU with these EngineOptions (the caller closes it)."""
+    lm = LoadedModel(ModelSpec("tiny"), model, CacheGeometry.from_config(model.config, torch.float32),
+                     torch.device("cpu"))
+    return DecodeEngine(lm, EngineOptions(**options))
+
+
 def _engine(model) -> DecodeEngine:
     if id(model) not in _ENGINES:
         dtype = next(model.parameters()).dtype
