@@ -12,6 +12,9 @@ the keys of vLLM's result JSON (mean_ttft_ms, p99_itl_ms, request_throughput,
 output_throughput, ...), so a kvtransfer run reads beside a vLLM run. Beside them,
 sustained_output_throughput: the steady state between the opening burst and the tail (`sustained`).
 With `--multi-turn`: conversations whose turns resend their history, prefix cache off then on (serve_multiturn.py).
+`--memory-pressure F` sizes the concurrency to F times the decode server's KV pool (a pool far smaller than the
+load: preemption), `--shared-prefix N` opens every prompt with one N-token opening (blocks shared by reference);
+either adds the pool's record to the result (bench/measure/pool_report.py: preemptions, shared blocks, reuse).
 `--concurrency 64,128,256` runs the load once per value against the same server, one after the other (a sweep:
 every run in result.json's `sweep`, a summary beside them, each run's files in OUT/c<N>/). `--roofline` (on by
 default where this process sees a CUDA device and --model names a preset or directory) measures the bf16 GEMM rate
@@ -35,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.common import Job, Step, ints
-from bench.measure import roofline, serve_figures
+from bench.measure import pool_report, roofline, serve_figures
 from bench.measure.serve_doors import grpc_door, http_door
 from bench.measure.serve_figures import by_length, summary, sustained, ttft_and_itl
 from bench.measure.serve_metrics import BatchWatch
@@ -74,7 +77,11 @@ def make_prompts(cfg: ServeConfig) -> list[list[int]]:
         pick = np.random.default_rng([cfg.seed, 1])
         long_ = pick.random(cfg.num_prompts) < cfg.long_share
         lens[long_] = pick.integers(cfg.long_len[0], cfg.long_len[1] + 1, int(long_.sum()))
-    return [rng.integers(0, cfg.vocab_size, int(n)).tolist() for n in lens]
+    prompts = [rng.integers(0, cfg.vocab_size, int(n)).tolist() for n in lens]
+    if cfg.shared_prefix:  # its own stream: the prompts after the opening stay those of a run without it
+        opening = np.random.default_rng([cfg.seed, 2]).integers(0, cfg.vocab_size, cfg.shared_prefix).tolist()
+        prompts = [opening + p for p in prompts]
+    return prompts
 
 
 async def _run(cfg: ServeConfig, prompts: list[list[int]], step: Step, metadata, watch=None
@@ -117,6 +124,11 @@ async def _run(cfg: ServeConfig, prompts: list[list[int]], step: Step, metadata,
 def run_serve(cfg: ServeConfig, step: Step = lambda _: None, metadata=None) -> dict:
     """`metadata`: call metadata such as the bearer token (kept out of the result)."""
     prompts = make_prompts(cfg)
+    about = before = None
+    if not cfg.api and (cfg.memory_pressure or cfg.shared_prefix):  # the pool's record (the gRPC door's server)
+        about, before = pool_report.info(cfg.addr, metadata), pool_report.load(cfg.addr, metadata)
+        if cfg.memory_pressure:
+            cfg = pool_report.pressed(cfg, prompts, about)
     watch = BatchWatch(cfg.server_metrics) if cfg.server_metrics else None
     try:
         import uvloop
@@ -125,7 +137,11 @@ def run_serve(cfg: ServeConfig, step: Step = lambda _: None, metadata=None) -> d
         runner = asyncio.Runner()
     with runner:
         results, duration, failures = runner.run(_run(cfg, prompts, step, metadata, watch))
-    return serve_result(cfg, prompts, results, duration, failures, watch)
+    result = serve_result(cfg, prompts, results, duration, failures, watch)
+    if about is not None:
+        done = [r for r in results if r is not None and r["code"] is None]
+        result["pool"] = pool_report.report(cfg, prompts, about, before, pool_report.load(cfg.addr, metadata), done)
+    return result
 
 
 def config_record(cfg: ServeConfig) -> dict:
@@ -308,6 +324,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab-size", type=int, help="token ids uniform in [0, vocab) (or give --model)")
     p.add_argument("--model", help="the server's --model (preset or local dir): its vocabulary and context")
     p.add_argument("--mode", default="auto", help="auto, layerwise, bulk or colocated")
+    p.add_argument("--memory-pressure", type=float, default=0.0, metavar="F",
+                   help="size the concurrency (unless --concurrency is given) so that the requests in flight need F "
+                        "times the decode server's KV pool (asked from its Info), e.g. 4: a pool far smaller than "
+                        "the load, so requests are preempted; the result's `pool` says how many (default 0: off)")
+    p.add_argument("--shared-prefix", type=int, default=0, metavar="N",
+                   help="every prompt opens with one opening of N random ids, then its own --input-len: N requests "
+                        "over one long opening share its KV blocks; the result's `pool` says how many (default 0)")
     p.add_argument("--warmup", type=int, default=1, help="requests before the clock starts")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--temperature", type=float, default=0.0,
@@ -374,7 +397,8 @@ def config(args: argparse.Namespace, concurrency: int | None = None, num_prompts
                        output_len=args.output_len, vocab_size=args.vocab_size, model=args.model, mode=args.mode,
                        warmup=args.warmup, seed=args.seed, timeout_s=args.timeout, max_duration_s=args.max_duration,
                        server_metrics=args.server_metrics, long_share=args.long_share, long_len=args.long_len_range,
-                       api=args.api, temperature=args.temperature, top_p=args.top_p)
+                       api=args.api, temperature=args.temperature, top_p=args.top_p,
+                       shared_prefix=args.shared_prefix, memory_pressure=args.memory_pressure)
 
 
 def job(args: argparse.Namespace) -> Job:
@@ -386,8 +410,9 @@ def job(args: argparse.Namespace) -> Job:
         raise ValueError(str(e)) from None
     meta = (("authorization", f"Bearer {token}"),) if token else None  # kept out of the result
     if args.multi_turn or "turns" in args or "user_len" in args:  # its own checks and run
-        if len(cfgs) > 1 or args.roofline or args.prompts_per_concurrency:
-            raise ValueError("--multi-turn runs one --concurrency, without --roofline or --prompts-per-concurrency")
+        if len(cfgs) > 1 or args.roofline or args.prompts_per_concurrency or cfg.memory_pressure or cfg.shared_prefix:
+            raise ValueError("--multi-turn runs one --concurrency, without --roofline, --prompts-per-concurrency, "
+                             "--memory-pressure or --shared-prefix")
         return serve_multiturn.job(args, cfg, meta)
     plan = roofline_plan(args, cfg)
     steps = sum(total_steps(c) for c in cfgs) + (0 if plan.why_not else 1)

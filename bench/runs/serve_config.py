@@ -47,6 +47,8 @@ class ServeConfig:
     api: str = ""                      # the OpenAI front's base URL (api_server/); empty: the gRPC door at addr
     temperature: float = 0.0           # > 0: every request samples (with top_p; the server draws each seed)
     top_p: float = 1.0
+    shared_prefix: int = 0             # every prompt opens with one opening of this many ids (then its own input_len)
+    memory_pressure: float = 0.0       # > 0: concurrency sized to this many times the server's KV pool (its Info)
 
     def __post_init__(self):
         if not is_loopback(self.addr):
@@ -69,6 +71,11 @@ class ServeConfig:
         if not (math.isfinite(self.temperature) and self.temperature >= 0) or not 0 < self.top_p <= 1:
             raise ValueError(f"--temperature must be finite and >= 0 (0: greedy) and --top-p in (0, 1] (got "
                              f"{self.temperature:g} and {self.top_p:g})")
+        if self.shared_prefix < 0 or not (math.isfinite(self.memory_pressure) and self.memory_pressure >= 0):
+            raise ValueError(f"--shared-prefix must be >= 0 and --memory-pressure finite and >= 0 (got "
+                             f"{self.shared_prefix} and {self.memory_pressure:g})")
+        if self.memory_pressure and self.api:
+            raise ValueError("--memory-pressure reads the decode server's pool over gRPC (--addr): drop --api")
         if self.timeout_s <= 0 or self.max_duration_s <= 0:
             raise ValueError("timeouts must be > 0")
         if not 0 <= self.long_share <= 1 or not 1 <= self.long_len[0] <= self.long_len[1]:
@@ -81,7 +88,7 @@ class ServeConfig:
         model = load_config(self.model) if self.model is not None else None
         if self.vocab_size is None:  # recorded in the result: the vocabulary the ids were drawn from
             object.__setattr__(self, "vocab_size", model.vocab_size)
-        longest = max(short_max, self.long_len[1] if self.long_share > 0 else 0) + self.output_len
+        longest = max(short_max, self.long_len[1] if self.long_share > 0 else 0) + self.shared_prefix + self.output_len
         context = getattr(model, "max_position_embeddings", None)
         if context is not None and longest > context:
             raise ValueError(f"the longest prompt plus --output-len is {longest} tokens, over {self.model}'s context "

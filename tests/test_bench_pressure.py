@@ -1,0 +1,56 @@
+"""`kvtransfer-bench serve --memory-pressure` and `--shared-prefix` against a real colocated decode server whose
+pool is a few blocks (tiny preset, CPU; issue #38).
+
+What is claimed (and tested here): the pressure mode sizes the concurrency from the server's own pool (Info) so that
+the load needs several times the pool; every request completes, and the result's `pool` record counts the
+preemptions the server made (its Load, before and after). The shared-prefix mode opens every prompt with one
+opening; every request after the warm-up reuses it, and the record shows its blocks shared (Load.shared_blocks).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from bench.cli import main
+from support.servers import colocated_server
+
+PAGE, BLOCKS, ROWS = 8, 24, 16
+POOL = ["--kv-block-tokens", str(PAGE), "--kv-pool-gib", repr(BLOCKS * PAGE * 1024 / 2**30), "--max-batch", str(ROWS)]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with colocated_server(tmp_path_factory.mktemp("pressure"), args=POOL, prefix_cache=True) as run:
+        yield run
+
+
+def run_cli(argv, capsys) -> dict:
+    rc = main(argv)
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0 and r["ok"], r["failures"]
+    return r
+
+
+def test_memory_pressure_sizes_the_load_to_the_pool_and_counts_preemptions(server, capsys, tmp_path):
+    r = run_cli(["serve", "--addr", server.addr, "--model", "tiny", "--num-prompts", "16", "--input-len", "12",
+                 "--output-len", "40", "--memory-pressure", "3", "--out", str(tmp_path)], capsys)
+    assert json.loads((tmp_path / "result.json").read_text())["pool"] == r["pool"]
+    pool = r["pool"]
+    assert pool["blocks"] == BLOCKS and pool["block_tokens"] == PAGE and pool["tokens"] == BLOCKS * PAGE
+    assert pool["concurrency"] == r["max_concurrency"] == math.ceil(3 * BLOCKS * PAGE / (12 + 40))
+    assert pool["load_over_pool"] >= 3
+    assert r["completed"] == 16 and r["failed"] == 0 and r["output_lens"] == [40] * 16
+    assert pool["preemptions"] > 0
+
+
+def test_shared_prefix_opens_every_prompt_with_one_opening_held_once(server, capsys):
+    r = run_cli(["serve", "--addr", server.addr, "--model", "tiny", "--num-prompts", "8", "--input-len", "4",
+                 "--output-len", "4", "--concurrency", "4", "--shared-prefix", "64"], capsys)
+    pool = r["pool"]
+    assert r["completed"] == 8 and r["input_lens"] == [68] * 8
+    assert pool["requests_reusing"] == 8 and pool["reused_tokens_mean"] >= 64  # the warm-up cached the opening (and
+    # the first prompt whole: it is sent again)
+    assert pool["shared_blocks_after"] == 64 // PAGE and pool["preemptions"] == 0
