@@ -111,8 +111,9 @@ class AdmissionQueue:
         admitted = waited = False
         try:
             while True:
+                w.event.clear()  # before the try: a release after it sets it again. Not the head (a resumed request
+                # went ahead of it after it was woken): it waits for its turn, not on a wake-up meant for a head
                 if self._queue[0] is w:  # only the head may take
-                    w.event.clear()  # before the try: a release after it sets it again
                     try:
                         lease = take()
                     except PoolFull:

@@ -310,6 +310,7 @@ class DecodeService(pbg.DecodeServicer):
                     left = request.max_new_tokens - len(made)
                     lease = await self._resume(request, context, deadline, rid, tokens, left)
                     held.append(lease)
+                    lease.hold()  # the sequence's own hold, as the first one had
                     seq = stream.seq = Sequence(rid, lease, len(tokens) - 1, made[-1], left, stream.sink, want,
                                                 stops, index=len(made) - 1, sampling=sampling,
                                                 tokens=tokens if swaps else None)

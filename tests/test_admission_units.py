@@ -204,3 +204,56 @@ def test_a_full_queue_refuses_at_once_naming_the_flag():
     full, zero = asyncio.run(scenario())
     assert full.code is grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-waiting 2" in full.message, full.message
     assert zero.code is grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-waiting 0" in zero.message, zero.message
+
+
+def test_a_resumed_request_goes_ahead_of_a_woken_head_which_waits_its_turn():
+    """Preempted requests (resumed=rid) come back ahead of every new arrival, the oldest request first, even ahead
+    of a head already woken for memory: the woken one then waits for its turn, yielding the loop (an Event left set
+    would make it spin without ever awaiting, and the whole server with it), while the resumed one waits for the
+    memory it needs; each is served in that order."""
+    pool = KVPool(CacheGeometry(1, 1, 2, torch.float32), torch.device("cpu"), slots=4, max_seq=8, page=2, blocks=4)
+
+    def blocks(n):
+        return lambda: pool.try_lease(2 * n)
+
+    async def scenario():
+        q = AdmissionQueue(pool, max_waiting=8)
+        a, b = pool.try_lease(2), pool.try_lease(6)  # 1 + 3 blocks: the pool is full
+        new = asyncio.create_task(q.acquire(far(), blocks(1)))
+        await until(lambda: q.waiting == 1)
+        r9 = asyncio.create_task(q.acquire(far(), blocks(1), resumed=9))
+        await until(lambda: q.waiting == 2)  # ahead of the new arrival: the head now
+        a.release()  # one block: wakes r9, whose turn is queued on the loop behind what follows
+        r3 = asyncio.create_task(q.acquire(far(), blocks(4), resumed=3))  # older: ahead of r9, needs the whole pool
+        ticks = 0
+
+        async def loop_runs():
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+        ticker = asyncio.create_task(loop_runs())
+        await until(lambda: ticks > 50)  # the loop turns: nobody spins in it
+        assert not (r3.done() or r9.done() or new.done()) and q.waiting == 3
+        b.release()
+        first = await asyncio.wait_for(r3, GUARD_S)
+        assert not r9.done() and not new.done()
+        first.release()
+        second = await asyncio.wait_for(r9, GUARD_S)
+        (await asyncio.wait_for(new, GUARD_S)).release()
+        second.release()
+        ticker.cancel()
+        q.close()
+    errors = []
+
+    def body():
+        try:
+            asyncio.run(scenario())
+        except BaseException as e:  # noqa: BLE001 - raised again below, on the test's thread
+            errors.append(e)
+    loop = threading.Thread(target=body, daemon=True)
+    loop.start()  # in a thread: a loop that spins never reaches a guard inside it
+    loop.join(GUARD_S)
+    assert not loop.is_alive(), "the event loop never came back: a waiter spins in it"
+    if errors:
+        raise errors[0]

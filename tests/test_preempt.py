@@ -168,3 +168,24 @@ def test_a_swapped_request_gets_its_bytes_back_and_continues_as_unpressured(tiny
     finally:
         roomy.close()
         tight.close()
+
+
+def test_a_preemption_wakes_the_admission_queue_with_what_is_left_of_the_victims_blocks():
+    from kvtransfer.engine.pool import KVPool
+    from kvtransfer.engine.preempt import make_room
+    from kvtransfer.geometry import CacheGeometry
+
+    pool = KVPool(CacheGeometry(1, 1, 2, torch.float32), torch.device("cpu"), slots=2, max_seq=16, page=PAGE,
+                  blocks=4)
+    old, new = pool.try_lease(8), pool.try_lease(8)  # 2 blocks each: the pool is full
+    ended, wakes = [], []
+    pool.subscribe(lambda: wakes.append(pool.free_blocks()))
+
+    def end(s, item):
+        s.over = True
+        s.lease.release()
+        ended.append((s.rid, item.cause))
+    running = [Sequence(1, old, 8, 0, 5, print), Sequence(2, new, 7, 0, 5, print)]  # rid 1 crosses into block 3
+    assert make_room(running, end) == 1
+    assert ended == [(2, EndCause.PREEMPTED)] and len(old.blocks) == 3
+    assert wakes == [1]  # once, after the rows grew: the victim's other block is free for a waiter

@@ -93,8 +93,8 @@ def vocab():
 def test_a_pool_of_a_few_blocks_serves_16_requests_at_once_and_gives_every_block_back(tmp_path, vocab):
     port = free_port()
     ps = prompts(vocab)
-    with server_pair(tmp_path, prefill_args=["--transport", "grpc", "--fail-after-layers", "1", "--fail-stall-s", "6"],
-                     decode_args=["--transport", "grpc", *POOL, "--peer-timeout-s", "4", "--metrics-port",
+    with server_pair(tmp_path, prefill_args=["--transport", "grpc", "--fail-after-layers", "1", "--fail-stall-s", "10"],
+                     decode_args=["--transport", "grpc", *POOL, "--peer-timeout-s", "8", "--metrics-port",
                                   str(port)]) as run:
         addr = run.addr
         # a peer failure first (the prefill worker holds the first transfer past --peer-timeout-s)

@@ -79,9 +79,7 @@ class Lease:
             keeper = self.pool.keeper
             if keeper is None or self.keep is None or not keeper.keep(self.slot, self.keep):
                 self.pool._free_row_locked(self.slot)
-            listeners = list(self.pool._listeners)
-        for wake in listeners:  # outside the lock: a listener may take a row
-            wake()
+        self.pool.freed()
 
 
 class KVPool:
@@ -113,7 +111,7 @@ class KVPool:
         self._free = list(range(slots - 1, -1, -1))  # pop() hands out row 0 first
         self._free_blocks = [] if self.fixed else list(range(self.blocks - 1, -1, -1))
         self._refs = [0] * self.blocks  # paged: the rows holding each block (free at 0)
-        self._listeners: set = set()  # called (on the releasing thread) each time a row is freed
+        self._listeners: set = set()  # called (on the releasing thread) each time a row is freed (`freed`)
         self.keeper = None  # the prefix cache, when there is one (it sets itself here)
         self.fence = None  # torch.cuda.Event after copies still reading freed blocks (see the module docstring)
         log.info("KV pool: %d rows, %d blocks x %d tokens x %d B/token = %.2f GiB on %s (+1 scratch block)", slots,
@@ -234,6 +232,13 @@ class KVPool:
             self._rows[slot] = []
             self.table[slot].fill_(self.null)
         self._free.append(slot)
+
+    def freed(self) -> None:
+        """Tell the listeners that memory was freed (call without the lock: a listener may take a row)."""
+        with self._lock:
+            listeners = list(self._listeners)
+        for wake in listeners:
+            wake()
 
     def subscribe(self, wake) -> None:
         """Call `wake()` (no arguments, must not block) on whichever thread frees a row, until unsubscribed."""

@@ -29,6 +29,9 @@ The rules kept here:
   this thread's own steps are queued after it on the same stream.
 - The victim ends with Ended(PREEMPTED): its sequence leaves the batch, its holds are let go (they free nothing:
   `Lease.gone`), and the servicer, not the client, sees that end.
+- Once every row grew, the pool's listeners are told (`KVPool.freed`): what is left of the victims' blocks is the
+  admission queue's head's to take (a preempted request's own resume goes ahead of the rest). Without it a waiter
+  would find those blocks only at its next once-a-second recheck (decode_server/admission.py).
 """
 
 from __future__ import annotations
@@ -54,9 +57,12 @@ def make_room(running: list[Sequence], end) -> int:
     pool: KVPool | None = running[0].lease.pool if running else None
     if pool is None or pool.fixed:
         return 0  # nothing runs, or a row owns a whole context
+    # the rows crossing into a new block at this step (most steps: none; a row's blocks change on this thread only)
+    short = [s for s in running if not s.over and s.remaining > 0 and
+             len(pool.row_blocks(s.slot)) * pool.page <= s.length]
     preempted = 0
-    for s in sorted(running, key=lambda s: s.rid):
-        if s.over or s.remaining <= 0:
+    for s in sorted(short, key=lambda s: s.rid):
+        if s.over:  # preempted for an older one
             continue
         while True:
             victim = None
@@ -78,6 +84,8 @@ def make_room(running: list[Sequence], end) -> int:
             end(victim, Ended(EndCause.PREEMPTED, how))
             if victim is s:
                 break
+    if preempted:  # what the rows grown here left of the victims' blocks: the admission queue's head may take it
+        pool.freed()
     return preempted
 
 
