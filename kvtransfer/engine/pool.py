@@ -111,6 +111,7 @@ class KVPool:
         self._free = list(range(slots - 1, -1, -1))  # pop() hands out row 0 first
         self._free_blocks = [] if self.fixed else list(range(self.blocks - 1, -1, -1))
         self._refs = [0] * self.blocks  # paged: the rows holding each block (free at 0)
+        self._shared = 0  # blocks whose count is above 1 (Load.shared_blocks, read on every scrape: kept, not counted)
         self._listeners: set = set()  # called (on the releasing thread) each time a row is freed (`freed`)
         self.keeper = None  # the prefix cache, when there is one (it sets itself here)
         self.fence = None  # torch.cuda.Event after copies still reading freed blocks (see the module docstring)
@@ -196,6 +197,7 @@ class KVPool:
         shared = self._rows[src][:k]
         for b in shared:
             self._refs[b] += 1
+            self._shared += self._refs[b] == 2
         self._rows[dst] = shared
         if shared:
             self.table[dst, :k].copy_(self._up(torch.tensor(shared, dtype=torch.int32)), non_blocking=True)
@@ -203,12 +205,13 @@ class KVPool:
     def shared_blocks(self) -> int:
         """Blocks held by more than one row (a shared opening's, each counted once)."""
         with self._lock:
-            return sum(1 for r in self._refs if r > 1)
+            return self._shared
 
     def _unref_locked(self, blocks: list[int]) -> None:
         """A row lets go of `blocks`: each one no other row holds is free again."""
         for b in reversed(blocks):
             self._refs[b] -= 1
+            self._shared -= self._refs[b] == 1
             if self._refs[b] == 0:
                 self._free_blocks.append(b)
 
