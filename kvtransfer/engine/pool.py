@@ -154,8 +154,9 @@ class KVPool:
             if not self._free or (not self.fixed and len(self._free_blocks) < need):
                 raise PoolFull()
             slot = self._free.pop()
-            self.grow_locked(slot, need)
-            return Lease(self, slot, self._rows[slot])
+            lease = Lease(self, slot, self._rows[slot])
+            lease.ready = self.grow_locked(slot, need)  # blocks a preempted row gave back: after the step in flight
+            return lease
 
     def grow_locked(self, slot: int, need: int):
         """Row `slot` holds at least `need` blocks after this (free ones, else cached rows' taken back through the
