@@ -213,13 +213,15 @@ def _free() -> int:
 
 def test_sigterm_to_the_prefill_mid_request_finishes_it_and_frees_the_process(tmp_path):
     """The prefill worker holds a transfer for 2 s (fault injection) when SIGTERM comes: the request completes,
-    the prefill accepts no new handshake while stopping, and it exits 0 right after, its port free."""
+    the prefill accepts no new handshake while stopping, and it exits 0 right after, its port free. SIGTERM goes
+    once the prefill worker's log says it holds the transfer (a fixed 0.5 s after the call raced a loaded machine's
+    warm-up and prefill: SIGTERM came before the hold, so the stall began after it)."""
     with Pair(tmp_path, prefill_args=["--fail-after-layers", "2", "--fail-stall-s", "2"]) as pair:
         pair.start()
 
         async def scenario():
             call = asyncio.create_task(generate(pair.addr, PROMPT, 4, timeout=60))
-            await asyncio.sleep(0.5)
+            await asyncio.to_thread(pair.wait_line, pair.prefill, "fault injection: holding the transfer")
             t0 = time.monotonic()
             pair.prefill.proc.send_signal(signal.SIGTERM)
             return await call, t0
