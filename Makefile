@@ -26,8 +26,9 @@ demo: $(STAMP)
 	$(BIN)/kvtransfer-bench demo
 
 # Two workers, a test file each at a time (its module fixtures and test order kept): the suite mostly waits on
-# the server processes it starts, so two share the CI's two cores (~13 min; a server start is ~8 s of a core,
-# mostly imports, so the tests share servers where they can).
+# the server processes it starts, so two share the CI's two cores. Those decode and prefill servers are forked from
+# a fork server that imported them once (tests/support/forked.py: a spawned start is ~8 s of a core, mostly imports,
+# and the main run starts ~170; KVT_TEST_SPAWN=1 spawns them as before), and the tests share servers where they can.
 TEST_WORKERS ?= 2
 MAIN_TESTS = $(BIN)/python -m pytest -m "not gpu and not gpu2 and not churn" -q -n $(TEST_WORKERS) --dist loadfile
 
@@ -35,9 +36,9 @@ MAIN_TESTS = $(BIN)/python -m pytest -m "not gpu and not gpu2 and not churn" -q 
 # imported, so it is a run of its own; ~45 s of one core, which the main run leaves idle often enough); its output
 # is printed after the main run's, and either failing fails `make test`. The main run compiles every kernel for
 # sm_90 (tests/test_kernels_sm90_compile.py).
-# Last, the restart-churn test alone (~2 min): each cycle must serve again after a restart (within 60 s: a worker's
-# start is mostly its imports, ~8 s here, which another test file's servers beside it would stretch; its times are
-# printed, not asserted).
+# Last, the restart-churn test alone (~30 s): each cycle must serve again after a restart (within 60 s, a bound for a
+# pair that never comes back: ~1-2 s forked, more beside another test file's servers; its times are printed, not
+# asserted).
 test: $(STAMP)
 	@log=$$(mktemp); \
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_kernels_interp.py tests/test_sample_interp.py > $$log 2>&1 & \
