@@ -33,7 +33,7 @@ TEST_WORKERS ?= 2
 MAIN_TESTS = $(BIN)/python -m pytest -m "not gpu and not gpu2 and not churn" -q -n $(TEST_WORKERS) --dist loadfile
 
 # Beside the main run, the Triton kernels under the interpreter (TRITON_INTERPRET must be set before triton is
-# imported, so it is a run of its own; ~45 s of one core, which the main run leaves idle often enough); its output
+# imported, so it is a run of its own; ~60 s of one core, which the main run leaves idle often enough); its output
 # is printed after the main run's, and either failing fails `make test`. The main run compiles every kernel for
 # sm_90 (tests/test_kernels_sm90_compile.py).
 # Last, the restart-churn test alone (~30 s): each cycle must serve again after a restart (within 60 s, a bound for a
@@ -41,12 +41,12 @@ MAIN_TESTS = $(BIN)/python -m pytest -m "not gpu and not gpu2 and not churn" -q 
 # asserted).
 test: $(STAMP)
 	@log=$$(mktemp); \
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_kernels_interp.py tests/test_sample_interp.py > $$log 2>&1 & \
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_kernels_interp.py tests/test_sample_interp.py tests/test_invariant_interp.py > $$log 2>&1 & \
 	interp=$$!; \
-	echo '$(MAIN_TESTS)  (and TRITON_INTERPRET=1 tests/test_kernels_interp.py tests/test_sample_interp.py beside it)'; \
+	echo '$(MAIN_TESTS)  (and TRITON_INTERPRET=1 tests/test_kernels_interp.py tests/test_sample_interp.py tests/test_invariant_interp.py beside it)'; \
 	$(MAIN_TESTS); main=$$?; \
 	wait $$interp; kernels=$$?; \
-	echo 'TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests/test_kernels_interp.py tests/test_sample_interp.py:'; cat $$log; rm -f $$log; \
+	echo 'TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests/test_kernels_interp.py tests/test_sample_interp.py tests/test_invariant_interp.py:'; cat $$log; rm -f $$log; \
 	test $$main -eq 0 -a $$kernels -eq 0
 	$(BIN)/python -m pytest -m churn -q -s tests/test_churn.py
 

@@ -3,7 +3,8 @@
 Why: GPU time is scarce and the interpreter does not check what the compiler accepts. Runs
 tests/support/sm90_compile_check.py in its own process (it swaps Triton's driver).
 Skipped without triton, under the interpreter, and where CUDA is present (the GPU tests
-compile for real there).
+compile for real there). The batch-invariant GEMM (kvtransfer/kernels/triton_matmul.py) is compiled by its own
+test with the same stand-in driver, which also checks that M = 1, 7 and 200 bind one compiled kernel.
 """
 
 from __future__ import annotations
@@ -29,4 +30,38 @@ def test_all_kernels_compile_for_sm90():
         [sys.executable, os.path.join(os.path.dirname(__file__), "support", "sm90_compile_check.py")],
         capture_output=True, text=True, env=env, timeout=900,
     )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+
+
+# Through sm90_compile_check's stand-in driver; each compile's source key (signature, specializations, constants)
+# recorded, so M = 1 (which Triton would specialize on) must bind the kernel M = 200 binds.
+_INVARIANT_GEMM = """
+import sys
+import torch
+import triton.compiler
+sys.path.insert(0, sys.argv[1])
+from sm90_compile_check import _install, _run
+done = _install()
+compile_only, keys = triton.compiler.compile, []
+def keyed(src, target=None, options=None, _env_vars=None):
+    keys.append(src.hash())
+    return compile_only(src, target=target, options=options, _env_vars=_env_vars)
+triton.compiler.compile = keyed
+from kvtransfer.kernels.triton_matmul import matmul_triton
+for dtype in (torch.bfloat16, torch.float16, torch.float32):
+    for bias in (None, torch.empty(4608, dtype=dtype)):
+        before = len(keys)
+        for m in (1, 7, 200):
+            _run(lambda: matmul_triton(torch.empty(m, 3584, dtype=dtype), torch.empty(4608, 3584, dtype=dtype), bias))
+        if len(keys) - before != 3 or len(set(keys[before:])) != 1:
+            sys.exit(f"{dtype} bias={bias is not None}: M = 1, 7, 200 bound {len(set(keys[before:]))} kernels")
+sys.exit(0 if len(done) == 18 else f"compiled {len(done)} of 18")
+"""
+
+
+def test_invariant_gemm_compiles_for_sm90_once_for_every_row_count():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    res = subprocess.run([sys.executable, "-c", _INVARIANT_GEMM, os.path.join(os.path.dirname(__file__), "support")],
+                         capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]

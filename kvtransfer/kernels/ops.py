@@ -40,6 +40,7 @@ from kvtransfer.kernels.reference import (
     add_rms_norm_ref,
     chunk_attention_ref,
     decode_attention_ref,
+    invariant_linear_ref,
     rms_norm_ref,
     rope_store_ref,
     silu_mul_ref,
@@ -55,12 +56,14 @@ __all__ = [
     "silu_mul",
     "linear",
     "gate_up_silu",
+    "invariant_linear",
     "decode_attention_ref",
     "chunk_attention_ref",
     "rope_store_ref",
     "rms_norm_ref",
     "add_rms_norm_ref",
     "silu_mul_ref",
+    "invariant_linear_ref",
 ]
 
 
@@ -293,3 +296,16 @@ def gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor, *, use_triton: bool | N
     from kvtransfer.kernels.triton_gemv import gemv_triton
 
     return gemv_triton(x.contiguous(), gate_up, gated=True)
+
+
+def invariant_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
+                     use_triton: bool | None = None) -> torch.Tensor:
+    """x (M, K) @ w (N, K)^T (+ bias) -> (M, N) in x.dtype, each row's bits independent of M and of the other rows
+    (Triton: one tile config, no split-K; docs/batch-invariance.md). The reference sums in fp32 and rounds once,
+    as the kernel does, in torch's order. Not used by the engine yet."""
+    _check_linear(x, w, bias, w.shape[0])
+    if not _use_triton(use_triton, x.device):
+        return invariant_linear_ref(x, w, bias)
+    from kvtransfer.kernels.triton_matmul import matmul_triton
+
+    return matmul_triton(last_dim_unit(x), last_dim_unit(w), None if bias is None else bias.contiguous())

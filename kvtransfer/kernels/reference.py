@@ -157,6 +157,12 @@ def add_rms_norm_ref(
     return rms_norm_ref(residual_out, weight, eps), residual_out
 
 
+def invariant_linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """What the batch-invariant GEMM computes: x (M, K) @ w (N, K)^T (+ bias) summed in fp32, rounded once to x's
+    dtype -> (M, N). Its values only: torch's own sum order is free to change with M (docs/batch-invariance.md)."""
+    return F.linear(x.float(), w.float(), None if bias is None else bias.float()).to(x.dtype)
+
+
 def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     """(B, 2I) fused gate|up projection -> silu(gate) * up, (B, I), in the input dtype.
 
