@@ -46,8 +46,8 @@ class Step:
     """`step(tokens, positions, slots)` -> logits (n, vocab): eager (CPU, --no-cuda-graphs) or graph replay.
     `step.mixed(tokens, positions, slots, chunks)` -> (logits (n, vocab), each chunk's last row (P, vocab)): the
     same step with prompt tokens riding along in P <= MAX_PIECES chunks, in the smallest of `sizes` (a ladder up to
-    `chunk` rows, then 2, 4 .. x chunk) that holds them beside the bucket (graphed when `chunk` > 0; `prompt_budget` says how
-    many to hand it).
+    `chunk` rows, then 2, 4 .. x chunk) that holds them beside the bucket (graphed when `chunk` > 0;
+    `prompt_budget` says how many to hand it).
 
     The graphed logits are a view into the graph's output buffer: valid until the next call. `step.sampler` draws
     the sampling rows' tokens from them (captured per bucket too, unless `sampling` is False: then always eager).

@@ -24,7 +24,8 @@ takes back the least recently used cached rows.
 Blocks are counted by reference (paged): a prompt that starts with a cached context takes that context's full
 blocks into its own row (`share_locked`: no copy, the same block ids in both rows of the table) and a block is
 free only when no row holds it. A shared block is never written: it is a full block inside the shared opening,
-and every row holding it writes only past its own context, which runs past that block (prefix_cache.py). `used()` counts leased rows only; cached ones are as good as free.
+and every row holding it writes only past its own context, which runs past that block (prefix_cache.py).
+`used()` counts leased rows only; cached ones are as good as free.
 Blocks freed by taking back a cached row may still be read by a copy on the cache's copy stream (to the host tier,
 or into another row): `fence` is an event after those copies, and every lease that takes blocks while it has not
 fired carries it as `ready` (its holder waits for it before writing).
