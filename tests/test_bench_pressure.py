@@ -5,6 +5,8 @@ What is claimed (and tested here): the pressure mode sizes the concurrency from 
 the load needs several times the pool; every request completes, and the result's `pool` record counts the
 preemptions the server made (its Load, before and after). The shared-prefix mode opens every prompt with one
 opening; every request after the warm-up reuses it, and the record shows its blocks shared (Load.shared_blocks).
+`--stop-after LO,HI` ends each request from the client (a cancelled stream) after its own drawn count of tokens:
+the server frees what it held, and the run counts them as completed with that many tokens.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import math
 import pytest
 
 from bench.cli import main
+from bench.runs.serve import client_ends
+from bench.runs.serve_config import ServeConfig
 from support.servers import colocated_server
 
 PAGE, BLOCKS, ROWS = 8, 24, 16
@@ -54,3 +58,23 @@ def test_shared_prefix_opens_every_prompt_with_one_opening_held_once(server, cap
     assert pool["requests_reusing"] == 8 and pool["reused_tokens_mean"] >= 64  # the warm-up cached the opening (and
     # the first prompt whole: it is sent again)
     assert pool["shared_blocks_after"] == 64 // PAGE and pool["preemptions"] == 0
+
+
+def test_stop_after_ends_each_request_from_the_client_after_its_own_count(server, capsys):
+    argv = ["serve", "--addr", server.addr, "--model", "tiny", "--num-prompts", "12", "--input-len", "12",
+            "--output-len", "48", "--stop-after", "1,48", "--concurrency", "6", "--seed", "5"]
+    r = run_cli(argv, capsys)
+    ends = client_ends(ServeConfig(addr=server.addr, model="tiny", num_prompts=12, input_len=12, output_len=48,
+                                   stop_after=(1, 48), seed=5), 12)
+    assert len(set(ends)) > 3 and max(ends) < 48  # drawn per prompt; this seed cancels every one of them
+    assert r["completed"] == 12 and r["failed"] == 0
+    assert sorted(r["output_lens"]) == sorted(ends)  # each stream ended at its own count, not at --output-len
+    pool = r["pool"]  # every cancelled request gave its row and blocks back
+    assert pool["free_blocks_after"] + pool["cached_blocks_after"] == BLOCKS
+
+
+def test_stop_after_must_fit_the_output_len():
+    with pytest.raises(ValueError, match="--stop-after"):
+        ServeConfig(model="tiny", output_len=8, stop_after=(1, 9))
+    with pytest.raises(ValueError, match="--stop-after"):
+        ServeConfig(model="tiny", output_len=8, stop_after=(0, 4))

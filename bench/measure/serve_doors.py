@@ -21,33 +21,42 @@ from proto import kvtransfer_pb2 as pb
 from proto import kvtransfer_pb2_grpc as pbg
 
 
-async def one_request(stub, ids: list[int], cfg, timeout: float, metadata) -> dict:
-    """Token arrival times of one Generate stream, or its failure as a status code name."""
+async def one_request(stub, ids: list[int], cfg, timeout: float, metadata, stop_after: int | None = None
+                      ) -> dict:
+    """Token arrival times of one Generate stream, or its failure as a status code name; `stop_after`: the client
+    ends the stream (cancels the call) once it has that many tokens, as a reader who stops reading."""
     req = pb.GenerateRequest(token_ids=ids, max_new_tokens=cfg.output_len, mode=MODES[cfg.mode])
     if cfg.temperature > 0:  # absent: greedy
         req.sampling.CopyFrom(pb.Sampling(temperature=cfg.temperature, top_p=cfg.top_p))
-    return await stream_record(stub, req, timeout, metadata)
+    return await stream_record(stub, req, timeout, metadata, stop_after)
 
 
-async def stream_record(stub, req: pb.GenerateRequest, timeout: float, metadata) -> dict:
+async def stream_record(stub, req: pb.GenerateRequest, timeout: float, metadata, stop_after: int | None = None
+                        ) -> dict:
     """One Generate stream as a record: input_len, start, each token's id and arrival time (s after the send), the
     mode that ran and the last message's Timing (`timing`, None on failure), or the failure as a status code name
-    (INCOMPLETE: fewer tokens than max_new_tokens)."""
+    (INCOMPLETE: fewer tokens than max_new_tokens, or than `stop_after` where the client cancels the call once it
+    has that many)."""
     out = {"input_len": len(req.token_ids), "times": [], "tokens": [], "code": None, "error": "", "mode": "",
            "timing": None}
     t0 = out["start"] = time.perf_counter()
+    want = min(stop_after or req.max_new_tokens, req.max_new_tokens)
+    call = stub.Generate(req, timeout=timeout, metadata=metadata)
     try:
-        async for msg in stub.Generate(req, timeout=timeout, metadata=metadata):
+        async for msg in call:
             out["times"].append(time.perf_counter() - t0)
             out["tokens"].append(msg.token_id)
             if msg.HasField("timing"):
                 out["timing"] = msg.timing
                 out["mode"] = Mode.from_proto(msg.timing.mode).value
+            if len(out["times"]) == want < req.max_new_tokens:
+                call.cancel()  # the client ends it: the server sees CANCELLED
+                break
     except grpc.aio.AioRpcError as e:
         out["code"], out["error"] = e.code().name, e.details() or ""
-    if out["code"] is None and len(out["times"]) != req.max_new_tokens:
+    if out["code"] is None and len(out["times"]) != want:
         out["code"] = "INCOMPLETE"
-        out["error"] = f"stream ended after {len(out['times'])} of {req.max_new_tokens} tokens"
+        out["error"] = f"stream ended after {len(out['times'])} of {want} tokens"
     return out
 
 
@@ -57,7 +66,7 @@ def grpc_door(cfg, metadata):
         async def __aenter__(self):
             self.channel = grpc.aio.insecure_channel(cfg.addr)
             stub = pbg.DecodeStub(self.channel)
-            return lambda ids, timeout: one_request(stub, ids, cfg, timeout, metadata)
+            return lambda ids, timeout, stop_after=None: one_request(stub, ids, cfg, timeout, metadata, stop_after)
 
         async def __aexit__(self, *exc):
             await self.channel.close()

@@ -28,7 +28,7 @@ def scrape(url: str) -> dict[str, float]:
 
 def parse(text: str) -> dict[str, float]:
     """`scrape` of a /metrics text already read."""
-    out = {m.group(1): float(m.group(2)) for m in re.finditer(r"^(kvt_decode_\w+) (\S+)$", text, re.M)}
+    out = {m.group(1): float(m.group(2)) for m in re.finditer(r"^(kvt_(?:decode|kv_pool)_\w+) (\S+)$", text, re.M)}
     for m in re.finditer(r'^kvt_decode_mixed_steps_total{rows="(\d+)"} (\S+)$', text, re.M):
         out[f"kvt_decode_mixed_steps_total:{m.group(1)}"] = float(m.group(2))
     for key in ("sum", "count"):
@@ -46,12 +46,15 @@ def mixed_steps(after: dict[str, float], before: dict[str, float]) -> dict[str, 
 class BatchWatch:
     def __init__(self, url: str):
         self.url, self.before, self.samples = url, scrape(url), []  # samples: (s since start, running)
+        self.pool: list[tuple[float, float]] = []  # (shared blocks, free blocks) at each sample
         self.t0 = time.perf_counter()
 
     async def sample(self, start: float) -> None:
         while True:
             m = await asyncio.to_thread(scrape, self.url)
             self.samples.append((round(time.perf_counter() - start, 3), m.get("kvt_decode_running", 0.0)))
+            if "kvt_kv_pool_free_blocks" in m:  # the paged pool's gauges
+                self.pool.append((m.get("kvt_kv_pool_shared_blocks", 0.0), m["kvt_kv_pool_free_blocks"]))
             await asyncio.sleep(SAMPLE_S)
 
     def report(self) -> dict:
@@ -73,4 +76,6 @@ class BatchWatch:
                     mixed_steps(after, self.before).items(), key=lambda kv: int(kv[0])) if v},
                 "device_busy": busy / wall if busy > 0 and wall > 0 else None,  # None on CPU (no CUDA events)
                 "running_p50": float(np.median(running)), "running_max": float(running.max()),
+                "shared_blocks_max": max((s for s, _ in self.pool), default=None),
+                "free_blocks_min": min((f for _, f in self.pool), default=None),
                 "timeline": self.samples[:: max(1, len(self.samples) // 200)]}

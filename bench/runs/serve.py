@@ -84,6 +84,15 @@ def make_prompts(cfg: ServeConfig) -> list[list[int]]:
     return prompts
 
 
+def client_ends(cfg: ServeConfig, n: int) -> list[int | None]:
+    """With --stop-after LO,HI: after how many tokens each prompt's client ends its request (uniform in [LO, HI],
+    its own stream of the seed); else None each (the request runs to --output-len)."""
+    if cfg.stop_after is None:
+        return [None] * n
+    lo, hi = cfg.stop_after
+    return np.random.default_rng([cfg.seed, 3]).integers(lo, hi + 1, n).tolist()
+
+
 async def _run(cfg: ServeConfig, prompts: list[list[int]], step: Step, metadata, watch=None
                ) -> tuple[list[dict], float, list]:
     async with (http_door if cfg.api else grpc_door)(cfg, metadata) as send:
@@ -98,23 +107,24 @@ async def _run(cfg: ServeConfig, prompts: list[list[int]], step: Step, metadata,
         start = time.perf_counter()
         deadline = start + cfg.max_duration_s
 
-        async def limited(ids: list[int]) -> dict | None:
+        async def limited(ids: list[int], end: int | None) -> dict | None:
             async with limit:
                 left = deadline - time.perf_counter()
                 if left <= 0:
                     return None  # the run's budget is spent: not sent
-                res = await send(ids, min(cfg.timeout_s, left))
+                res = await (send(ids, min(cfg.timeout_s, left)) if end is None else
+                             send(ids, min(cfg.timeout_s, left), stop_after=end))
                 step(f"requests ({res['code'] or 'ok'})")
                 return res
 
         tasks = []
         sampler = asyncio.create_task(watch.sample(start)) if watch else None
-        for i, ids in enumerate(prompts):
+        for i, (ids, end) in enumerate(zip(prompts, client_ends(cfg, len(prompts)))):
             if gaps is not None and i:
                 await asyncio.sleep(gaps[i])
             if time.perf_counter() >= deadline:
                 break  # the rest are not sent
-            tasks.append(asyncio.create_task(limited(ids)))
+            tasks.append(asyncio.create_task(limited(ids, end)))
         results = await asyncio.gather(*tasks)
         if sampler is not None:
             sampler.cancel()
@@ -125,7 +135,7 @@ def run_serve(cfg: ServeConfig, step: Step = lambda _: None, metadata=None) -> d
     """`metadata`: call metadata such as the bearer token (kept out of the result)."""
     prompts = make_prompts(cfg)
     about = before = None
-    if not cfg.api and (cfg.memory_pressure or cfg.shared_prefix):  # the pool's record (the gRPC door's server)
+    if not cfg.api and (cfg.memory_pressure or cfg.shared_prefix or cfg.stop_after):  # the pool's record (the gRPC door's server)
         about, before = pool_report.info(cfg.addr, metadata), pool_report.load(cfg.addr, metadata)
         if cfg.memory_pressure:
             cfg = pool_report.pressed(cfg, prompts, about)
@@ -331,6 +341,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shared-prefix", type=int, default=0, metavar="N",
                    help="every prompt opens with one opening of N random ids, then its own --input-len: N requests "
                         "over one long opening share its KV blocks; the result's `pool` says how many (default 0)")
+    p.add_argument("--stop-after", type=length_range, metavar="LO,HI",
+                   help="each request asks --output-len tokens and its client ends it (cancels the stream) after a "
+                        "number uniform in LO..HI, e.g. --output-len 4096 --stop-after 1,4096: answers the server "
+                        "cannot size in advance (a reader who stops reading); the result's `pool` says what the "
+                        "pool did (gRPC door only)")
     p.add_argument("--warmup", type=int, default=1, help="requests before the clock starts")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--temperature", type=float, default=0.0,
@@ -398,7 +413,8 @@ def config(args: argparse.Namespace, concurrency: int | None = None, num_prompts
                        warmup=args.warmup, seed=args.seed, timeout_s=args.timeout, max_duration_s=args.max_duration,
                        server_metrics=args.server_metrics, long_share=args.long_share, long_len=args.long_len_range,
                        api=args.api, temperature=args.temperature, top_p=args.top_p,
-                       shared_prefix=args.shared_prefix, memory_pressure=args.memory_pressure)
+                       shared_prefix=args.shared_prefix, memory_pressure=args.memory_pressure,
+                       stop_after=args.stop_after)
 
 
 def job(args: argparse.Namespace) -> Job:

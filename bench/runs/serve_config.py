@@ -49,6 +49,7 @@ class ServeConfig:
     top_p: float = 1.0
     shared_prefix: int = 0             # every prompt opens with one opening of this many ids (then its own input_len)
     memory_pressure: float = 0.0       # > 0: concurrency sized to this many times the server's KV pool (its Info)
+    stop_after: tuple[int, int] | None = None  # the client ends each request after uniform [lo, hi] tokens
 
     def __post_init__(self):
         if not is_loopback(self.addr):
@@ -76,6 +77,11 @@ class ServeConfig:
                              f"{self.shared_prefix} and {self.memory_pressure:g})")
         if self.memory_pressure and self.api:
             raise ValueError("--memory-pressure reads the decode server's pool over gRPC (--addr): drop --api")
+        if self.stop_after is not None and not 1 <= self.stop_after[0] <= self.stop_after[1] <= self.output_len:
+            raise ValueError(f"--stop-after LO,HI needs 1 <= LO <= HI <= --output-len ({self.output_len}); got "
+                             f"{self.stop_after[0]},{self.stop_after[1]}")
+        if self.stop_after is not None and self.api:
+            raise ValueError("--stop-after cancels gRPC streams (--addr): drop --api")
         if self.timeout_s <= 0 or self.max_duration_s <= 0:
             raise ValueError("timeouts must be > 0")
         if not 0 <= self.long_share <= 1 or not 1 <= self.long_len[0] <= self.long_len[1]:
