@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvtransfer.engine.engine import check_options
+from kvtransfer.engine.runner import GEMV_CHOICES
 from kvtransfer.model.loaded import resolve_dtype
 from kvtransfer.model.spec import ModelSpec
 from kvtransfer.rpc.configargs import LOG_LEVELS, check_choices, flag, one_line
@@ -63,6 +64,10 @@ class DecodeConfig:
     gpu_memory_utilization: float = flag(0.9, "share of the GPU's memory this server may hold (weights, KV pool, "
                                          "workspace); two servers on one GPU: split it between them")
     cuda_graphs: bool = flag(True, "capture the decode step as CUDA graphs per batch bucket (CUDA only)")
+    gemv: str = flag("auto", "batch-1 projections by the Triton GEMV (CUDA): auto times it against cuBLAS at start "
+                     "and keeps it where >= 5%% faster (two servers may pick differently, and then differ in the "
+                     "last bits); on: every projection; off: cuBLAS only. Servers whose outputs must agree: give "
+                     "each the same on or off (--deterministic: off)", choices=GEMV_CHOICES)
     prefill_chunk: int = flag(-1, "colocated/recompute prefill: tokens per chunk between decode steps (0: whole; "
                               "-1: --mixed-prefill steps of up to 512 rows on CUDA, whole on CPU)")
     mixed_prefill: bool | None = flag(None, "prompt chunks ride in the decode steps' forward (Sarathi-style piggybacking) "

@@ -159,7 +159,7 @@ def plan_engine(config, loaded, receive_slots: int):
     else:
         plan = plan_pool(g.bytes_per_token, context, config.max_batch, config.max_seq_len, config.kv_pool_gib,
                          config.gpu_memory_utilization, memory, workspace, cap)
-    options = EngineOptions(max_batch=plan.slots, max_seq_len=plan.max_seq, cuda_graphs=config.cuda_graphs,
+    options = EngineOptions(max_batch=plan.slots, max_seq_len=plan.max_seq, cuda_graphs=config.cuda_graphs, gemv=config.gemv,
                             prefill_chunk=chunk, mixed_prefill=mixed, mixed_max_rows=config.mixed_max_rows,
                             fail_scheduler_after_steps=config.fail_scheduler_after_steps,
                             prefix_cache=config.prefix_cache, host_cache_gib=config.host_cache_gib,

@@ -74,8 +74,12 @@ def _timed(addr: str, ids, cfg: TtftConfig, mode: str) -> list[dict]:
 
 def engine_args(cfg: TtftConfig) -> list[str]:
     """The decode server's KV pool sized for these prompts: 2 slots of the longest prompt + its tokens; whole-prompt
-    prefill (--exact): the colocated TTFT is one prefill, and the verification compares bit for bit."""
-    return ["--max-batch", "2", "--max-seq-len", str(max(cfg.lengths) + cfg.decode_tokens), "--exact"]
+    prefill (--exact): the colocated TTFT is one prefill, and the verification compares bit for bit. `--gemv off`:
+    the timed pass's colocated and disaggregated decode servers run the same batch-1 kernels, so their tokens can
+    be compared (`auto` times them at each start and may pick differently in each; the first token, and so TTFT,
+    comes from the prefill either way)."""
+    return ["--max-batch", "2", "--max-seq-len", str(max(cfg.lengths) + cfg.decode_tokens), "--exact",
+            "--gemv", "off"]
 
 
 def verify_pass(cfg: TtftConfig, prompts: dict[int, list[int]], step: Step) -> dict:

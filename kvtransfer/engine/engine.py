@@ -26,7 +26,7 @@ from kvtransfer.engine.mixed import MixedPrefill
 from kvtransfer.engine.pool import KVPool, Lease
 from kvtransfer.engine.prefix_cache import PrefixCache
 from kvtransfer.engine.reload_rule import measure
-from kvtransfer.engine.runner import StepRunner
+from kvtransfer.engine.runner import GEMV_CHOICES, StepRunner
 from kvtransfer.engine.sampler import SamplingParams, first_token
 from kvtransfer.engine.scheduler import Job, Scheduler
 from kvtransfer.engine.sequence import LocalPrefill
@@ -62,6 +62,7 @@ class EngineOptions:
     max_batch: int = 16  # pool slots = sequences decoded together
     max_seq_len: int = 4096  # tokens per slot (prompt + generated)
     cuda_graphs: bool = True  # capture the step per bucketed batch size (CUDA only)
+    gemv: str = "auto"  # batch-1 Triton GEMV per projection: auto (timed at start), on, off (runner.py)
     prefill_chunk: int = 0  # local prefill: tokens per piece between decode steps (0: the whole prompt at once)
     mixed_prefill: bool = False  # prompt chunks ride in the decode steps' forward (mixed.py); prefill_chunk is then
     # the rows of such a step, decode rows included (>= 2 x max_batch, check_options)
@@ -78,6 +79,8 @@ class EngineOptions:
         if self.kv_block_tokens < 0 or self.kv_blocks < 0 or (self.kv_blocks and not self.kv_block_tokens):
             raise ValueError("--kv-block-tokens and the pool's block count must be >= 0; a block count needs "
                              "--kv-block-tokens")
+        if self.gemv not in GEMV_CHOICES:
+            raise ValueError(f"--gemv {self.gemv!r}: choose one of {', '.join(GEMV_CHOICES)}")
         if self.max_batch < 1 or self.prefill_chunk < 0:
             raise ValueError(f"engine options not resolved: max_batch {self.max_batch}, prefill_chunk "
                              f"{self.prefill_chunk} (decode_server/sizing.py chooses them)")
@@ -91,7 +94,7 @@ class DecodeEngine:
         self.m, self.options = loaded, options
         self.pool = KVPool(loaded.geometry, loaded.device, options.max_batch, options.max_seq_len,
                            options.kv_block_tokens, options.kv_blocks)
-        self.runner = StepRunner(loaded.model, self.pool)
+        self.runner = StepRunner(loaded.model, self.pool, gemv=options.gemv)
         self.step = Step(self.runner, options.max_batch, options.cuda_graphs,
                          options.prefill_chunk if options.mixed_prefill else 0, options.mixed_max_rows)
         self.scheduler = Scheduler(self.step, loaded.device, on_step, on_fatal, options.fail_scheduler_after_steps)

@@ -28,8 +28,12 @@ __all__ = ["StepRunner", "UnsupportedModel", "check_supported", "pick_gemv"]
 log = logging.getLogger("kvtransfer.decode.runner")
 
 
+GEMV_CHOICES = ("auto", "on", "off")  # --gemv: timed at start, every projection, none
+
+
 class StepRunner:
-    def __init__(self, model, pool: KVPool, use_triton: bool | None = None, gemv_rows: int | None = None):
+    def __init__(self, model, pool: KVPool, use_triton: bool | None = None, gemv_rows: int | None = None,
+                 gemv: str = "auto"):
         cfg = model.config
         check_supported(cfg, pool.max_seq)
         self.pool, self.device = pool, pool.device
@@ -46,11 +50,22 @@ class StepRunner:
             pos = torch.arange(pool.max_seq, device=self.device).unsqueeze(0)  # (1, max_seq)
             cos, sin = inner.rotary_emb(torch.empty(0, dtype=dtype, device=self.device), pos)
         self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()  # (max_seq, D)
-        # gemv_rows 0: cuBLAS at every batch. Deterministic mode never lets a timing pick a kernel: two processes
-        # (colocated and a pair's decode side) must run the same kernels to give the same bits.
+        # gemv_rows 0 or gemv "off": cuBLAS at every batch; "on": the GEMV for every projection up to gemv_rows;
+        # "auto": where it beats cuBLAS at start. A timing is noisy near the margin, so two processes may pick
+        # differently (gate_up, o and lm_head flipped between starts of the same server on one H100) and then give
+        # other bits; deterministic mode never lets a timing pick a kernel: two processes (colocated and a pair's
+        # decode side) must run the same kernels to give the same bits.
+        if gemv not in GEMV_CHOICES:
+            raise ValueError(f"--gemv {gemv!r}: choose one of {', '.join(GEMV_CHOICES)}")
         rows = kernels.GEMV_MAX_ROWS if gemv_rows is None else gemv_rows
-        timed = rows and self.use_triton and not torch.are_deterministic_algorithms_enabled()
-        self.gemv_rows = pick_gemv(self, rows) if timed else dict.fromkeys(PROJECTIONS, 0)
+        if not (rows and self.use_triton) or gemv == "off":
+            self.gemv_rows = dict.fromkeys(PROJECTIONS, 0)
+        elif gemv == "on":
+            self.gemv_rows = dict.fromkeys(PROJECTIONS, rows)
+        elif torch.are_deterministic_algorithms_enabled():
+            self.gemv_rows = dict.fromkeys(PROJECTIONS, 0)
+        else:
+            self.gemv_rows = pick_gemv(self, rows)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
