@@ -137,6 +137,13 @@ def plan_engine(config, loaded, receive_slots: int):
     cuda = loaded.device.type == "cuda"
     if config.exact:
         chunk, mixed, prefill_why = 0, False, "whole prompts (--exact)"
+    elif config.batch_invariant:  # the prompt's rows in the steps, each as a decode row (runner.py)
+        from kvtransfer.kernels.ops import INVARIANT_ATTENTION
+        if cuda and not INVARIANT_ATTENTION:
+            raise ValueError("--batch-invariant runs on CPU only for now: the Triton decode attention has no fixed "
+                             "split size yet (docs/batch-invariance.md); drop it, or --device cpu")
+        chunk, mixed = config.prefill_chunk if config.prefill_chunk > 0 else FAST_PREFILL_CHUNK, True
+        prefill_why = f"in the decode steps, up to {chunk} rows each, every row as a decode row (--batch-invariant)"
     else:
         auto_chunk = config.prefill_chunk < 0
         chunk = (FAST_PREFILL_CHUNK if cuda or config.mixed_prefill else 0) if auto_chunk else config.prefill_chunk
@@ -159,7 +166,8 @@ def plan_engine(config, loaded, receive_slots: int):
     else:
         plan = plan_pool(g.bytes_per_token, context, config.max_batch, config.max_seq_len, config.kv_pool_gib,
                          config.gpu_memory_utilization, memory, workspace, cap)
-    options = EngineOptions(max_batch=plan.slots, max_seq_len=plan.max_seq, cuda_graphs=config.cuda_graphs, gemv=config.gemv,
+    options = EngineOptions(max_batch=plan.slots, max_seq_len=plan.max_seq, cuda_graphs=config.cuda_graphs,
+                            gemv=config.gemv, batch_invariant=config.batch_invariant,
                             prefill_chunk=chunk, mixed_prefill=mixed, mixed_max_rows=config.mixed_max_rows,
                             fail_scheduler_after_steps=config.fail_scheduler_after_steps,
                             prefix_cache=config.prefix_cache, host_cache_gib=config.host_cache_gib,

@@ -63,6 +63,7 @@ class EngineOptions:
     max_seq_len: int = 4096  # tokens per slot (prompt + generated)
     cuda_graphs: bool = True  # capture the step per bucketed batch size (CUDA only)
     gemv: str = "auto"  # batch-1 Triton GEMV per projection: auto (timed at start), on, off (runner.py)
+    batch_invariant: bool = False  # a row's logits the same bits in any batch (runner.py; needs mixed_prefill)
     prefill_chunk: int = 0  # local prefill: tokens per piece between decode steps (0: the whole prompt at once)
     mixed_prefill: bool = False  # prompt chunks ride in the decode steps' forward (mixed.py); prefill_chunk is then
     # the rows of such a step, decode rows included (>= 2 x max_batch, check_options)
@@ -79,6 +80,9 @@ class EngineOptions:
         if self.kv_block_tokens < 0 or self.kv_blocks < 0 or (self.kv_blocks and not self.kv_block_tokens):
             raise ValueError("--kv-block-tokens and the pool's block count must be >= 0; a block count needs "
                              "--kv-block-tokens")
+        if self.batch_invariant and not self.mixed_prefill:
+            raise ValueError("--batch-invariant prefills through the decode step (--mixed-prefill with a "
+                             "--prefill-chunk): drop --no-mixed-prefill")
         if self.gemv not in GEMV_CHOICES:
             raise ValueError(f"--gemv {self.gemv!r}: choose one of {', '.join(GEMV_CHOICES)}")
         if self.max_batch < 1 or self.prefill_chunk < 0:
@@ -94,7 +98,7 @@ class DecodeEngine:
         self.m, self.options = loaded, options
         self.pool = KVPool(loaded.geometry, loaded.device, options.max_batch, options.max_seq_len,
                            options.kv_block_tokens, options.kv_blocks)
-        self.runner = StepRunner(loaded.model, self.pool, gemv=options.gemv)
+        self.runner = StepRunner(loaded.model, self.pool, gemv=options.gemv, invariant=options.batch_invariant)
         self.step = Step(self.runner, options.max_batch, options.cuda_graphs,
                          options.prefill_chunk if options.mixed_prefill else 0, options.mixed_max_rows)
         self.scheduler = Scheduler(self.step, loaded.device, on_step, on_fatal, options.fail_scheduler_after_steps)
@@ -107,8 +111,9 @@ class DecodeEngine:
             log.info("prefix cache: host tier %s", self.cache.speeds.describe())
         eos = getattr(loaded.model.config, "eos_token_id", None)
         self.eos = frozenset([eos] if isinstance(eos, int) else (eos or []))
-        log.info("decode engine: batch <= %d, %d tokens per slot, step %s%s", options.max_batch, options.max_seq_len,
-                 "Triton kernels" if self.runner.use_triton else "torch reference ops",
+        log.info("decode engine: batch <= %d, %d tokens per slot, step %s%s%s", options.max_batch,
+                 options.max_seq_len, "Triton kernels" if self.runner.use_triton else "torch reference ops",
+                 " (batch-invariant: a row's logits the same bits in any batch)" if options.batch_invariant else "",
                  f", CUDA graphs for batch {','.join(map(str, self.step.buckets))}" if self.step.graphs else ", eager")
 
     def prefill_job(self, token_ids: list[int], lease: Lease, want_digest: bool,
@@ -152,9 +157,11 @@ class DecodeEngine:
         """Future -> LocalPrefill, run on the device thread between decode steps; with --mixed-prefill, in them
         (one chunk per step), unless the prompt fits one chunk and nothing decodes: then exactly the prefill
         worker's forward, so a request alone stays bit-identical to a disaggregated one. `sampling` chooses the
-        first token (None: greedy). `start`: prompt tokens already in the slot (a reused prefix)."""
+        first token (None: greedy). `start`: prompt tokens already in the slot (a reused prefix). Batch-invariant:
+        always in the steps, whose every row attends as a decode row (the whole-prompt forward sums otherwise)."""
         o = self.options
-        if o.mixed_prefill and (start or len(token_ids) > o.prefill_chunk or self.scheduler.active()):
+        if o.mixed_prefill and (o.batch_invariant or start or len(token_ids) > o.prefill_chunk
+                                or self.scheduler.active()):
             ids = torch.tensor(token_ids, dtype=torch.long).to(self.m.device)  # (n,)
             return self.scheduler.submit_mixed(MixedPrefill(ids, lease, want_digest, sampling=sampling, start=start))
         return self.scheduler.submit(self.prefill_job(token_ids, lease, want_digest, sampling, start))

@@ -33,8 +33,12 @@ GEMV_CHOICES = ("auto", "on", "off")  # --gemv: timed at start, every projection
 
 class StepRunner:
     def __init__(self, model, pool: KVPool, use_triton: bool | None = None, gemv_rows: int | None = None,
-                 gemv: str = "auto"):
+                 gemv: str = "auto", invariant: bool = False):
+        """invariant: the batch-invariant step (--batch-invariant, docs/batch-invariance.md): every projection and
+        the lm_head by ops.invariant_linear, every row (prompt rows too) attending as a decode row, no GEMV pick,
+        so a row's logits are the same bits whatever else the step carries."""
         cfg = model.config
+        self.invariant = invariant
         check_supported(cfg, pool.max_seq)
         self.pool, self.device = pool, pool.device
         self.use_triton = kernels.triton_available(self.device) if use_triton is None else use_triton
@@ -58,7 +62,10 @@ class StepRunner:
         if gemv not in GEMV_CHOICES:
             raise ValueError(f"--gemv {gemv!r}: choose one of {', '.join(GEMV_CHOICES)}")
         rows = kernels.GEMV_MAX_ROWS if gemv_rows is None else gemv_rows
-        if not (rows and self.use_triton) or gemv == "off":
+        if invariant and self.use_triton and not kernels.INVARIANT_ATTENTION:
+            raise ValueError("--batch-invariant needs the decode attention with a fixed split size on CUDA, which "
+                             "this build lacks: run it on CPU, or drop --batch-invariant")
+        if not (rows and self.use_triton) or gemv == "off" or invariant:
             self.gemv_rows = dict.fromkeys(PROJECTIONS, 0)
         elif gemv == "on":
             self.gemv_rows = dict.fromkeys(PROJECTIONS, rows)
@@ -88,6 +95,9 @@ class StepRunner:
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             kp, vp = self.pool.layer(i)  # (blocks + 1, Hkv, page, D) each
             q = ops.rope_store(q, k, v, cos, sin, kp, vp, slots, positions, use_triton=tri, block_table=table)
+            if self.invariant:  # every row, a prompt chunk's too, as a decode row of length position + 1
+                return ops.decode_attention(q, kp, vp, slots, lengths, self.scale, use_triton=tri, block_table=table,
+                                            **kernels.INVARIANT_ATTENTION)  # (B, Hq, D)
             if chunks is None:
                 return ops.decode_attention(q, kp, vp, slots, lengths, self.scale, use_triton=tri,
                                             block_table=table)  # (B, Hq, D)
@@ -100,6 +110,9 @@ class StepRunner:
             return o
 
         def project(name: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            if self.invariant:
+                y = ops.invariant_linear(x, w, bias, use_triton=tri)  # (B, N)
+                return ops.silu_mul(y, use_triton=tri) if name == "gate_up" else y  # (B, I) or (B, N)
             if name == "gate_up":
                 return ops.gate_up_silu(x, w, use_triton=tri, max_rows=rows[name])  # (B, I)
             return ops.linear(x, w, bias, use_triton=tri, max_rows=rows[name])
@@ -109,6 +122,8 @@ class StepRunner:
         if keep is not None:
             h, residual = h[keep], residual[keep]  # (K, H)
         x, _ = ops.add_rms_norm(h, residual, self.norm, self.eps, use_triton=tri)
+        if self.invariant:
+            return ops.invariant_linear(x, self.lm_head, use_triton=tri)  # (B or K, vocab)
         return ops.linear(x, self.lm_head, use_triton=tri, max_rows=rows["lm_head"])  # (B or K, vocab)
 
 

@@ -252,6 +252,11 @@ def silu_mul(gate_up: torch.Tensor, *, use_triton: bool | None = None) -> torch.
 
 
 
+# The decode attention's arguments in the batch-invariant mode (kvtransfer/engine/runner.py): a split size fixed for
+# every row whatever the batch. Empty (the torch reference, per row already, needs none) until the Triton kernel
+# has one; the runner refuses the mode on CUDA while it is empty.
+INVARIANT_ATTENTION: dict = {}
+
 GEMV_MAX_ROWS = 1  # Triton GEMV for batch 1 only; cuBLAS above (bench/results/probe-h200-2026-12-01)
 
 

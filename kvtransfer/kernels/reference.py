@@ -159,8 +159,15 @@ def add_rms_norm_ref(
 
 def invariant_linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """What the batch-invariant GEMM computes: x (M, K) @ w (N, K)^T (+ bias) summed in fp32, rounded once to x's
-    dtype -> (M, N). Its values only: torch's own sum order is free to change with M (docs/batch-invariance.md)."""
-    return F.linear(x.float(), w.float(), None if bias is None else bias.float()).to(x.dtype)
+    dtype -> (M, N). Row by row (one (1, K) @ (K, N) call each): torch's CPU GEMM takes another kernel, and another
+    sum order, for one row than for several (a row's bits moved with M), so each row gets the one-row call whatever
+    M is, and is the same bits alone or in any batch (the engine's --batch-invariant on CPU). The Triton kernel
+    sums in its own fixed order: this gives its values, not its bits (docs/batch-invariance.md)."""
+    wf, bf = w.float(), None if bias is None else bias.float()
+    out = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)  # (M, N)
+    for i in range(x.shape[0]):
+        out[i] = F.linear(x[i:i + 1].float(), wf, bf)[0].to(x.dtype)
+    return out
 
 
 def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:

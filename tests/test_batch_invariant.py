@@ -1,0 +1,90 @@
+"""`--batch-invariant` (issue #40) in real colocated servers on CPU (tiny preset): a request's tokens and every
+step's logits digest are the same bits whatever runs beside it.
+
+What is claimed (and tested here), for one request, greedy and seeded:
+- alone, beside 7 and beside 63 random neighbours (sent at once with it, so the steps it rides in have other
+  sizes and members, prompt chunks of others among them);
+- its prompt cut into steps of 32 rows or taken in one step (--prefill-chunk 512, another server);
+- its prompt's context found in the prefix cache, or not (skip_prefix_cache);
+all give the same tokens and the same logits digests. The same neighbours change the digests on a server without
+the mode (the control: the comparisons see a changed sum order; torch's CPU GEMM sums one row otherwise than
+several). Disaggregated and GPU are not in the mode yet (docs/batch-invariance.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from decode_server.client import generate, sampling_message
+from decode_server.config import DecodeConfig
+from kvtransfer.model.prefill import random_prompt
+from support.servers import colocated_server
+
+VOCAB, NEW = 512, 12
+ROWS = ["--max-batch", "16"]
+TARGET = random_prompt(VOCAB, 150, seed=40).view(-1).tolist()
+
+
+@pytest.fixture(scope="module")
+def chunked(tmp_path_factory):
+    with colocated_server(tmp_path_factory.mktemp("bi32"), args=["--batch-invariant", "--prefill-chunk", "32", *ROWS],
+                          prefix_cache=True) as run:
+        yield run
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory):
+    with colocated_server(tmp_path_factory.mktemp("bi512"), args=["--batch-invariant", "--prefill-chunk", "512",
+                                                                  *ROWS]) as run:
+        yield run
+
+
+def neighbours(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [random_prompt(VOCAB, rng.randint(5, 300), seed=seed * 1000 + i).view(-1).tolist() for i in range(n)]
+
+
+async def beside(addr: str, n: int, seed: int, sampling=None, skip: bool = True) -> dict:
+    """The target sent with n neighbours at once (itself in the middle of them); its record."""
+    others = neighbours(n, seed)
+    calls = [generate(addr, ids, NEW + i % 9, "colocated", timeout=300) for i, ids in enumerate(others)]
+    target = generate(addr, TARGET, NEW, "colocated", digest=True, timeout=300, sampling=sampling,
+                      skip_prefix_cache=skip)
+    results = await asyncio.gather(*calls[:n // 2], target, *calls[n // 2:])
+    return results[n // 2]
+
+
+def key(r: dict) -> tuple:
+    assert len(r["tokens"]) == NEW and all(r["logits_digests"])
+    return r["tokens"], r["logits_digests"]
+
+
+@pytest.mark.parametrize("seed", [None, 1234], ids=["greedy", "seeded"])
+def test_a_request_is_the_same_bits_beside_any_neighbours_chunked_or_whole_cached_or_not(chunked, whole, seed):
+    sampling = sampling_message(1.0, 0.9, 0, seed) if seed is not None else None
+    alone = key(asyncio.run(beside(chunked.addr, 0, 1, sampling)))
+    assert key(asyncio.run(beside(chunked.addr, 7, 2, sampling))) == alone
+    assert key(asyncio.run(beside(chunked.addr, 63, 3, sampling))) == alone
+    assert key(asyncio.run(beside(whole.addr, 0, 1, sampling))) == alone  # one step for the whole prompt
+    assert key(asyncio.run(beside(whole.addr, 7, 4, sampling))) == alone
+    asyncio.run(beside(chunked.addr, 0, 1, sampling, skip=False))  # the prompt's context cached
+    hit = asyncio.run(beside(chunked.addr, 3, 5, sampling, skip=False))
+    assert hit["timing"]["reused_tokens"] > 0 and key(hit) == alone
+
+
+def test_without_the_mode_the_same_neighbours_change_the_bits(tmp_path):
+    """The control: the comparisons above would see a changed order."""
+    with colocated_server(tmp_path, args=["--mixed-prefill", "--prefill-chunk", "32", *ROWS]) as plain:
+        alone = key(asyncio.run(beside(plain.addr, 0, 1)))
+        crowded = [key(asyncio.run(beside(plain.addr, n, s))) for n, s in ((7, 2), (63, 3))]
+    assert any(c[1] != alone[1] for c in crowded)
+
+
+def test_the_mode_is_colocated_and_prefills_in_the_steps():
+    for bad in ({}, {"colocated": True, "exact": True}, {"colocated": True, "mixed_prefill": False}):
+        with pytest.raises(ValueError, match="--batch-invariant"):
+            DecodeConfig(batch_invariant=True, **bad)
+    assert DecodeConfig(batch_invariant=True, colocated=True).batch_invariant
