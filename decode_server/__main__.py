@@ -49,7 +49,8 @@ async def serve(config: DecodeConfig) -> None:
     peers, health = None, new_health()
     if backend is not None:
         peers = PrefillPeers(config, health, metrics)
-        compat = local_compat(loaded.spec, loaded.model, loaded.geometry, config.deterministic)
+        compat = local_compat(loaded.spec, loaded.model, loaded.geometry, config.deterministic,
+                              config.batch_invariant)
         for addr, init in zip(config.prefill_addrs, config.dist_inits):
             channel = peer.channel(addr, options=peer_channel_options(config.max_message_bytes,
                                                                       config.peer_keepalive_s))

@@ -79,7 +79,8 @@ class DecodeConfig:
     batch_invariant: bool = flag(False, "a request's logits the same bits whatever runs beside it, however its "
                                  "prompt is cut into steps, cached or not: every projection by a batch-invariant "
                                  "GEMM, every prompt row attending as a decode row, prompts prefilled in the steps "
-                                 "(docs/batch-invariance.md). Colocated only, CPU only for now")
+                                 "(docs/batch-invariance.md); a prefill worker must run it too (handshake). CPU "
+                                 "only for now")
     mixed_max_rows: int = flag(0, "with --mixed-prefill: also capture steps of 2, 4 .. x --prefill-chunk rows, up to "
                                "this; a step takes the largest size that the prompt tokens waiting fill (drains a "
                                "burst of prompts in fewer steps; those steps' ITL grows). 0: --prefill-chunk only")
@@ -156,10 +157,9 @@ class DecodeConfig:
             raise ValueError("--prefill-chunk must be >= 0 (0: prefill in one piece), or -1 for the device's default")
         if self.exact and (self.prefill_chunk > 0 or self.mixed_prefill):
             raise ValueError("--exact prefills whole prompts: drop --prefill-chunk/--mixed-prefill, or drop --exact")
-        if self.batch_invariant and (self.exact or self.mixed_prefill is False or not self.colocated):
-            raise ValueError("--batch-invariant prefills prompts in the decode steps on this server: it needs "
-                             "--colocated (the prefill worker has no batch-invariant prefill yet) and neither --exact "
-                             "nor --no-mixed-prefill")
+        if self.batch_invariant and (self.exact or self.mixed_prefill is False):
+            raise ValueError("--batch-invariant prefills prompts in the decode steps on this server: drop --exact "
+                             "and --no-mixed-prefill")
         if self.fail_scheduler_after_steps < -1:
             raise ValueError("--fail-scheduler-after-steps must be >= 0, or -1 (off)")
         check_options(max_batch=self.max_batch, prefill_chunk=self.prefill_chunk, mixed_prefill=self.mixed_prefill,

@@ -38,7 +38,15 @@ async def serve(config: PrefillConfig) -> None:
 
     fault = (StallFault(config.fail_after_layers, config.fail_stall_s, config.fail_requests)
              if config.fail_after_layers >= 0 else None)
-    worker = PrefillWorker(loaded, config.send_timeout_s, fault)
+    invariant = None
+    if config.batch_invariant:
+        from kvtransfer.engine.invariant_prefill import InvariantPrefill
+        from kvtransfer.kernels.ops import INVARIANT_ATTENTION
+        if device.type == "cuda" and not INVARIANT_ATTENTION:
+            raise ValueError("--batch-invariant runs on CPU only for now: the Triton decode attention has no fixed "
+                             "split size yet (docs/batch-invariance.md); drop it, or --device cpu")
+        invariant = InvariantPrefill(loaded, config.max_prompt_tokens)
+    worker = PrefillWorker(loaded, config.send_timeout_s, fault, invariant)
     store = None
     if backend.rendezvous is registry.Rendezvous.PROCESS_GROUP:  # one store for the process's lifetime
         from kvtransfer.transport.rendezvous import open_store
@@ -48,8 +56,8 @@ async def serve(config: PrefillConfig) -> None:
             raise ValueError(f"cannot host the rendezvous store at --dist-init {config.dist_init}: {e}") from None
         log.info("model loaded on %s; rendezvous store at %s, waiting for the decode peer (%s)", device,
                  config.dist_init, backend.name)
-    service = PrefillService(config, worker, local_compat(loaded.spec, loaded.model, loaded.geometry,
-                                                          config.deterministic), backend, connect, metrics, store)
+    compat = local_compat(loaded.spec, loaded.model, loaded.geometry, config.deterministic, config.batch_invariant)
+    service = PrefillService(config, worker, compat, backend, connect, metrics, store)
     server, port = await create_server(config, service, token=token)
     await server.start()
     await service.pairing.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)  # SERVING once paired

@@ -35,8 +35,11 @@ class PrefillResult:
 
 
 class PrefillWorker:
-    def __init__(self, loaded: LoadedModel, send_timeout_s: float = 60.0, fault=None):
+    def __init__(self, loaded: LoadedModel, send_timeout_s: float = 60.0, fault=None, invariant=None):
+        """`invariant`: kvtransfer.engine.invariant_prefill.InvariantPrefill (--batch-invariant): the prompt runs
+        through it, and its layers go out once all are made (layer-wise too)."""
         self.m = loaded
+        self.invariant = invariant
         self.send_timeout_s = send_timeout_s
         self.fault = fault  # faults.StallFault, for the fault tests
         self.sending_bytes = 0  # the cache being sent (held until the transfer ends)
@@ -61,13 +64,16 @@ class PrefillWorker:
         try:
             sync(self.m.device)
             t0 = time.perf_counter()
-            if mode == "layerwise":
+            if self.invariant is not None:
+                layers, logits = self.invariant.run(ids)  # per layer (k, v): (1, kv_heads, n, head_dim)
+            elif mode == "layerwise":
                 cache, logits = prefill(self.m.model, ids, on_layer=send)
             else:
                 cache, logits = prefill(self.m.model, ids)
+                layers = cache_layers(cache)
             first = first_token(logits, sampling, len(token_ids))
-            if mode == "bulk":
-                for i, (k, v) in enumerate(cache_layers(cache)):
+            if mode == "bulk" or self.invariant is not None:
+                for i, (k, v) in enumerate(layers):
                     send(i, k, v)
             token = int(first)  # host waits for the compute stream: prefill is done
             t_prefill = time.perf_counter()

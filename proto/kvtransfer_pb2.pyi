@@ -192,7 +192,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., index: _Optional[int] = ..., logits_digest: _Optional[str] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., cache_digest: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ...) -> None: ...
 
 class Compat(_message.Message):
-    __slots__ = ("model", "dtype", "weights_fingerprint", "geometry_digest", "num_layers", "kv_heads", "head_dim", "layout", "protocol_version", "deterministic")
+    __slots__ = ("model", "dtype", "weights_fingerprint", "geometry_digest", "num_layers", "kv_heads", "head_dim", "layout", "protocol_version", "deterministic", "batch_invariant")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -203,6 +203,7 @@ class Compat(_message.Message):
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     DETERMINISTIC_FIELD_NUMBER: _ClassVar[int]
+    BATCH_INVARIANT_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: str
     weights_fingerprint: str
@@ -213,7 +214,8 @@ class Compat(_message.Message):
     layout: str
     protocol_version: int
     deterministic: bool
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., weights_fingerprint: _Optional[str] = ..., geometry_digest: _Optional[str] = ..., num_layers: _Optional[int] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., layout: _Optional[str] = ..., protocol_version: _Optional[int] = ..., deterministic: _Optional[bool] = ...) -> None: ...
+    batch_invariant: bool
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., weights_fingerprint: _Optional[str] = ..., geometry_digest: _Optional[str] = ..., num_layers: _Optional[int] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., layout: _Optional[str] = ..., protocol_version: _Optional[int] = ..., deterministic: _Optional[bool] = ..., batch_invariant: _Optional[bool] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
     __slots__ = ("compat", "transport", "max_receive_bytes", "data_address", "instance_id")

@@ -6,9 +6,12 @@ What is claimed (and tested here), for one request, greedy and seeded:
   sizes and members, prompt chunks of others among them);
 - its prompt cut into steps of 32 rows or taken in one step (--prefill-chunk 512, another server);
 - its prompt's context found in the prefix cache, or not (skip_prefix_cache);
+- colocated, or disaggregated (a pair both of whose workers run the mode; layer-wise and bulk): the prefill worker
+  runs the decode step's invariant rows (kvtransfer/engine/invariant_prefill.py);
 all give the same tokens and the same logits digests. The same neighbours change the digests on a server without
 the mode (the control: the comparisons see a changed sum order; torch's CPU GEMM sums one row otherwise than
-several). Disaggregated and GPU are not in the mode yet (docs/batch-invariance.md).
+several). A pair whose workers disagree on the mode is refused at the handshake. GPU: not in the mode yet
+(docs/batch-invariance.md).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import pytest
 from decode_server.client import generate, sampling_message
 from decode_server.config import DecodeConfig
 from kvtransfer.model.prefill import random_prompt
-from support.servers import colocated_server
+from support.servers import colocated_server, server_pair
 
 VOCAB, NEW = 512, 12
 ROWS = ["--max-batch", "16"]
@@ -47,11 +50,11 @@ def neighbours(n: int, seed: int) -> list[list[int]]:
     return [random_prompt(VOCAB, rng.randint(5, 300), seed=seed * 1000 + i).view(-1).tolist() for i in range(n)]
 
 
-async def beside(addr: str, n: int, seed: int, sampling=None, skip: bool = True) -> dict:
-    """The target sent with n neighbours at once (itself in the middle of them); its record."""
+async def beside(addr: str, n: int, seed: int, sampling=None, skip: bool = True, mode: str = "colocated") -> dict:
+    """The target sent with n neighbours at once (itself in the middle of them, in `mode`); its record."""
     others = neighbours(n, seed)
-    calls = [generate(addr, ids, NEW + i % 9, "colocated", timeout=300) for i, ids in enumerate(others)]
-    target = generate(addr, TARGET, NEW, "colocated", digest=True, timeout=300, sampling=sampling,
+    calls = [generate(addr, ids, NEW + i % 9, "auto", timeout=300) for i, ids in enumerate(others)]
+    target = generate(addr, TARGET, NEW, mode, digest=True, timeout=300, sampling=sampling,
                       skip_prefix_cache=skip)
     results = await asyncio.gather(*calls[:n // 2], target, *calls[n // 2:])
     return results[n // 2]
@@ -83,8 +86,31 @@ def test_without_the_mode_the_same_neighbours_change_the_bits(tmp_path):
     assert any(c[1] != alone[1] for c in crowded)
 
 
-def test_the_mode_is_colocated_and_prefills_in_the_steps():
-    for bad in ({}, {"colocated": True, "exact": True}, {"colocated": True, "mixed_prefill": False}):
+@pytest.mark.parametrize("seed", [None, 1234], ids=["greedy", "seeded"])
+def test_a_pair_in_the_mode_gives_the_colocated_bits(chunked, tmp_path, seed):
+    sampling = sampling_message(1.0, 0.9, 0, seed) if seed is not None else None
+    alone = key(asyncio.run(beside(chunked.addr, 0, 1, sampling)))
+    with server_pair(tmp_path, prefill_args=["--batch-invariant"],
+                     decode_args=["--batch-invariant", "--prefill-chunk", "32", *ROWS]) as pair:
+        for mode in ("layerwise", "bulk"):
+            got = asyncio.run(beside(pair.addr, 0, 1, sampling, mode=mode))
+            assert got["timing"]["mode"] == mode and key(got) == alone
+        assert key(asyncio.run(beside(pair.addr, 7, 2, sampling, mode="bulk"))) == alone
+
+
+def test_a_pair_that_disagrees_on_the_mode_is_refused(tmp_path):
+    with server_pair(tmp_path, decode_args=["--batch-invariant", "--prefill-chunk", "32", *ROWS],
+                     wait=False) as run:
+        decode = run.procs[1]
+        decode.wait(timeout=120)
+        assert decode.returncode != 0
+        text = run.log_text()
+        assert "batch_invariant" in text and "--batch-invariant on both or neither" in text
+
+
+def test_the_mode_prefills_in_the_steps():
+    for bad in ({"exact": True}, {"mixed_prefill": False}):
         with pytest.raises(ValueError, match="--batch-invariant"):
-            DecodeConfig(batch_invariant=True, **bad)
+            DecodeConfig(batch_invariant=True, colocated=True, **bad)
     assert DecodeConfig(batch_invariant=True, colocated=True).batch_invariant
+    assert DecodeConfig(batch_invariant=True).batch_invariant

@@ -23,8 +23,9 @@ PROTOCOL_VERSION = 2  # 2: PrefillRequest.sampling (a worker of 1 would choose a
 LAYOUT = "l2bhsd"  # (layers, K|V, batch, kv_heads, seq, head_dim), K and V of a layer adjacent
 
 
-def local_compat(spec: ModelSpec, model, geometry: CacheGeometry, deterministic: bool) -> pb.Compat:
-    return pb.Compat(
+def local_compat(spec: ModelSpec, model, geometry: CacheGeometry, deterministic: bool,
+                 batch_invariant: bool = False) -> pb.Compat:
+    return pb.Compat(batch_invariant=batch_invariant,
         model=os.path.basename(os.path.normpath(spec.name)), dtype=str(geometry.dtype).removeprefix("torch."),
         weights_fingerprint=weights_fingerprint(model), geometry_digest=geometry.digest(),
         num_layers=geometry.num_layers, kv_heads=geometry.kv_heads, head_dim=geometry.head_dim,
@@ -36,14 +37,15 @@ def mismatch(mine: pb.Compat, theirs: pb.Compat, here: str = "here", peer: str =
     to fix it."""
     problems = []
     for field in ("protocol_version", "layout", "dtype", "num_layers", "kv_heads", "head_dim",
-                  "geometry_digest", "model", "weights_fingerprint"):
+                  "geometry_digest", "model", "weights_fingerprint", "batch_invariant"):
         a, b = getattr(mine, field), getattr(theirs, field)
         if a != b:
             problems.append(f"{field}: {here} {a!r}, {peer} {b!r}")
     if not problems:
         return None
     return (f"{peer} is incompatible (" + "; ".join(problems) + "). Start both workers with the same "
-            "--model, --dtype and --seed (or the same local model directory) and the same kvtransfer version.")
+            "--model, --dtype and --seed (or the same local model directory), --batch-invariant on both or "
+            "neither, and the same kvtransfer version.")
 
 
 # One difference as a worker words it with the default labels: `field: here VALUE, peer VALUE` (VALUE a repr:
