@@ -257,3 +257,34 @@ def test_a_resumed_request_goes_ahead_of_a_woken_head_which_waits_its_turn():
     assert not loop.is_alive(), "the event loop never came back: a waiter spins in it"
     if errors:
         raise errors[0]
+
+
+def test_a_resumed_request_is_never_refused_for_the_queues_length_or_admission_wait_s():
+    """Guards the exemptions of a preempted request coming back (`resumed`): it was admitted once, so neither
+    --max-waiting (a full queue, or 0) nor --admission-wait-s refuses it; only its deadline ends its wait. Refused,
+    its client would get RESOURCE_EXHAUSTED in the middle of an answer it had been streaming. A new arrival in the
+    same queue is still refused."""
+    pool = pool_of(1)
+
+    async def scenario():
+        q = AdmissionQueue(pool, max_waiting=1, wait_s=0.05)
+        held = pool.try_lease()
+        (waiter,) = await queued(q, 1)  # the queue is full: a new arrival is refused
+        with pytest.raises(RequestError):
+            await asyncio.wait_for(q.acquire(far()), GUARD_S)
+        resumed = asyncio.create_task(q.acquire(far(), resumed=7))
+        await until(lambda: q.waiting == 2)  # joined a full queue, ahead of the waiter
+        with pytest.raises(RequestError):  # --admission-wait-s refuses the new arrival
+            await asyncio.wait_for(waiter, GUARD_S)
+        await asyncio.sleep(0.2)  # the resumed one's timer, were it under --admission-wait-s, would fire first
+        assert not resumed.done()
+        held.release()
+        got = await asyncio.wait_for(resumed, GUARD_S)
+        none = AdmissionQueue(pool, max_waiting=0)  # --max-waiting 0: a resumed request waits all the same
+        again = asyncio.create_task(none.acquire(far(), resumed=8))
+        await until(lambda: none.waiting == 1)
+        got.release()
+        (await asyncio.wait_for(again, GUARD_S)).release()
+        q.close()
+        none.close()
+    asyncio.run(scenario())

@@ -189,3 +189,52 @@ def test_a_preemption_wakes_the_admission_queue_with_what_is_left_of_the_victims
     assert make_room(running, end) == 1
     assert ended == [(2, EndCause.PREEMPTED)] and len(old.blocks) == 3
     assert wakes == [1]  # once, after the rows grew: the victim's other block is free for a waiter
+
+
+def test_a_row_preempted_for_an_older_one_is_not_grown_and_preempts_nobody_else():
+    """Guards make_room's skip of a crossing row already preempted in the same pass: two rows cross into a new
+    block at once and one block is free after the newer is preempted for the older. Grown anyway, the newer's
+    freed row would take blocks back (held by a row on the free list) or, finding none, preempt the oldest
+    request too."""
+    from kvtransfer.engine.pool import KVPool
+    from kvtransfer.engine.preempt import make_room
+    from kvtransfer.geometry import CacheGeometry
+
+    pool = KVPool(CacheGeometry(1, 1, 2, torch.float32), torch.device("cpu"), slots=3, max_seq=16, page=PAGE,
+                  blocks=5)
+    old, new = pool.try_lease(8), pool.try_lease(8)  # 2 blocks each, 1 free
+    extra = pool.try_lease(4)  # the free one, taken: both rows will find none
+    ended = []
+
+    def end(s, item):
+        s.lease.release()
+        ended.append((s.rid, item.cause))
+    running = [Sequence(1, old, 8, 0, 5, print), Sequence(2, new, 8, 0, 5, print)]  # both cross into block 3
+    assert make_room(running, end) == 1
+    assert ended == [(2, EndCause.PREEMPTED)] and not running[0].over and len(old.blocks) == 3
+    assert pool.row_blocks(new.slot) == [] and pool.free_blocks() == 1  # the victim's other block, free
+    for le in (old, extra):
+        le.release()
+    assert pool.used() == 0 and pool.free_blocks() == 5
+
+
+def test_a_row_whose_last_token_is_queued_is_never_the_victim():
+    """Guards make_room's choice of victim: the newest running request that still has tokens to make. The newest
+    row here has its last token in the step in flight (remaining 0) and frees its blocks at that delivery;
+    preempted instead, it would throw that token away and prefill its whole context again for one token."""
+    from kvtransfer.engine.pool import KVPool
+    from kvtransfer.engine.preempt import make_room
+    from kvtransfer.geometry import CacheGeometry
+
+    pool = KVPool(CacheGeometry(1, 1, 2, torch.float32), torch.device("cpu"), slots=3, max_seq=16, page=PAGE,
+                  blocks=6)
+    leases = [pool.try_lease(8) for _ in range(3)]  # 2 blocks each: the pool is full
+    ended = []
+
+    def end(s, item):
+        s.lease.release()
+        ended.append((s.rid, item.cause))
+    running = [Sequence(1, leases[0], 8, 0, 5, print), Sequence(2, leases[1], 7, 0, 5, print),
+               Sequence(3, leases[2], 7, 0, 0, print)]  # rid 1 crosses into block 3; rid 3 ends at the next delivery
+    assert make_room(running, end) == 1
+    assert ended == [(2, EndCause.PREEMPTED)] and len(leases[0].blocks) == 3 and not running[2].over

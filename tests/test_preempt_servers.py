@@ -3,8 +3,9 @@
 What is claimed (and tested here), on one pair (gRPC data plane; --kv-block-tokens 8, a pool of 24 blocks, 16 rows):
 - 16 requests at once, colocated and disaggregated, greedy and seeded, each growing to 6-7 blocks: every one
   completes with the tokens it makes alone (one at a time on the same pair, never preempted), nothing repeated or
-  lost, no error; requests were preempted (Load.preemptions, kvt_preemptions_total{how="recompute"}), colocated
-  and disaggregated ones alike (each is recomputed on the decode worker);
+  lost, its stream's indices 0, 1, ... with no gap or repeat across a resume, no error; requests were preempted
+  (Load.preemptions, kvt_preemptions_total{how="recompute"}), colocated and disaggregated ones alike (each is
+  recomputed on the decode worker);
 - every block is back in the pool (Load) after that burst, after a request cancelled and one past its deadline
   under the same pressure, and after a peer failure (a held transfer past --peer-timeout-s).
 Nothing asserts a duration: waits are bounds that turn a hang into a failure.
@@ -20,7 +21,7 @@ import urllib.request
 import grpc
 import pytest
 
-from decode_server.client import generate, sampling_message
+from decode_server.client import MODES as WIRE_MODES, generate, sampling_message
 from kvtransfer.model.prefill import random_prompt
 from proto import kvtransfer_pb2 as pb
 from proto import kvtransfer_pb2_grpc as pbg
@@ -77,6 +78,14 @@ def wait_line(path: str, text: str) -> None:
         time.sleep(0.1)
 
 
+async def indexed(addr: str, p: list[int], new: int, mode: str, sampling) -> tuple[list[int], list[int]]:
+    """One Generate call: its tokens and each message's index (client.generate keeps only the tokens)."""
+    async with grpc.aio.insecure_channel(addr) as ch:
+        req = pb.GenerateRequest(token_ids=p, max_new_tokens=new, mode=WIRE_MODES[mode], sampling=sampling)
+        out = [(m.token_id, m.index) async for m in pbg.DecodeStub(ch).Generate(req, timeout=BOUND_S)]
+    return [t for t, _ in out], [i for _, i in out]
+
+
 async def code_of(coro) -> str:
     try:
         await coro
@@ -107,10 +116,12 @@ def test_a_pool_of_a_few_blocks_serves_16_requests_at_once_and_gives_every_block
         assert load(addr).preemptions == 0  # a request alone always fits
 
         async def burst():
-            return await asyncio.gather(*(generate(addr, p, NEW, MODES[i % 4], sampling=seeded(i), timeout=BOUND_S)
+            return await asyncio.gather(*(indexed(addr, p, NEW, MODES[i % 4], seeded(i))
                                           for i, p in enumerate(ps)))
-        together = [r["tokens"] for r in asyncio.run(burst())]
+        runs = asyncio.run(burst())
+        together = [tokens for tokens, _ in runs]
         assert together == alone  # every token, none repeated or lost, greedy and seeded
+        assert [indices for _, indices in runs] == [list(range(NEW))] * len(ps)  # continued across a resume
         after = settled(addr)
         assert after.preemptions > 0 and after.free_blocks == BLOCKS and after.free_slots == ROWS
         assert preemptions_counted(port) == after.preemptions
