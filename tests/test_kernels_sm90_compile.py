@@ -4,7 +4,9 @@ Why: GPU time is scarce and the interpreter does not check what the compiler acc
 tests/support/sm90_compile_check.py in its own process (it swaps Triton's driver).
 Skipped without triton, under the interpreter, and where CUDA is present (the GPU tests
 compile for real there). The batch-invariant GEMM (kvtransfer/kernels/triton_matmul.py) is compiled by its own
-test with the same stand-in driver, which also checks that M = 1, 7 and 200 bind one compiled kernel.
+test with the same stand-in driver, which also checks that M = 1, 7 and 200 bind one compiled kernel. The
+fixed-split decode attention of the same mode (kvtransfer/kernels/triton_attention_split.py) is compiled by the main
+check, and its own test checks that batch 1, 7 and 64 bind one compiled kernel of each of its two stages.
 """
 
 from __future__ import annotations
@@ -63,5 +65,40 @@ def test_invariant_gemm_compiles_for_sm90_once_for_every_row_count():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(sys.path)
     res = subprocess.run([sys.executable, "-c", _INVARIANT_GEMM, os.path.join(os.path.dirname(__file__), "support")],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+
+
+# The fixed-split decode attention: batch 1 (which Triton would specialize on, were it an argument), 7 and 64 must
+# bind one stage-1 and one merge kernel, slot and paged: nothing compiled may depend on the batch.
+_INVARIANT_ATTENTION = """
+import sys
+import torch
+import triton.compiler
+sys.path.insert(0, sys.argv[1])
+from sm90_compile_check import _attention_fixed, _install
+done = _install()
+compile_only, keys = triton.compiler.compile, []
+def keyed(src, target=None, options=None, _env_vars=None):
+    keys.append((src.name, src.hash()))
+    return compile_only(src, target=target, options=options, _env_vars=_env_vars)
+triton.compiler.compile = keyed
+from kvtransfer.kernels import triton_attention as ta, triton_attention_split as tas
+ta._upcast_dots = lambda q: q.dtype == torch.float32  # what CUDA tensors get
+for page in (None, 16):
+    before = len(keys)
+    for batch in (1, 7, 64):
+        _attention_fixed(ta, tas, 28, 4, 128, torch.bfloat16, batch, 8192, page=page)
+    if len(keys) - before != 6 or len(set(keys[before:])) != 2:
+        sys.exit(f"page {page}: batch 1, 7, 64 bound {sorted(set(keys[before:]))}")
+sys.exit(0 if len(done) == 12 else f"compiled {len(done)} of 12")
+"""
+
+
+def test_fixed_split_attention_compiles_for_sm90_once_for_every_batch():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    support = os.path.join(os.path.dirname(__file__), "support")
+    res = subprocess.run([sys.executable, "-c", _INVARIANT_ATTENTION, support],
                          capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]

@@ -40,6 +40,7 @@ from kvtransfer.kernels.reference import (
     add_rms_norm_ref,
     chunk_attention_ref,
     decode_attention_ref,
+    decode_attention_split_ref,
     invariant_linear_ref,
     rms_norm_ref,
     rope_store_ref,
@@ -58,6 +59,7 @@ __all__ = [
     "gate_up_silu",
     "invariant_linear",
     "decode_attention_ref",
+    "decode_attention_split_ref",
     "chunk_attention_ref",
     "rope_store_ref",
     "rms_norm_ref",
@@ -100,13 +102,17 @@ def decode_attention(
     use_triton: bool | None = None,
     num_splits: int | None = None,
     block_table: torch.Tensor | None = None,
+    split_size: int | None = None,
 ) -> torch.Tensor:
     """Attention of one query per row over the first lengths[b] positions of slot slots[b] (paged: of table row
     slots[b]).
 
     q: (B, Hq, D); k_pool/v_pool: (S, Hkv, T, D), q's dtype; slots, lengths: (B,) int32/int64.
     Returns a new (B, Hq, D) tensor in q.dtype. GQA: q head j reads kv head j // (Hq // Hkv).
-    num_splits (Triton only) overrides the static split count (for tuning/benchmarks).
+    num_splits (Triton only) overrides the static split count (for tuning/benchmarks). split_size (the
+    batch-invariant mode, docs/batch-invariance.md: a multiple of BLOCK_N = 64, `INVARIANT_SPLIT_SIZE` = 256 there)
+    cuts every row at the same positions instead, so a row's output does not depend on its batch; the reference then
+    computes that split and merge in the kernel's order (`decode_attention_split_ref`).
     """
     check_float("q", q, 3)
     batch, q_heads, head_dim = q.shape
@@ -116,12 +122,17 @@ def decode_attention(
     check_index("slots", slots, batch, q.device)
     check_index("lengths", lengths, batch, q.device)
     check_table(block_table, q.device)
+    require(split_size is None or (split_size > 0 and split_size % 64 == 0 and num_splits is None),
+            f"split_size {split_size}: a positive multiple of 64, without num_splits")
     if not _use_triton(use_triton, q.device):
+        if split_size is not None:
+            return decode_attention_split_ref(q, k_pool, v_pool, slots, lengths, scale, split_size, block_table)
         return decode_attention_ref(q, k_pool, v_pool, slots, lengths, scale, block_table)
     from kvtransfer.kernels.triton_attention import decode_attention_triton
 
     return decode_attention_triton(
-        last_dim_unit(q), k_pool, v_pool, slots, lengths, scale, num_splits=num_splits, block_table=block_table
+        last_dim_unit(q), k_pool, v_pool, slots, lengths, scale, num_splits=num_splits, block_table=block_table,
+        split_size=split_size,
     )
 
 

@@ -69,6 +69,63 @@ def decode_attention_ref(
     return out
 
 
+def decode_attention_split_ref(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slots: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+    split_size: int,
+    block_table: torch.Tensor | None = None,
+    block_n: int = 64,
+    merge_tile: int = 16,  # triton_attention_split.MERGE_TILE
+) -> torch.Tensor:
+    """What the fixed-split decode attention computes (kernels/triton_attention_split.py), step by step in its order:
+    each split of `split_size` positions from 0 an online softmax over `block_n`-position tiles in log2 units (P
+    rounded to the KV dtype before @ V), its partial (acc / l, m + log2 l) in fp32; the partials merged in index
+    order, `merge_tile` at a time. Shapes as `decode_attention_ref`. Only the sums inside a dot and a tile's
+    reduction trees are torch's, so it matches the kernel within rounding, not bit for bit. Host sync."""
+    log2e = 1.4426950408889634
+    groups = q.shape[1] // k_pool.shape[1]
+    out = torch.empty_like(q)
+    for b, (slot, length) in enumerate(zip(slots.tolist(), lengths.tolist())):
+        length = max(0, min(length, k_pool.shape[2] * (1 if block_table is None else block_table.shape[1])))
+        k = repeat_kv(row_positions(k_pool, slot, length, block_table), groups)  # (Hq, L, D)
+        v = repeat_kv(row_positions(v_pool, slot, length, block_table), groups)
+        qb = q[b].float()[:, None, :]  # (Hq, 1, D)
+        parts, lses = [], []
+        for start in range(0, length, split_size):
+            m = torch.full((q.shape[1], 1), float("-inf"), device=q.device)
+            l_i = torch.zeros(q.shape[1], 1, device=q.device)
+            acc = torch.zeros(q.shape[1], 1, q.shape[2], device=q.device)
+            for n0 in range(start, min(start + split_size, length), block_n):
+                n1 = min(n0 + block_n, start + split_size, length)
+                s = torch.matmul(qb, k[:, n0:n1].float().transpose(1, 2))[:, 0] * (scale * log2e)  # (Hq, n)
+                m_new = torch.maximum(m, s.max(-1, keepdim=True).values)
+                alpha = torch.exp2(m - m_new)
+                p = torch.exp2(s - m_new)
+                pv = torch.matmul(p.to(v.dtype).float()[:, None, :], v[:, n0:n1].float())  # (Hq, 1, D)
+                acc = acc * alpha[:, :, None] + pv
+                l_i = l_i * alpha + p.sum(-1, keepdim=True)
+                m = m_new
+            parts.append(acc[:, 0] / l_i)  # (Hq, D)
+            lses.append((m + torch.log2(l_i))[:, 0])  # (Hq,)
+        m = torch.full((q.shape[1],), float("-inf"), device=q.device)
+        acc = torch.zeros(q.shape[1], q.shape[2], device=q.device)
+        denom = torch.zeros(q.shape[1], device=q.device)
+        for t in range(0, len(parts), merge_tile):
+            lse = torch.stack(lses[t:t + merge_tile], 1)  # (Hq, n)
+            m_new = torch.maximum(m, lse.max(1).values)
+            alpha = torch.exp2(m - m_new)
+            w = torch.exp2(lse - m_new[:, None])
+            acc = acc * alpha[:, None] + (w[:, :, None] * torch.stack(parts[t:t + merge_tile], 1)).sum(1)
+            denom = denom * alpha + w.sum(1)
+            m = m_new
+        out[b] = (acc / denom.clamp_min(1e-30)[:, None]).to(q.dtype)
+    return out
+
+
 def chunk_attention_ref(
     q: torch.Tensor,
     k_pool: torch.Tensor,

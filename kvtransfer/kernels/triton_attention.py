@@ -12,7 +12,8 @@ table). As there, one program takes all G query heads of one kv head (padded to 
 K/V are read once per group and never repeated in memory; and a row's valid length is cut
 into num_splits equal chunks (rounded up to BLOCK_N), so every split of a long row does
 work. Splits whose chunk starts at or past the length (short rows, padded rows of length 1)
-exit at once and stage 2 skips them.
+exit at once and stage 2 skips them. The batch-invariant mode passes `split_size` instead: every row cut at
+multiples of it, so a row's splits depend on its own length only, merged by triton_attention_split.py.
 
 num_splits is a Python int from static shapes only (B, kv heads, max_seq, SM count), so one
 captured CUDA graph stays valid for any lengths: see `choose_num_splits`. It is a runtime
@@ -31,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvtransfer.kernels.triton_attention_split import INVARIANT_SPLIT_SIZE, merge_fixed_splits  # noqa: F401
 from kvtransfer.kernels.triton_paging import table_args, tile_offsets
 
 BLOCK_N = 64  # positions per inner step of stage 1
@@ -71,11 +73,14 @@ def default_num_splits(batch: int, q_heads: int, kv_heads: int, max_seq: int, de
 
 
 @triton.jit
-def _row_length_and_chunk(Lengths, b, max_seq, num_splits, BLOCK: tl.constexpr):
+def _row_length_and_chunk(Lengths, b, max_seq, num_splits, BLOCK: tl.constexpr, SPLIT_SIZE: tl.constexpr):
     # Valid positions of row b (clamped to the pool) and positions per split: ceil(L / S)
-    # rounded up to BLOCK. Stage 1 and stage 2 must agree on this exactly.
+    # rounded up to BLOCK, or SPLIT_SIZE when set (the fixed-split mode). Stage 1 and stage 2 must agree exactly.
     length = tl.minimum(tl.maximum(tl.load(Lengths + b).to(tl.int32), 0), max_seq)
-    chunk = tl.cdiv(tl.cdiv(length, num_splits), BLOCK) * BLOCK
+    if SPLIT_SIZE > 0:
+        chunk = SPLIT_SIZE
+    else:
+        chunk = tl.cdiv(tl.cdiv(length, num_splits), BLOCK) * BLOCK
     return length, chunk
 
 
@@ -116,16 +121,17 @@ def _decode_stage1(
     Q_HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    PAGE: tl.constexpr, PAGED: tl.constexpr,
+    PAGE: tl.constexpr, PAGED: tl.constexpr, SPLIT_SIZE: tl.constexpr,
 ):
     # grid (B, Hkv * HEAD_BLOCKS, NUM_SPLITS); MidO (B, Hq, S, D), MidLse (B, Hq, S) fp32. K and V share strides.
+    # SPLIT_SIZE 0: S chunks of ceil(L / S); > 0: split j covers [j * SPLIT_SIZE, (j + 1) * SPLIT_SIZE) of every row.
     b = tl.program_id(0)
     pid_h = tl.program_id(1)
     split = tl.program_id(2)
     kv_head = pid_h // HEAD_BLOCKS
     head_block = pid_h % HEAD_BLOCKS
 
-    length, chunk = _row_length_and_chunk(Lengths, b, max_seq, num_splits, BLOCK_N)
+    length, chunk = _row_length_and_chunk(Lengths, b, max_seq, num_splits, BLOCK_N, SPLIT_SIZE)
     start = split * chunk
     end = tl.minimum(start + chunk, length)
     if start < end:
@@ -184,7 +190,7 @@ def _decode_stage2(
     b = tl.program_id(0)
     h = tl.program_id(1)
     pid_d = tl.program_id(2)
-    length, chunk = _row_length_and_chunk(Lengths, b, max_seq, num_splits, BLOCK_N)
+    length, chunk = _row_length_and_chunk(Lengths, b, max_seq, num_splits, BLOCK_N, 0)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = pid_d * BLOCK_DS + tl.arange(0, BLOCK_DS)
     mask_d = offs_d < HEAD_DIM
@@ -223,6 +229,7 @@ def decode_attention_triton(
     scale: float,
     num_splits: int | None = None,
     block_table: torch.Tensor | None = None,
+    split_size: int | None = None,
 ) -> torch.Tensor:
     """Split-K decode attention; shapes as `kvtransfer.kernels.ops.decode_attention` (checked there).
 
@@ -230,6 +237,8 @@ def decode_attention_triton(
     block_table: None (slot layout: row b reads slot slots[b]) or (R, W) int32 (paged: row b reads blocks
     block_table[slots[b]], T positions each). The split count depends on the context a row can hold (T, or W * T),
     never on the paging. num_splits: None picks `choose_num_splits` (static shapes only); an int overrides (bench).
+    split_size: None as above; a positive multiple of BLOCK_N (the batch-invariant mode, INVARIANT_SPLIT_SIZE
+    there) cuts every row at multiples of it, cdiv(max_seq, split_size) splits, merged by triton_attention_split.
     """
     batch, q_heads, head_dim = q.shape
     kv_heads = k_pool.shape[1]
@@ -237,9 +246,15 @@ def decode_attention_triton(
     max_seq = width * page  # the positions a row can hold
     groups = q_heads // kv_heads
     head_blocks = triton.cdiv(groups, BLOCK_H)
-    if num_splits is None:
-        num_splits = default_num_splits(batch, q_heads, kv_heads, max_seq, q.device)
-    num_splits = max(1, min(int(num_splits), MAX_SPLITS))
+    if split_size is not None:
+        split_size = int(split_size)
+        if num_splits is not None or split_size <= 0 or split_size % BLOCK_N:
+            raise ValueError(f"split_size {split_size} must be a positive multiple of {BLOCK_N}, without num_splits")
+        num_splits = triton.cdiv(max_seq, split_size)  # static: no MAX_SPLITS cap, the merge folds tiles in order
+    else:
+        if num_splits is None:
+            num_splits = default_num_splits(batch, q_heads, kv_heads, max_seq, q.device)
+        num_splits = max(1, min(int(num_splits), MAX_SPLITS))
     block_d = max(16, triton.next_power_of_2(head_dim))
     mid_o = torch.empty((batch, q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((batch, q_heads, num_splits), dtype=torch.float32, device=q.device)
@@ -252,9 +267,12 @@ def decode_attention_triton(
         max_seq, num_splits,
         Q_HEADS=q_heads, GROUPS=groups, HEAD_BLOCKS=head_blocks, HEAD_DIM=head_dim,
         BLOCK_D=block_d, BLOCK_N=BLOCK_N, BLOCK_H=BLOCK_H,
-        UPCAST_DOT=_upcast_dots(q), PAGE=page, PAGED=paged,
+        UPCAST_DOT=_upcast_dots(q), PAGE=page, PAGED=paged, SPLIT_SIZE=split_size or 0,
         num_warps=4, num_stages=2,
     )
+    if split_size is not None:
+        merge_fixed_splits(mid_o, mid_lse, lengths, out, max_seq, split_size)
+        return out
     block_s = max(2, triton.next_power_of_2(num_splits))
     block_ds = min(block_d, max(16, _MERGE_ELEMS // block_s))
     _decode_stage2[(batch, q_heads, triton.cdiv(head_dim, block_ds))](

@@ -81,6 +81,21 @@ def _attention(ta, hq, hkv, d, dtype, batch, max_seq, splits=None) -> None:
         Q_HEADS=hq, HEAD_DIM=d, BLOCK_N=ta.BLOCK_N, BLOCK_S=block_s, BLOCK_DS=block_ds, num_warps=4))
 
 
+def _attention_fixed(ta, tas, hq, hkv, d, dtype, batch, max_seq, page=None) -> None:
+    """The batch-invariant mode's two kernels: stage 1 with SPLIT_SIZE, the fixed-tile merge."""
+    q, idx = torch.empty(batch, hq, d, dtype=dtype), torch.zeros(batch, dtype=torch.int64)
+    if page is None:
+        pool, table = torch.empty(batch + 1, hkv, max_seq, d, dtype=dtype), None
+    else:
+        pool = torch.empty(4096, hkv, page, d, dtype=dtype)
+        table = torch.zeros(batch + 1, max_seq // page, dtype=torch.int32)
+    split = tas.INVARIANT_SPLIT_SIZE
+    _run(lambda: ta.decode_attention_triton(q, pool, pool, idx, idx, 0.1, block_table=table, split_size=split))
+    ns = triton.cdiv(max_seq, split)
+    mid_o, mid_lse = torch.empty(batch, hq, ns, d), torch.empty(batch, hq, ns)
+    _run(lambda: tas.merge_fixed_splits(mid_o, mid_lse, idx, q, max_seq, split))
+
+
 def _sample(ts, dtype, n: int, vocab: int) -> int:
     """The draw's launches (six; the round kernel twice, one variant a round) one at a time: sample_triton runs
     again and again, each launch whose variant compiled before skipped, until a call compiles nothing. Returns
@@ -117,6 +132,7 @@ def _sample(ts, dtype, n: int, vocab: int) -> int:
 def main() -> int:
     done = _install()
     from kvtransfer.kernels import triton_attention as ta
+    from kvtransfer.kernels import triton_attention_split as tas
     from kvtransfer.kernels import triton_norm as tn
     from kvtransfer.kernels import triton_rope as tr
 
@@ -127,6 +143,9 @@ def main() -> int:
                 (9, 3, 64, bf16, 7, 1000), (4, 4, 64, bf16, 3, 800), (40, 2, 128, bf16, 3, 800)]:
         _attention(ta, *cfg)
     _attention(ta, 28, 4, 128, bf16, 8, 8192, splits=1)
+    for cfg in [(28, 4, 128, bf16, 64, 32768), (28, 4, 128, torch.float32, 1, 32768), (4, 2, 16, bf16, 7, 1024)]:
+        _attention_fixed(ta, tas, *cfg)
+    _attention_fixed(ta, tas, 28, 4, 128, bf16, 64, 8192, page=16)
     for batch, hq, hkv, d in ((64, 28, 4, 128), (2, 4, 1, 16)):
         q, k = torch.empty(batch, hq, d, dtype=bf16), torch.empty(batch, hkv, d, dtype=bf16)
         cs, pool = torch.empty(batch, d), torch.empty(batch + 1, hkv, 1024, d, dtype=bf16)
@@ -155,7 +174,8 @@ def main() -> int:
     sampled = _sample(ts, bf16, 64, 152064) + _sample(ts, torch.float32, 1, 152064)  # P 4 and Q 4; P 32 and Q 4
     if sampled != 12:
         print(f"the draw: {sampled} of 12 launches ran to a compile")
-    expected = 2 * 10 + 2 + 3 + 3 + 12 + 4  # + 4: the paged decode (two pages), chunk and rope+store
+    expected = 2 * 10 + 2 + 3 + 3 + 12 + 4 + 2 * 4  # + 4: the paged decode (two pages), chunk and rope+store
+    # + 2 * 4: the fixed-split mode's stage 1 and merge (bf16, fp32, D 16, paged)
     print(f"compiled {len(done)} of {expected} kernels for sm_90")
     return 0 if len(done) == expected else 1
 
