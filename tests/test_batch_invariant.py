@@ -114,3 +114,9 @@ def test_the_mode_prefills_in_the_steps():
             DecodeConfig(batch_invariant=True, colocated=True, **bad)
     assert DecodeConfig(batch_invariant=True, colocated=True).batch_invariant
     assert DecodeConfig(batch_invariant=True).batch_invariant
+
+
+def test_the_modes_split_size_is_the_kernels():
+    from kvtransfer.kernels import ops
+    from kvtransfer.kernels.triton_attention_split import INVARIANT_SPLIT_SIZE
+    assert ops.INVARIANT_ATTENTION == {"split_size": INVARIANT_SPLIT_SIZE}

@@ -29,6 +29,9 @@ log = logging.getLogger("kvtransfer.decode.runner")
 
 
 GEMV_CHOICES = ("auto", "on", "off")  # --gemv: timed at start, every projection, none
+# The servers' --batch-invariant on CUDA: refused until tests/test_batch_invariant_gpu.py (this runner in the mode,
+# alone and beside 7 and 63 neighbours, graphs too) has passed on a GPU; the runner itself runs it there for that test.
+INVARIANT_ON_CUDA = False
 
 
 class StepRunner:

@@ -263,10 +263,11 @@ def silu_mul(gate_up: torch.Tensor, *, use_triton: bool | None = None) -> torch.
 
 
 
-# The decode attention's arguments in the batch-invariant mode (kvtransfer/engine/runner.py): a split size fixed for
-# every row whatever the batch. Empty (the torch reference, per row already, needs none) until the Triton kernel
-# has one; the runner refuses the mode on CUDA while it is empty.
-INVARIANT_ATTENTION: dict = {}
+# The decode attention's arguments in the batch-invariant mode (kvtransfer/engine/runner.py): every row cut at the
+# same positions whatever the batch, splits of triton_attention_split.INVARIANT_SPLIT_SIZE positions (written here,
+# not imported, so this module imports no Triton; tests/test_batch_invariant.py checks the two agree). On CPU the
+# reference computes the same splits row by row.
+INVARIANT_ATTENTION: dict = {"split_size": 256}
 
 GEMV_MAX_ROWS = 1  # Triton GEMV for batch 1 only; cuBLAS above (bench/results/probe-h200-2026-12-01)
 
