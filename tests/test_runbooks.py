@@ -1,4 +1,4 @@
-"""The two-GPU runbooks (bench/runbooks/) run end to end on CPU with `python3` standing in: every bench command
+"""The runbooks (bench/runbooks/) run end to end on CPU with `python3` standing in: every bench command
 they would run on the GPU machine parses with the bench's own flags, so a session that gets the GPUs does not
 spend its device minutes on a typo.
 
@@ -19,7 +19,8 @@ import pytest
 from support.runbook_checker import check
 from support.servers import ROOT
 
-RUNBOOKS = {"two-gpu-1-smoke.sh": 4, "two-gpu-2-interference.sh": 2, "two-gpu-3-serve.sh": 1}  # python3 calls
+RUNBOOKS = {"two-gpu-1-smoke.sh": 4, "two-gpu-2-interference.sh": 2, "two-gpu-3-serve.sh": 1,  # python3 calls
+            "one-gpu-1-accept.sh": 2}  # without gpu_base/ (the fixed-slot tree, made by hand before the call)
 
 
 def parse_error(argv: list[str]) -> str | None:
