@@ -37,7 +37,7 @@ class PrefillResult:
 class PrefillWorker:
     def __init__(self, loaded: LoadedModel, send_timeout_s: float = 60.0, fault=None, invariant=None):
         """`invariant`: kvtransfer.engine.invariant_prefill.InvariantPrefill (--batch-invariant): the prompt runs
-        through it, and its layers go out once all are made (layer-wise too)."""
+        through it (layer-wise: each layer goes out from its last piece's forward)."""
         self.m = loaded
         self.invariant = invariant
         self.send_timeout_s = send_timeout_s
@@ -64,15 +64,15 @@ class PrefillWorker:
         try:
             sync(self.m.device)
             t0 = time.perf_counter()
-            if self.invariant is not None:
-                layers, logits = self.invariant.run(ids)  # per layer (k, v): (1, kv_heads, n, head_dim)
+            if self.invariant is not None:  # per layer (k, v): (1, kv_heads, n, head_dim)
+                layers, logits = self.invariant.run(ids, on_layer=send if mode == "layerwise" else None)
             elif mode == "layerwise":
                 cache, logits = prefill(self.m.model, ids, on_layer=send)
             else:
                 cache, logits = prefill(self.m.model, ids)
                 layers = cache_layers(cache)
             first = first_token(logits, sampling, len(token_ids))
-            if mode == "bulk" or self.invariant is not None:
+            if mode == "bulk":
                 for i, (k, v) in enumerate(layers):
                     send(i, k, v)
             token = int(first)  # host waits for the compute stream: prefill is done

@@ -20,6 +20,7 @@ import asyncio
 import random
 
 import pytest
+import torch
 
 from decode_server.client import generate, sampling_message
 from decode_server.config import DecodeConfig
@@ -120,3 +121,21 @@ def test_the_modes_split_size_is_the_kernels():
     from kvtransfer.kernels import ops
     from kvtransfer.kernels.triton_attention_split import INVARIANT_SPLIT_SIZE
     assert ops.INVARIANT_ATTENTION == {"split_size": INVARIANT_SPLIT_SIZE}
+
+
+def test_the_invariant_prefill_streams_each_layer_from_its_last_piece(monkeypatch):
+    """Layer-wise from the prefill worker: each layer goes out once, in order, during the forward of the prompt's
+    last piece, with the bytes the run returns (a prompt of 3 pieces)."""
+    from kvtransfer.engine import invariant_prefill
+    from kvtransfer.model.loaded import load
+    from kvtransfer.model.spec import ModelSpec
+    monkeypatch.setattr(invariant_prefill, "ROWS_PER_FORWARD", 64)
+    loaded = load(ModelSpec("tiny", "float32"), torch.device("cpu"), False)
+    pre = invariant_prefill.InvariantPrefill(loaded, 512)
+    ids = torch.tensor([TARGET])  # (1, 150): pieces of 64, 64, 22
+    sent = []
+    layers, logits = pre.run(ids, on_layer=lambda i, k, v: sent.append((i, k.clone(), v.clone())))
+    assert [i for i, _, _ in sent] == list(range(len(layers)))
+    assert all(torch.equal(k, layers[i][0]) and torch.equal(v, layers[i][1]) for i, k, v in sent)
+    again, logits2 = pre.run(ids)  # without the hook: the same bits
+    assert torch.equal(logits, logits2) and all(torch.equal(a[0], k) for a, (_, k, _) in zip(again, sent))

@@ -26,19 +26,22 @@ class InvariantPrefill:
         self.runner = StepRunner(loaded.model, self.pool, invariant=True)
 
     @torch.inference_mode()
-    def run(self, ids: torch.Tensor) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+    def run(self, ids: torch.Tensor, on_layer=None) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
         """ids (1, n) on the device -> (per layer (k, v), each (1, kv_heads, n, head_dim), views of the pool valid
-        until the next call; the last position's logits (vocab,))."""
+        until the next call; the last position's logits (vocab,)). `on_layer(i, k, v)`: each layer as soon as its
+        K/V are complete, in the last piece's forward (layer-wise streaming; ordered after their writes on the
+        current stream)."""
         tokens = ids[0]  # (n,)
         n, dev = tokens.shape[0], tokens.device
         if n > self.pool.max_seq:
             raise ValueError(f"{n} prompt tokens: over this worker's {self.pool.max_seq} (--max-prompt-tokens)")
-        logits = None
+        logits, layers = None, self.pool.views(0, n)
         for a in range(0, n, ROWS_PER_FORWARD):
             b = min(n, a + ROWS_PER_FORWARD)
             positions = torch.arange(a, b, device=dev)  # (rows,)
             slots = torch.zeros(b - a, dtype=torch.long, device=dev)
             keep = torch.tensor([b - a - 1], device=dev) if b == n else None
-            out = self.runner.forward(tokens[a:b], positions, slots, keep)  # (1 or rows, vocab)
+            hook = (lambda i: on_layer(i, *layers[i])) if on_layer is not None and b == n else None
+            out = self.runner.forward(tokens[a:b], positions, slots, keep, on_layer=hook)  # (1 or rows, vocab)
             logits = out[-1]
-        return self.pool.views(0, n), logits
+        return layers, logits

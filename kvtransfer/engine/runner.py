@@ -79,7 +79,8 @@ class StepRunner:
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                keep: torch.Tensor | None = None, chunks: tuple[int, torch.Tensor] | None = None) -> torch.Tensor:
+                keep: torch.Tensor | None = None, chunks: tuple[int, torch.Tensor] | None = None,
+                on_layer=None) -> torch.Tensor:
         """tokens, positions, slots: (B,) int64 on the device -> logits (B, vocab) in the model dtype.
 
         Row b feeds `tokens[b]` at position `positions[b]` of slot `slots[b]`: its K/V are written there, and it
@@ -88,6 +89,8 @@ class StepRunner:
         keep: (K,) int64 row indices; only those rows reach the final norm and lm_head -> logits (K, vocab).
         chunks: (d, pieces): rows 0..d-1 decode, rows d.. prompt chunks, pieces (P, 4) int32 (first row counted from
         d, rows, slot, start; kernels.chunk_attention), attending flash style instead of one decode row each.
+        on_layer(i): called once layer i's K/V of every row are in the pool (eager only: the invariant prefill
+        streams its layers so, kvtransfer/engine/invariant_prefill.py).
         """
         ops, tri, rows = kernels, self.use_triton, self.gemv_rows  # rows: projection -> GEMV up to this batch
         lengths = (positions + 1).to(torch.int32)  # (B,)
@@ -98,6 +101,8 @@ class StepRunner:
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             kp, vp = self.pool.layer(i)  # (blocks + 1, Hkv, page, D) each
             q = ops.rope_store(q, k, v, cos, sin, kp, vp, slots, positions, use_triton=tri, block_table=table)
+            if on_layer is not None:
+                on_layer(i)
             if self.invariant:  # every row, a prompt chunk's too, as a decode row of length position + 1
                 return ops.decode_attention(q, kp, vp, slots, lengths, self.scale, use_triton=tri, block_table=table,
                                             **kernels.INVARIANT_ATTENTION)  # (B, Hq, D)
