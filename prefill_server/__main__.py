@@ -41,10 +41,8 @@ async def serve(config: PrefillConfig) -> None:
     invariant = None
     if config.batch_invariant:
         from kvtransfer.engine.invariant_prefill import InvariantPrefill
-        from kvtransfer.engine.runner import INVARIANT_ON_CUDA
-        if device.type == "cuda" and not INVARIANT_ON_CUDA:
-            raise ValueError("--batch-invariant runs on CPU only for now: its Triton kernels have not passed their GPU "
-                             "test yet (docs/batch-invariance.md); drop it, or --device cpu")
+        from kvtransfer.engine.runner import check_invariant_device
+        check_invariant_device(device)
         invariant = InvariantPrefill(loaded, config.max_prompt_tokens)
     worker = PrefillWorker(loaded, config.send_timeout_s, fault, invariant)
     store = None

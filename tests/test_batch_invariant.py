@@ -139,3 +139,10 @@ def test_the_invariant_prefill_streams_each_layer_from_its_last_piece(monkeypatc
     assert all(torch.equal(k, layers[i][0]) and torch.equal(v, layers[i][1]) for i, k, v in sent)
     again, logits2 = pre.run(ids)  # without the hook: the same bits
     assert torch.equal(logits, logits2) and all(torch.equal(a[0], k) for a, (_, k, _) in zip(again, sent))
+
+
+def test_both_servers_refuse_the_mode_on_cuda_until_its_gpu_test_passes():
+    from kvtransfer.engine import runner
+    with pytest.raises(ValueError, match="--batch-invariant runs on CPU only"):
+        runner.check_invariant_device(torch.device("cuda", 0))
+    runner.check_invariant_device(torch.device("cpu"))
