@@ -72,9 +72,6 @@ class StepRunner:
         if gemv not in GEMV_CHOICES:
             raise ValueError(f"--gemv {gemv!r}: choose one of {', '.join(GEMV_CHOICES)}")
         rows = kernels.GEMV_MAX_ROWS if gemv_rows is None else gemv_rows
-        if invariant and self.use_triton and not kernels.INVARIANT_ATTENTION:
-            raise ValueError("--batch-invariant needs the decode attention with a fixed split size on CUDA, which "
-                             "this build lacks: run it on CPU, or drop --batch-invariant")
         if not (rows and self.use_triton) or gemv == "off" or invariant:
             self.gemv_rows = dict.fromkeys(PROJECTIONS, 0)
         elif gemv == "on":
