@@ -2,7 +2,8 @@
 
 What is claimed (and tested here):
 - `KVPool.write_layer` lands a layer's positions wherever they start inside a block (a prefill after a reused
-  prefix, or a chunk, starts at any offset), and touches nothing else;
+  prefix, or a chunk, starts at any offset), and touches nothing else; a row's blocks that follow each other are
+  written as one slice (no block index built and uploaded per layer: the gRPC landing's per-layer scatter, #37);
 - a lease refused for blocks gives its row back, with a prefix cache as without one;
 - a lease short of blocks takes back only as many cached rows as it needs, least recently used first: the others
   stay cached and are still hit.
@@ -40,6 +41,28 @@ def test_write_layer_lands_positions_at_every_offset_inside_a_block(n):
         assert pool.kv[0].eq(0).all()  # the other layer
         assert int(pool.kv.ne(0).sum()) == 2 * k.numel(), (p0, n)  # no other position of any row, nor scratch
 
+
+
+@pytest.mark.parametrize("ids", [[3, 4, 5, 6, 7], [3, 4, 6, 7, 8], [7, 3, 5, 4, 6]], ids=["run", "gap", "shuffled"])
+def test_write_layer_copies_blocks_that_follow_each_other_as_one_slice(ids, monkeypatch):
+    """Guards write_layer's slice path: a row whose whole blocks follow each other is written by a plain copy, with
+    no block index uploaded (on CUDA a pinned allocation and an H2D copy per layer received; with the indexed
+    scatter, it measured ~5x the copy on CPU, bench/probes/grpc_landing.py); blocks with a gap or out of order still
+    go through the index. Either way every position lands where read_layer finds it, and nowhere else."""
+    pool = KVPool(GEO, torch.device("cpu"), slots=2, max_seq=32, page=PAGE, blocks=16)
+    pool._free_blocks = [b for b in range(16) if b not in ids] + ids[::-1]  # pop() hands out `ids` in order
+    n = 4 * PAGE + 2  # 4 whole blocks and 2 positions of the fifth
+    lease = pool.try_lease(n)
+    assert lease.blocks == ids
+    uploads = []
+    up = pool._up
+    monkeypatch.setattr(pool, "_up", lambda t: uploads.append(t) or up(t))
+    k, v = torch.randn(1, GEO.kv_heads, n, GEO.head_dim), torch.randn(1, GEO.kv_heads, n, GEO.head_dim)
+    pool.write_layer(lease.slot, 1, 0, k, v)
+    assert len(uploads) == (0 if ids == [3, 4, 5, 6, 7] else 1)
+    got_k, got_v = pool.read_layer(lease.slot, 1, n)
+    assert torch.equal(got_k, k) and torch.equal(got_v, v)
+    assert int(pool.kv.ne(0).sum()) == 2 * k.numel()  # no other block, layer or the scratch block
 
 def test_a_lease_refused_for_blocks_through_the_prefix_cache_gives_its_row_back():
     """Guards try_lease's keeper path: the row it took before finding too few blocks goes back to the free rows.

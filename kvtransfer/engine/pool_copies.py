@@ -89,17 +89,25 @@ class BlockCopies:
             self.kv[i, 0][blocks, :, offs] = k[0].transpose(0, 1)  # (n, kv_heads, head_dim)
             self.kv[i, 1][blocks, :, offs] = v[0].transpose(0, 1)
             return
-        # whole blocks by block index (one index_copy_ each: an index of blocks, not of positions, built on the host
-        # per call), then the partial last block as a slice
+        # whole blocks, then the partial last block as a slice. Blocks that follow each other (a row's blocks mostly
+        # do: the free list hands them out in order) are one slice, one plain strided copy each, as the slot layout's;
+        # else one index_copy_ each (an index of blocks, not of positions, built on the host and uploaded per call:
+        # per layer, a pinned allocation and an H2D copy more on the receiving stream, and an indexed kernel ~5x a
+        # copy's time on CPU; bench/probes/grpc_landing.py)
         full, rest = divmod(n, self.page)
         first = p0 // self.page
         ids = self._rows[slot][first:first + full + (1 if rest else 0)]
         if len(ids) < full + (1 if rest else 0):
             raise ValueError(f"slot {slot} holds {len(self._rows[slot]) * self.page} positions, not {p0 + n}")
-        index = self._up(torch.tensor(ids[:full], dtype=torch.long)) if full else None
+        run = full and ids[:full] == list(range(ids[0], ids[0] + full))  # one slice of the pool
+        index = self._up(torch.tensor(ids[:full], dtype=torch.long)) if full and not run else None
         for dst, src in ((self.kv[i, 0], k[0]), (self.kv[i, 1], v[0])):  # dst (blocks, kv_heads, page, head_dim)
             if full:  # src (kv_heads, n, head_dim) -> (full, kv_heads, page, head_dim)
-                dst.index_copy_(0, index, src[:, :full * self.page].unflatten(1, (full, self.page)).transpose(0, 1))
+                whole = src[:, :full * self.page].unflatten(1, (full, self.page)).transpose(0, 1)
+                if run:
+                    dst[ids[0]:ids[0] + full].copy_(whole)
+                else:
+                    dst.index_copy_(0, index, whole)
             if rest:
                 dst[ids[full], :, :rest].copy_(src[:, full * self.page:])
 
