@@ -32,12 +32,12 @@ from bench.common import Step
 from bench.report.kinds import tables_for
 from bench.report.output import json_line, write_outputs
 from bench.report.table import print_tables
-from bench.runs import decode, demo, interference, link, offload, serve, ttft
+from bench.runs import decode, demo, interference, invariance, link, offload, serve, ttft
 from kvtransfer.rpc.configargs import Parser
 from kvtransfer.rpc.stacks import exit_on_sigterm
 
 SUBCOMMANDS: dict[str, ModuleType] = {"offload": offload, "ttft": ttft, "demo": demo, "link": link, "serve": serve,
-                                      "decode": decode, "interference": interference}
+                                      "decode": decode, "interference": interference, "invariance": invariance}
 
 
 def with_progress(total: int, work: Callable[[Step], dict]) -> dict:

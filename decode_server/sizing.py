@@ -138,8 +138,6 @@ def plan_engine(config, loaded, receive_slots: int):
     if config.exact:
         chunk, mixed, prefill_why = 0, False, "whole prompts (--exact)"
     elif config.batch_invariant:  # the prompt's rows in the steps, each as a decode row (runner.py)
-        from kvtransfer.engine.runner import check_invariant_device
-        check_invariant_device(loaded.device)
         chunk, mixed = config.prefill_chunk if config.prefill_chunk > 0 else FAST_PREFILL_CHUNK, True
         prefill_why = f"in the decode steps, up to {chunk} rows each, every row as a decode row (--batch-invariant)"
     else:

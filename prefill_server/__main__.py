@@ -41,8 +41,6 @@ async def serve(config: PrefillConfig) -> None:
     invariant = None
     if config.batch_invariant:
         from kvtransfer.engine.invariant_prefill import InvariantPrefill
-        from kvtransfer.engine.runner import check_invariant_device
-        check_invariant_device(device)
         invariant = InvariantPrefill(loaded, config.max_prompt_tokens)
     worker = PrefillWorker(loaded, config.send_timeout_s, fault, invariant)
     store = None

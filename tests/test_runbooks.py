@@ -19,8 +19,7 @@ import pytest
 from support.runbook_checker import check
 from support.servers import ROOT
 
-RUNBOOKS = {"two-gpu-1-smoke.sh": 4, "two-gpu-2-interference.sh": 2, "two-gpu-3-serve.sh": 1,  # python3 calls
-            "one-gpu-1-accept.sh": 2}  # without gpu_base/ (the fixed-slot tree, made by hand before the call)
+RUNBOOKS = {"two-gpu-1-smoke.sh": 4, "two-gpu-2-interference.sh": 2, "two-gpu-3-serve.sh": 1}  # python3 calls
 
 
 def parse_error(argv: list[str]) -> str | None:

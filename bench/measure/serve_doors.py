@@ -31,10 +31,11 @@ async def one_request(stub, ids: list[int], cfg, timeout: float, metadata, stop_
     return await stream_record(stub, req, timeout, metadata, stop_after)
 
 
-async def stream_record(stub, req: pb.GenerateRequest, timeout: float, metadata, stop_after: int | None = None
-                        ) -> dict:
+async def stream_record(stub, req: pb.GenerateRequest, timeout: float, metadata, stop_after: int | None = None,
+                        digests: bool = False) -> dict:
     """One Generate stream as a record: input_len, start, each token's id and arrival time (s after the send), the
-    mode that ran and the last message's Timing (`timing`, None on failure), or the failure as a status code name
+    mode that ran and the last message's Timing (`timing`, None on failure), each step's logits digest with `digests`
+    (the request asks for them), or the failure as a status code name
     (INCOMPLETE: fewer tokens than max_new_tokens, or than `stop_after` where the client cancels the call once it
     has that many)."""
     out = {"input_len": len(req.token_ids), "times": [], "tokens": [], "code": None, "error": "", "mode": "",
@@ -46,6 +47,8 @@ async def stream_record(stub, req: pb.GenerateRequest, timeout: float, metadata,
         async for msg in call:
             out["times"].append(time.perf_counter() - t0)
             out["tokens"].append(msg.token_id)
+            if digests:
+                out.setdefault("digests", []).append(msg.logits_digest)
             if msg.HasField("timing"):
                 out["timing"] = msg.timing
                 out["mode"] = Mode.from_proto(msg.timing.mode).value

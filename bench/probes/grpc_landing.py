@@ -35,7 +35,9 @@ def sync(device: torch.device) -> None:
 def land_request(pool: KVPool, slot: int, h: TransferHeader, device: torch.device) -> tuple[list[float], float]:
     """(host seconds of each layer's land(i), seconds from the first land to the device done)."""
     landing = Landing(h, device)
-    landing.bind(lambda hdr: pool_destination(pool, slot, hdr.seq_len))
+    err = landing.bind(lambda hdr: pool_destination(pool, slot, hdr.seq_len))
+    if err is not None:
+        raise RuntimeError(f"the landing refused the pool's destination: {err}")
     sync(device)
     per = []
     t0 = time.perf_counter()
@@ -81,6 +83,8 @@ def main(argv=None) -> None:
     ap.add_argument("--layouts", default="slot,paged")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:  # the pool's tensors name their index: compare like with like
+        device = torch.device("cuda", torch.cuda.current_device())
     rows = [probe(layout, args, device) for layout in args.layouts.split(",")]
     print(json.dumps({"device": str(device), "torch": torch.__version__, "tokens": args.tokens,
                       "layer_mib": 2 * args.kv_heads * args.tokens * args.head_dim * 2 / 2**20, "rows": rows},

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from bench.report import decode, interference, link, multiturn, offload, serve, ttft
+from bench.report import decode, interference, invariance, link, multiturn, offload, serve, ttft
 from bench.report.table import Table
 
 KINDS: dict[str, ModuleType] = {"offload": offload, "ttft": ttft, "link": link, "serve": serve, "decode": decode,
-                                "interference": interference, "serve_multiturn": multiturn}  # result["kind"] -> module
+                                "interference": interference, "serve_multiturn": multiturn,
+                                "invariance": invariance}  # result["kind"] -> module
 
 
 def tables_for(result: dict) -> list[Table]:

@@ -57,6 +57,7 @@ class DecodeBenchConfig:
     top_p: float = 1.0
     top_k: int = 0
     kv_block_tokens: int = 0  # > 0: the pool in blocks of this many tokens, each row's blocks scattered
+    batch_invariant: bool = False  # the servers' --batch-invariant step (docs/batch-invariance.md)
 
     def __post_init__(self):
         ModelSpec(self.model, self.dtype)
@@ -145,7 +146,7 @@ def engine_context(model, geom: CacheGeometry, ctx: int, batches: list[int], cfg
         leases = [pool.try_lease(ctx + 8) for _ in range(rows)]
         assert [le.slot for le in leases] == list(range(rows))  # rows 0..B-1, as inputs() names them
     pool.kv.normal_()  # (layers, 2, blocks + 1, kv_heads, page, head_dim): values do not change the times
-    runner = StepRunner(model, pool)  # fuses the weights on the first pool only (idempotent)
+    runner = StepRunner(model, pool, invariant=cfg.batch_invariant)  # fuses the weights once (idempotent)
     sampling = cfg.temperature > 0
     step = Step(runner, max(batches), cfg.cuda_graphs, sampling=sampling)
     gen = torch.Generator(device=grid.device).manual_seed(cfg.seed + ctx)
@@ -252,6 +253,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0, help="top-k of the sampling rows (0: all)")
     p.add_argument("--kv-block-tokens", type=int, default=0,
                    help="the pool in blocks of this many tokens, each row's scattered (0: the slot layout)")
+    p.add_argument("--batch-invariant", action="store_true", help="time the step of the servers' --batch-invariant "
+                   "mode (fixed-tile GEMMs, attention cut at a fixed split; docs/batch-invariance.md)")
     p.add_argument("--out", help="write result.json, report.md and decode.png in this directory")
 
 
@@ -265,5 +268,5 @@ def job(args: argparse.Namespace) -> Job:
                        warmup=args.warmup, cuda_graphs=not args.no_cuda_graphs, hf=hf,
                        hf_compile_points=tuple(points(args.hf_compile_points)), mem_fraction=args.mem_fraction,
                        seed=args.seed, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                       kv_block_tokens=args.kv_block_tokens)
+                       kv_block_tokens=args.kv_block_tokens, batch_invariant=args.batch_invariant)
     return Job(total_steps(cfg), lambda step: run_decode(cfg, step))

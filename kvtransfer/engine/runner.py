@@ -29,18 +29,6 @@ log = logging.getLogger("kvtransfer.decode.runner")
 
 
 GEMV_CHOICES = ("auto", "on", "off")  # --gemv: timed at start, every projection, none
-# The servers' --batch-invariant on CUDA: refused until tests/test_batch_invariant_gpu.py (this runner in the mode,
-# alone and beside 7 and 63 neighbours, graphs too) has passed on a GPU; the runner itself runs it there for that test.
-INVARIANT_ON_CUDA = False
-
-
-def check_invariant_device(device: torch.device) -> None:
-    """--batch-invariant on `device`, or ValueError (exit 2 at start) saying why not, for both servers."""
-    if device.type == "cuda" and not INVARIANT_ON_CUDA:
-        raise ValueError("--batch-invariant runs on CPU only for now: its Triton kernels have not passed their GPU "
-                         "test yet (docs/batch-invariance.md); drop it, or --device cpu")
-
-
 class StepRunner:
     def __init__(self, model, pool: KVPool, use_triton: bool | None = None, gemv_rows: int | None = None,
                  gemv: str = "auto", invariant: bool = False):
