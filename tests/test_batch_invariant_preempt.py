@@ -3,9 +3,9 @@
 What is claimed (and tested here): 16 requests at once on a pool of 24 blocks of 8 tokens (each request grows to
 6-7 blocks, so most of them are preempted and resumed: swapped through the host tier or recomputed in the steps),
 greedy and seeded, each make the same tokens **and the same logits digest at every step** as alone on the same
-server (a run counted 9 swaps and 6 recomputes). Without the mode (`--mixed-prefill` in its place) the digests
-differ and this test fails (tests/test_preempt_servers.py compares tokens
-only): a resumed request's rows ride in other steps than alone, which the mode makes the same bits.
+server (one run counted 16 swaps and 7 recomputes). Without the mode (`--mixed-prefill` in its place) the digests
+differ and this test fails (tests/test_preempt_servers.py compares tokens only): a resumed request's rows ride in
+other steps than alone, which the mode makes the same bits.
 """
 
 from __future__ import annotations
