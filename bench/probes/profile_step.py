@@ -4,6 +4,11 @@ Why: the decode bench gives the step against its floor; this says which kernels 
 short of bandwidth, small kernels' fixed cost, attention). Prints one JSON line:
 
     python -m bench.probes.profile_step --model qwen2.5-7b --batch 1 --context 1024
+
+With --mixed ROWS the step carries prompt-chunk rows beside the --batch decode rows, as --mixed-prefill builds it,
+and the kernels are grouped by what they do (profile_mixed.py, which takes the rest of the arguments):
+
+    python -m bench.probes.profile_step --model qwen2.5-7b --mixed 512 --batch 64 --context 1024
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from bench.probes import profile_mixed
 from kvtransfer.engine.graphs import Step
 from kvtransfer.engine.pool import KVPool
 from kvtransfer.engine.runner import StepRunner
@@ -29,7 +35,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--replays", type=int, default=20)
     p.add_argument("--top", type=int, default=15)
-    a = p.parse_args(argv)
+    p.add_argument("--mixed", type=int, default=0, help="a mixed step of this many rows (profile_mixed.py)")
+    a, rest = p.parse_known_args(argv)
+    if a.mixed:
+        profile_mixed.main(argv)
+        return
+    if rest:
+        p.error(f"unrecognized arguments: {' '.join(rest)} (only with --mixed)")
     model = load_model(ModelSpec(a.model, "bfloat16", 0), "cuda")
     pool = KVPool(CacheGeometry.from_config(model.config, torch.bfloat16), torch.device("cuda"), a.batch, a.context + 8)
     pool.kv.normal_()

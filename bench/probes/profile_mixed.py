@@ -1,0 +1,222 @@
+"""Where a MIXED step's GPU time goes: decode rows and prompt-chunk rows in one forward (issue #39).
+
+Why: served, a prompt token costs ~27-40 us inside a mixed step of 256-512 rows against ~19.5 us of pure GEMM
+compute, and the decode-only profile (profile_step.py) cannot say where the rest goes. This builds the step the
+scheduler builds with --mixed-prefill (kvtransfer/engine/mixed.py, graphs.py): --batch decode rows at --context,
+padded to the engine's bucket, then --pieces prompt chunks (each its own slot, positions --prompt-start ..)
+filling the --mixed rows; replays it from its CUDA graph through `Step.mixed`, as the engine does, then runs the
+greedy argmax the scheduler runs (queued.py). It prints the step's median synchronized time, the plain decode
+step's beside it, and GPU time by category: GEMMs by projection (qkv, o, gate_up, down, lm_head), attention of
+the decode rows vs the chunk rows, norms/RoPE/SiLU, sampling, other (input copies, gathers, cats); plus the rows
+each part ran on (the lm_head's among them). One JSON line at the end.
+
+The replays' kernels get their labels from one eager run of the same step (kernel_labels.py says how). On CPU
+(eager, for the tests) the categories are the ops' own CPU time.
+
+    python -m bench.probes.profile_step --model qwen2.5-7b --mixed 512 --batch 64 --context 1024
+    python -m bench.probes.profile_mixed --model tiny --device cpu --mixed 32 --batch 4 --context 64 \
+        --prompt-start 16 --prompt-len 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import defaultdict
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from bench.measure.stats import summarize
+from bench.probes.kernel_labels import CATEGORIES, CATEGORY, EagerGraph, align, by_name, label_of, labeled
+from kvtransfer.engine.graphs import Step, buckets
+from kvtransfer.engine.mixed import MAX_PIECES, Chunk
+from kvtransfer.engine.pool import KVPool
+from kvtransfer.engine.runner import StepRunner
+from kvtransfer.engine.sampler import first_token, next_tokens
+from kvtransfer.geometry import CacheGeometry
+from kvtransfer.model.spec import DTYPES, ModelSpec, load_model
+
+
+def build(a):
+    dev = torch.device(a.device)
+    dtype = a.dtype or ("bfloat16" if dev.type == "cuda" else "float32")
+    model = load_model(ModelSpec(a.model, dtype, 0), dev)
+    b = next((x for x in buckets(a.max_batch) if x >= a.batch), 0)  # the engine's bucket for --batch decode rows
+    prompt = a.mixed - b
+    if not 1 <= a.batch <= a.max_batch or 2 * b > a.mixed or not 1 <= a.pieces <= min(MAX_PIECES, prompt):
+        raise SystemExit(f"--batch 1..--max-batch, --mixed {a.mixed} >= 2 x the bucket ({b}) of --batch {a.batch}, "
+                         f"--pieces 1..{MAX_PIECES}")
+    sizes = [prompt // a.pieces + (j < prompt % a.pieces) for j in range(a.pieces)]
+    if a.prompt_start + max(sizes) > a.prompt_len:
+        raise SystemExit(f"a chunk of {max(sizes)} rows from position {a.prompt_start} runs past --prompt-len")
+    max_seq = max(a.context, a.prompt_len)
+    pool = KVPool(CacheGeometry.from_config(model.config, DTYPES[dtype]), dev, a.batch + a.pieces, max_seq, a.page)
+    leases = [pool.try_lease(max_seq) for _ in range(a.batch + a.pieces)]
+    pool.kv.normal_()
+    runner = StepRunner(model, pool, gemv="off")  # the batch-1 GEMV never runs in a step of >= 2 rows
+    st = Step(runner, b, dev.type == "cuda" and not a.eager, chunk=a.mixed, sampling=False)
+    g = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    tok = torch.randint(3, vocab, (a.batch,), generator=g).to(dev)
+    pos = torch.full((a.batch,), a.context - 1, dtype=torch.long, device=dev)
+    slots = torch.tensor([x.slot for x in leases[:a.batch]], dtype=torch.long, device=dev)
+    chunks = [Chunk(torch.randint(3, vocab, (c,), generator=g).to(dev), x.slot, a.prompt_start,
+                    a.prompt_start + c == a.prompt_len) for c, x in zip(sizes, leases[a.batch:])]
+    return st, b, tok, pos, slots, chunks
+
+
+def timed(body, dev: torch.device, n: int) -> tuple[float, float]:
+    """(median step ms: device time on CUDA, wall on CPU; median ms for the host to return from body)."""
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    for _ in range(3):
+        body()
+    sync()
+    step, host = [], []
+    for _ in range(n):
+        a = b = None
+        if dev.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+        t0 = time.perf_counter()
+        body()
+        host.append(time.perf_counter() - t0)
+        if b is not None:
+            b.record()
+        sync()
+        step.append(a.elapsed_time(b) / 1e3 if a is not None else time.perf_counter() - t0)
+    return summarize(step, 1e3)["median"], summarize(host, 1e3)["median"]
+
+
+def gpu_kernels(st: Step, body, rows: int, b: int, replays: int, seen: dict) -> tuple[list, int]:
+    """[(label, kernel name, us)] over `replays` profiled steps, and how many labels came from the alignment."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            body()
+        torch.cuda.synchronize()
+    kern = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+    graph = st.mixed_graphs.get((rows, b))
+    if graph is not None:
+        st.mixed_graphs[rows, b] = (EagerGraph(st, rows, b), graph[1])
+    try:  # the labeling pass: the same step once, eagerly, each op in its range
+        with labeled(st.runner, seen), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as lp:
+            body()
+            torch.cuda.synchronize()
+    finally:
+        if graph is not None:
+            st.mixed_graphs[rows, b] = graph
+    cpu = {e.id: e for e in lp.events() if e.device_type == DeviceType.CPU and not e.linked_correlation_id}
+    ref = sorted((e for e in lp.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+    labels, matched = align(kern, [(e.name, label_of(e, cpu) or by_name(e.name)) for e in ref], replays)
+    return [(lab, e.name, e.time_range.end - e.time_range.start) for e, lab in zip(kern, labels)], matched
+
+
+def cpu_ops(st: Step, body, replays: int, seen: dict) -> list:
+    """[(label, op name, its own CPU us)] over `replays` labeled steps (CPU: no kernels to align)."""
+    with labeled(st.runner, seen), profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(replays):
+            body()
+    return [(lab, e.name, e.self_cpu_time_total) for e in prof.events() if (lab := label_of(e, {})) is not None]
+
+
+def profile_mixed(a) -> dict:
+    st, b, tok, pos, slots, chunks = build(a)
+    dev, n = tok.device, a.batch
+    prompt_tokens = sum(c.ids.shape[0] for c in chunks)
+    graphed = bool(st.mixed_graphs)
+    rows = st.rows_for(n, prompt_tokens) if graphed else n + prompt_tokens
+    if graphed and (rows, b) not in st.mixed_graphs:
+        raise SystemExit(f"no mixed graph holds {prompt_tokens} prompt rows beside {n} decode rows")
+
+    def body():
+        with record_function("kvt:inputs"):  # the engine's host-side layout and copies (the ops inside: their own)
+            logits, lasts = st.mixed(tok, pos, slots, chunks)
+        with record_function("kvt:sample"):  # greedy, as queue_step: the decode rows, then finished prompts
+            return next_tokens(logits), [first_token(lasts[j]) for j, c in enumerate(chunks) if c.last]
+
+    def plain():
+        return next_tokens(st(tok, pos, slots))
+
+    step_ms, host_ms = timed(body, dev, a.runs)
+    decode_ms, _ = timed(plain, dev, a.runs)
+    seen: dict = {}
+    if dev.type == "cuda":
+        items, matched = gpu_kernels(st, body, rows, b, a.replays, seen)
+    else:
+        items, matched = cpu_ops(st, body, a.replays, seen), 0
+    per, kernels = defaultdict(float), defaultdict(float)
+    for lab, name, us in items:
+        per[lab] += us / a.replays
+        kernels[lab, name[:80]] += us / a.replays
+    busy, layers = sum(per.values()), len(st.runner.layers)
+    cats = dict.fromkeys(CATEGORIES, 0.0)
+    for lab, us in per.items():
+        cats[CATEGORY.get(lab, "other")] += us
+    share = (lambda us: us / busy if busy else 0.0)
+    return {
+        "bench": "profile_mixed", "model": a.model, "device": str(dev), "graphed": graphed,
+        "batch": n, "bucket": b, "context": a.context, "pieces": len(chunks), "prompt_start": a.prompt_start,
+        "prompt_len": a.prompt_len, "prompt_tokens": prompt_tokens, "step_rows": rows,
+        "padding_rows": rows - n - prompt_tokens,
+        "decode_rows": seen.get("attn_decode", {}).get("rows", 0),  # rows through the decode kernel
+        "prompt_rows": seen.get("attn_chunk", {}).get("rows", 0),  # rows through the chunk kernel
+        "prompt_pieces": seen.get("attn_chunk", {}).get("pieces", 0),
+        "lm_head_rows": seen.get("lm_head", {}).get("rows", 0),
+        "gemm_shapes": {k: [v["rows"], v["n"], v["k"]] for k, v in seen.items() if "n" in v},  # M, N, K
+        "gemm_tflops": {k: 2 * v["rows"] * v["n"] * v["k"] * (1 if k == "lm_head" else layers) / per[k] / 1e6
+                        for k, v in seen.items() if "n" in v and per.get(k)},  # achieved, over all layers
+        "step_ms": step_ms, "host_ms": host_ms, "decode_only_ms": decode_ms,
+        "us_per_prompt_token": (step_ms - decode_ms) * 1e3 / prompt_tokens, "us_per_row": step_ms * 1e3 / rows,
+        "busy_ms": busy / 1e3, "idle_ms": step_ms - busy / 1e3 if dev.type == "cuda" else None,
+        "categories": {c: {"ms": us / 1e3, "share": share(us)} for c, us in cats.items()},
+        "labels": {lab: {"ms": us / 1e3, "share": share(us), "category": CATEGORY.get(lab, "other")}
+                   for lab, us in sorted(per.items(), key=lambda kv: -kv[1])},
+        "aligned": matched / len(items) if dev.type == "cuda" and items else None,
+        "top": [{"label": lab, "name": name, "us": us} for (lab, name), us in
+                sorted(kernels.items(), key=lambda kv: -kv[1])[:a.top]],
+    }
+
+
+def report(r: dict) -> None:
+    print(f"mixed step {r['step_rows']} rows ({r['batch']} decode -> bucket {r['bucket']}, {r['prompt_tokens']} "
+          f"prompt in {r['pieces']} piece(s) from position {r['prompt_start']}, {r['padding_rows']} padding), "
+          f"{'graph replay' if r['graphed'] else 'eager'} on {r['device']}")
+    print(f"step {r['step_ms']:.3f} ms (decode-only {r['decode_only_ms']:.3f} ms; host returns in "
+          f"{r['host_ms']:.3f} ms); {r['us_per_prompt_token']:.1f} us per prompt token; busy {r['busy_ms']:.3f} ms")
+    for c, v in r["categories"].items():
+        print(f"  {c:24s} {v['ms']:8.3f} ms {100 * v['share']:5.1f}%")
+    for lab, v in r["labels"].items():
+        print(f"    {lab:22s} {v['ms']:8.3f} ms {100 * v['share']:5.1f}%")
+    print(f"lm_head rows {r['lm_head_rows']} of {r['step_rows']}; GEMM (M, N, K) {r['gemm_shapes']}; TFLOP/s "
+          + ", ".join(f"{k} {v:.0f}" for k, v in r["gemm_tflops"].items()))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="qwen2.5-7b")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="", help="default: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--mixed", type=int, default=512, help="the step's rows, decode rows included")
+    p.add_argument("--batch", type=int, default=64, help="decode rows")
+    p.add_argument("--context", type=int, default=1024, help="the decode rows' context")
+    p.add_argument("--pieces", type=int, default=1, help="prompt chunks filling the rest, one slot each")
+    p.add_argument("--prompt-start", type=int, default=512, help="the chunks' first position (a prefix before)")
+    p.add_argument("--prompt-len", type=int, default=1024, help="the prompts' length (last chunk: first token)")
+    p.add_argument("--max-batch", type=int, default=256, help="the engine's --max-batch: its buckets")
+    p.add_argument("--page", type=int, default=64, help="the pool's --kv-block-tokens (0: slots)")
+    p.add_argument("--eager", action="store_true", help="no CUDA graph (the engine's --no-cuda-graphs)")
+    p.add_argument("--runs", type=int, default=10, help="timed steps (median)")
+    p.add_argument("--replays", type=int, default=5, help="profiled steps")
+    p.add_argument("--top", type=int, default=12)
+    a = p.parse_args(argv)
+    with torch.inference_mode():
+        r = profile_mixed(a)
+    report(r)
+    print(json.dumps(r))
+    return r
+
+
+if __name__ == "__main__":
+    main()
