@@ -107,7 +107,7 @@ def gpu_kernels(st: Step, body, rows: int, b: int, replays: int, seen: dict) -> 
     finally:
         if graph is not None:
             st.mixed_graphs[rows, b] = graph
-    cpu = {e.id: e for e in lp.events() if e.device_type == DeviceType.CPU and not e.linked_correlation_id}
+    cpu = {e.id: e for e in lp.events() if e.device_type == DeviceType.CPU and not getattr(e, "linked_correlation_id", 0)}
     ref = sorted((e for e in lp.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
     labels, matched = align(kern, [(e.name, label_of(e, cpu) or by_name(e.name)) for e in ref], replays)
     return [(lab, e.name, e.time_range.end - e.time_range.start) for e, lab in zip(kern, labels)], matched
