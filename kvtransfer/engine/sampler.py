@@ -51,7 +51,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtransfer.kernels._checks import last_dim_unit
-from kvtransfer.kernels.ops import triton_available
+from kvtransfer.kernels.backend import triton_available
 
 log = logging.getLogger("kvtransfer.decode.graphs")
 _U64 = 1 << 64

@@ -23,8 +23,6 @@ write positions are skipped by the Triton rope_store.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from kvtransfer.kernels._checks import (
@@ -36,6 +34,9 @@ from kvtransfer.kernels._checks import (
     last_dim_unit,
     require,
 )
+from kvtransfer.kernels.backend import triton_available
+from kvtransfer.kernels.backend import pick_triton as _use_triton
+from kvtransfer.kernels.projections import GEMV_MAX_ROWS, gate_up_silu, invariant_linear, linear, silu_mul
 from kvtransfer.kernels.reference import (
     add_rms_norm_ref,
     chunk_attention_ref,
@@ -48,6 +49,7 @@ from kvtransfer.kernels.reference import (
 )
 
 __all__ = [
+    "GEMV_MAX_ROWS",
     "triton_available",
     "decode_attention",
     "chunk_attention",
@@ -67,28 +69,6 @@ __all__ = [
     "silu_mul_ref",
     "invariant_linear_ref",
 ]
-
-
-@functools.lru_cache(maxsize=1)
-def _triton_importable() -> bool:
-    try:
-        import triton  # noqa: F401
-    except (ImportError, OSError, RuntimeError):
-        return False
-    return True
-
-
-def triton_available(device: torch.device | str) -> bool:
-    """True when Triton kernels can run on `device`: a CUDA device and an importable triton."""
-    return torch.device(device).type == "cuda" and _triton_importable()
-
-
-def _use_triton(use_triton: bool | None, device: torch.device) -> bool:
-    if use_triton is None:
-        return triton_available(device)
-    if use_triton:
-        require(_triton_importable(), "use_triton=True but triton cannot be imported")
-    return bool(use_triton)
 
 
 def decode_attention(
@@ -251,78 +231,8 @@ def add_rms_norm(
     return rms_norm_triton(last_dim_unit(x), last_dim_unit(weight), eps, residual=last_dim_unit(residual))
 
 
-def silu_mul(gate_up: torch.Tensor, *, use_triton: bool | None = None) -> torch.Tensor:
-    """gate_up (B, 2I), gate first then up -> silu(gate) * up, (B, I) in the input dtype."""
-    check_float("gate_up", gate_up, 2)
-    require(gate_up.shape[1] % 2 == 0, f"gate_up last dim must be even, got {gate_up.shape[1]}")
-    if not _use_triton(use_triton, gate_up.device):
-        return silu_mul_ref(gate_up)
-    from kvtransfer.kernels.triton_norm import silu_mul_triton
-
-    return silu_mul_triton(last_dim_unit(gate_up))
-
-
-
 # The decode attention's arguments in the batch-invariant mode (kvtransfer/engine/runner.py): every row cut at the
 # same positions whatever the batch, splits of triton_attention_split.INVARIANT_SPLIT_SIZE positions (written here,
 # not imported, so this module imports no Triton; tests/test_batch_invariant.py checks the two agree). On CPU the
 # reference computes the same splits row by row.
 INVARIANT_ATTENTION: dict = {"split_size": 256}
-
-GEMV_MAX_ROWS = 1  # Triton GEMV for batch 1 only; cuBLAS above (bench/results/probe-h200-2026-12-01)
-
-
-def _check_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_rows: int) -> None:
-    check_float("x", x, 2)
-    check_float("w", w, 2)
-    require(w.shape[1] == x.shape[1], f"w has {w.shape[1]} columns, x rows {x.shape[1]}")
-    require(w.dtype == x.dtype and w.device == x.device, f"w is {w.dtype} on {w.device}, x {x.dtype} on {x.device}")
-    if bias is not None:
-        check_float("bias", bias, 1)
-        require(bias.shape[0] == out_rows and bias.dtype == x.dtype, f"bias must be ({out_rows},) of {x.dtype}")
-
-
-def _gemv_ok(x: torch.Tensor, w: torch.Tensor, use_triton: bool | None, max_rows: int | None) -> bool:
-    rows = GEMV_MAX_ROWS if max_rows is None else min(max_rows, GEMV_MAX_ROWS)
-    if x.shape[0] > rows or not w.is_contiguous():
-        return False
-    return _use_triton(use_triton, x.device)
-
-
-def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
-           use_triton: bool | None = None, max_rows: int | None = None) -> torch.Tensor:
-    """F.linear: x (B, K), w (N, K) -> (B, N). Triton GEMV when B <= max_rows (<= GEMV_MAX_ROWS), else torch."""
-    _check_linear(x, w, bias, w.shape[0])
-    if not _gemv_ok(x, w, use_triton, max_rows):
-        return torch.nn.functional.linear(x, w, bias)
-    from kvtransfer.kernels.triton_gemv import gemv_triton
-
-    return gemv_triton(x.contiguous(), w, bias)
-
-
-def gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor, *, use_triton: bool | None = None,
-                 max_rows: int | None = None) -> torch.Tensor:
-    """silu(x @ gate^T) * (x @ up^T): x (B, H), gate_up (2I, H), gate rows first -> (B, I).
-
-    One gated GEMV when B <= max_rows on Triton; else the GEMM, then silu_mul (same roundings).
-    """
-    _check_linear(x, gate_up, None, gate_up.shape[0])
-    require(gate_up.shape[0] % 2 == 0, f"gate_up must have an even row count, got {gate_up.shape[0]}")
-    if not _gemv_ok(x, gate_up, use_triton, max_rows):
-        return silu_mul(torch.nn.functional.linear(x, gate_up), use_triton=use_triton)
-    from kvtransfer.kernels.triton_gemv import gemv_triton
-
-    return gemv_triton(x.contiguous(), gate_up, gated=True)
-
-
-def invariant_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
-                     use_triton: bool | None = None) -> torch.Tensor:
-    """x (M, K) @ w (N, K)^T (+ bias) -> (M, N) in x.dtype, each row's bits independent of M and of the other rows
-    (Triton: one tile config, no split-K; docs/batch-invariance.md). The reference sums in fp32 and rounds once,
-    as the kernel does, in torch's order. Not used by the engine yet."""
-    _check_linear(x, w, bias, w.shape[0])
-    if not _use_triton(use_triton, x.device):
-        return invariant_linear_ref(x, w, bias)
-    from kvtransfer.kernels.triton_matmul import matmul_triton
-
-    return matmul_triton(last_dim_unit(x), last_dim_unit(w), None if bias is None else bias.contiguous())
