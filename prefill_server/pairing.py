@@ -19,12 +19,11 @@ progress (the decode side counts the pair up once its own join returns, and send
 side's join thread may not have handed the group to the device thread yet, or be warming it up)
 waits for that pairing to end (`request`), rather than finding no data plane.
 
-Health, per pair: the service `pair_service(decode instance)` is SERVING while that pair is
-up, and each decode worker watches its own (so one pair's handshake or failure never ends
-another's); "" is SERVING while any pair is up. A transfer that breaks a pair's process group
-(peer gone, gloo timeout: the group is closed for good) ends that pair until its next
-handshake. A pair whose decode worker is gone (no liveness watch open here: a health Watch
-carrying its instance id, opened before its handshake) is dropped at the next handshake.
+Health, per pair (published through peer_health.py, which also says who still watches): a pair
+is up from its pairing's warm-up until a transfer breaks its process group (peer gone, gloo
+timeout: the group is closed for good), which ends that pair until its next handshake. A pair
+whose decode worker is gone (no liveness watch open here: a health Watch carrying its instance
+id, opened before its handshake) is dropped at the next handshake.
 A stopping worker refuses handshakes (UNAVAILABLE: the decode side waits and retries), gives up a
 join in progress, and closes every data plane; nothing it runs outlives the stop.
 """
@@ -32,46 +31,19 @@ join in progress, and closes every data plane; nothing it runs outlives the stop
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import secrets
 import threading
 from dataclasses import dataclass, field
 
 import grpc
-from grpc_health.v1 import health_pb2
-from grpc_health.v1.health import aio as health_aio
 
-from kvtransfer.rpc.server import DECODE_INSTANCE_KEY, pair_service
 from kvtransfer.transport import Cause, TransferError
 from kvtransfer.transport.registry import Rendezvous
+from prefill_server.peer_health import PeerHealth
 from proto import kvtransfer_pb2 as pb
 
 log = logging.getLogger("kvtransfer.prefill")
-SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
-
-
-class PeerHealth(health_aio.HealthServicer):
-    """The health service, counting the open Watch streams of each decode instance (its liveness watch)."""
-
-    def __init__(self):
-        super().__init__()
-        self.watching: collections.Counter[int] = collections.Counter()
-        self.seen: set[int] = set()  # every instance that opened a watch
-
-    def left(self, who: int) -> bool:
-        """Whether `who` watched and no longer does (its process is gone): not merely "not watching yet"."""
-        return who in self.seen and self.watching[who] <= 0
-
-    async def Watch(self, request, context):
-        raw = dict(context.invocation_metadata() or ()).get(DECODE_INSTANCE_KEY, "")
-        who = int(raw, 16) if raw and all(c in "0123456789abcdef" for c in raw) else 0
-        self.watching[who] += 1
-        self.seen.add(who)
-        try:
-            await super().Watch(request, context)
-        finally:
-            self.watching[who] -= 1
 
 
 @dataclass
@@ -104,7 +76,7 @@ class PrefillPairing:
         self.stopping = False
 
     def alive(self, instance: int) -> bool:
-        return self.health is not None and self.health.watching[instance] > 0
+        return self.health is not None and self.health.watched(instance)
 
     def up_count(self) -> int:
         return sum(p.up for p in self.pairs.values())
@@ -155,7 +127,7 @@ class PrefillPairing:
                 self._drop(p)
                 del self.pairs[p.instance]
                 if self.health is not None:
-                    self.health.seen.discard(p.instance)
+                    self.health.forget(p.instance)
                 self._from_thread(self._publish_any())
 
     def _rejoin(self, pair: Pair, epoch: int, gone: list[Pair]) -> None:
@@ -304,7 +276,7 @@ class PrefillPairing:
         if up:
             pair.settled.set()
         if self.health is not None:
-            await self.health.set(pair_service(pair.instance), SERVING if up else NOT_SERVING)
+            await self.health.set_pair(pair.instance, up)
         await self._publish_any()
 
     async def _settle(self, pair: Pair, epoch: int) -> None:
@@ -318,7 +290,7 @@ class PrefillPairing:
         n = self.up_count()
         self.metrics.peer_up.set(n)
         if self.health is not None:
-            await self.health.set("", SERVING if n else NOT_SERVING)
+            await self.health.set_any(bool(n))
 
 
 def _log_failure(job) -> None:

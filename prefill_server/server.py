@@ -27,7 +27,8 @@ from kvtransfer.transport.registry import Rendezvous, Transport
 from kvtransfer.transport.status import transfer_status
 from prefill_server import policy
 from prefill_server.config import PrefillConfig
-from prefill_server.pairing import PeerHealth, PrefillPairing
+from prefill_server.pairing import PrefillPairing
+from prefill_server.peer_health import PeerHealth
 from prefill_server.worker import WARMUP_REQUEST_ID, PrefillWorker
 from proto import kvtransfer_pb2 as pb
 from proto import kvtransfer_pb2_grpc as pbg
