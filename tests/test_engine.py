@@ -251,12 +251,12 @@ def test_the_servicer_keeps_one_mailbox_per_loop():
     import asyncio
     import types
 
-    from decode_server.server import DecodeService
+    from decode_server.request_path import RequestPath
 
     service = types.SimpleNamespace(_mailbox=None)
 
     async def boxes():
-        return DecodeService._box(service), DecodeService._box(service)
+        return RequestPath._box(service), RequestPath._box(service)
     first, again = asyncio.run(boxes())
     assert first is again
     other, _ = asyncio.run(boxes())

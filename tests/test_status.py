@@ -104,7 +104,7 @@ def test_abort_on_a_finished_call_sends_nothing():
     import grpc
     import pytest
 
-    from decode_server.server import DecodeService
+    from decode_server.request_path import abort
 
     class Ctx:  # grpc.aio's: done() is "status sent"; a deadline that passed shows as time_remaining() == 0
         def __init__(self, done, left=None, cancelled=False):
@@ -125,9 +125,9 @@ def test_abort_on_a_finished_call_sends_nothing():
 
     for gone in (Ctx(True), Ctx(False, left=0.0), Ctx(False, cancelled=True)):
         with pytest.raises(asyncio.CancelledError):
-            asyncio.run(DecodeService._abort(gone, grpc.StatusCode.DEADLINE_EXCEEDED, "late"))
+            asyncio.run(abort(gone, grpc.StatusCode.DEADLINE_EXCEEDED, "late"))
         assert gone.aborted == []
     open_ = Ctx(False, left=0.05)
     with pytest.raises(grpc.RpcError):
-        asyncio.run(DecodeService._abort(open_, grpc.StatusCode.DEADLINE_EXCEEDED, "late"))
+        asyncio.run(abort(open_, grpc.StatusCode.DEADLINE_EXCEEDED, "late"))
     assert open_.aborted == [grpc.StatusCode.DEADLINE_EXCEEDED]

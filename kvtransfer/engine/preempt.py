@@ -7,7 +7,7 @@ that a step may find no free block for a row that crosses into a new one. Then, 
 (v1/core/sched/scheduler.py: it pops the last of its running list and frees its blocks; SGLang's retract_decode
 likewise retracts running requests to the waiting queue), the newest running request is preempted: its row and
 blocks go back to the pool now, and the request is readmitted ahead of every new arrival and continues from the
-tokens it already made (decode_server/server.py: its context is prefilled again here, "recompute").
+tokens it already made (decode_server/request_path.py: its context is prefilled again here, "recompute").
 
 Swap: with the host tier (--host-cache-gib), when the break-even rule (reload_rule.py, the speeds measured at
 start) says copying the victim's context back beats prefilling it again, the context goes to the pinned host
