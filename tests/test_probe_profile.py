@@ -75,3 +75,26 @@ def test_eager_graph_runs_the_captured_forward_on_the_step_buffers():
     assert b == 4 and fake.last.shape[0] == b + 4  # bucket 4 (one padding row), 4 pieces' rows kept
     torch.testing.assert_close(fake.last[:3], want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(fake.last[b:b + 1], want_last, rtol=1e-4, atol=1e-4)
+
+
+def test_reference_labels_with_and_without_the_profilers_link():
+    """torch >= 2.12 links a kernel to its launch (linked_correlation_id); torch 2.11 lists a launch's kernels on its
+    CPU event. Both give the range's label; a count that does not match falls back to the kernels' names."""
+    from torch.autograd import DeviceType
+
+    from bench.probes.profile_mixed import reference_labels
+
+    def ev(name, dev, start, **kw):
+        return SimpleNamespace(name=name, device_type=dev, time_range=SimpleNamespace(start=start), **kw)
+    qkv = ev("kvt:qkv", DeviceType.CPU, 0, cpu_parent=None, id=1, linked_correlation_id=0)
+    launch = ev("cudaLaunchKernel", DeviceType.CPU, 1, cpu_parent=qkv, id=7, linked_correlation_id=0)
+    k = ev("sm90_xmma_gemm_bf16", DeviceType.CUDA, 2, id=8, linked_correlation_id=7)
+    assert reference_labels([qkv, launch, k]) == [("sm90_xmma_gemm_bf16", "qkv")]
+    old = [ev("kvt:qkv", DeviceType.CPU, 0, cpu_parent=None, kernels=[], is_legacy=False),
+           ev("cudaLaunchKernel", DeviceType.CPU, 1, cpu_parent=None, kernels=[SimpleNamespace(name="g")],
+              is_legacy=False),
+           ev("g", DeviceType.CUDA, 2)]
+    old[1].cpu_parent = old[0]
+    assert reference_labels(old) == [("g", "qkv")]
+    old[1].kernels = []  # no launch lists it: by name
+    assert reference_labels(old) == [("g", "other")]

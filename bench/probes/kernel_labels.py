@@ -93,8 +93,7 @@ class EagerGraph:
 def label_of(e, cpu: dict) -> str | None:
     """The innermost `kvt:` range around the CPU op that launched device event e (or around CPU event e). cpu: the
     ops and ranges by id (CPU events whose linked_correlation_id is 0, as torch's own linking takes them)."""
-    # torch 2.11's FunctionEvent has no linked_correlation_id: a kernel is then labeled by its own name (by_name)
-    p = cpu.get(getattr(e, "linked_correlation_id", None)) if e.device_type != DeviceType.CPU else e
+    p = cpu.get(e.linked_correlation_id) if e.device_type != DeviceType.CPU else e
     while p is not None and not p.name.startswith("kvt:"):
         p = p.cpu_parent
     return None if p is None else p.name[4:]

@@ -107,10 +107,24 @@ def gpu_kernels(st: Step, body, rows: int, b: int, replays: int, seen: dict) -> 
     finally:
         if graph is not None:
             st.mixed_graphs[rows, b] = graph
-    cpu = {e.id: e for e in lp.events() if e.device_type == DeviceType.CPU and not getattr(e, "linked_correlation_id", 0)}
-    ref = sorted((e for e in lp.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
-    labels, matched = align(kern, [(e.name, label_of(e, cpu) or by_name(e.name)) for e in ref], replays)
+    labels, matched = align(kern, reference_labels(lp.events()), replays)
     return [(lab, e.name, e.time_range.end - e.time_range.start) for e, lab in zip(kern, labels)], matched
+
+
+def reference_labels(events) -> list[tuple[str, str]]:
+    """(kernel name, label) of the labeling pass's kernels in launch order. torch >= 2.12 links each device event to
+    its launch (linked_correlation_id); torch 2.11 does not, but lists each launch's kernels on its CPU event
+    (`kernels`): one stream runs them in launch order. Either way a kernel no range claims is labeled by its name."""
+    device = sorted((e for e in events if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+    if device and hasattr(device[0], "linked_correlation_id"):
+        cpu = {e.id: e for e in events if e.device_type == DeviceType.CPU and not e.linked_correlation_id}
+        return [(e.name, label_of(e, cpu) or by_name(e.name)) for e in device]
+    launches = sorted((e for e in events if e.device_type == DeviceType.CPU and e.kernels and not e.is_legacy),
+                      key=lambda e: e.time_range.start)
+    ref = [(k.name, label_of(e, {}) or by_name(k.name)) for e in launches for k in e.kernels]
+    if len(ref) != len(device):  # not one entry per kernel: names only
+        return [(e.name, by_name(e.name)) for e in device]
+    return ref
 
 
 def cpu_ops(st: Step, body, replays: int, seen: dict) -> list:
