@@ -94,6 +94,15 @@ def test_the_engine_plan_on_cpu_prefills_whole_prompts(tiny_loaded):
     assert (mixed.prefill_chunk, mixed.mixed_prefill) == (512, True)
 
 
+def test_the_engine_plan_in_the_batch_invariant_mode_prefills_in_mixed_steps(tiny_loaded):
+    """The mode's prompts ride in the decode steps on any device, in steps of --prefill-chunk rows (0 or unset: 512;
+    a mutation pass found 0 unguarded: read as 0 rows)."""
+    for chunk, rows in ((-1, 512), (0, 512), (32, 32)):
+        options, line = plan_engine(DecodeConfig(colocated=True, batch_invariant=True, prefill_chunk=chunk),
+                                    tiny_loaded, 0)
+        assert (options.prefill_chunk, options.mixed_prefill, options.batch_invariant) == (rows, True, True)
+        assert f"up to {rows} rows each" in line and "--batch-invariant" in line
+
 def test_the_engine_plan_on_cuda_is_the_fastest_measured_and_exact_restores_whole_prompts(tiny_loaded, monkeypatch):
     """On CUDA (its memory stood in), no flags: mixed steps of up to 512 rows and at most 256 rows decoding (2 step
     rows per decode row); --exact: whole prompts. --exact beside a chunk flag is refused."""

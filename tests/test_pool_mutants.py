@@ -43,12 +43,14 @@ def test_write_layer_lands_positions_at_every_offset_inside_a_block(n):
 
 
 
-@pytest.mark.parametrize("ids", [[3, 4, 5, 6, 7], [3, 4, 6, 7, 8], [7, 3, 5, 4, 6]], ids=["run", "gap", "shuffled"])
+@pytest.mark.parametrize("ids", [[3, 4, 5, 6, 7], [3, 4, 6, 7, 8], [7, 3, 5, 4, 6], [3, 5, 4, 6, 7]],
+                         ids=["run", "gap", "shuffled", "ends-of-a-run"])
 def test_write_layer_copies_blocks_that_follow_each_other_as_one_slice(ids, monkeypatch):
     """Guards write_layer's slice path: a row whose whole blocks follow each other is written by a plain copy, with
     no block index uploaded (on CUDA a pinned allocation and an H2D copy per layer received; with the indexed
     scatter, it measured ~5x the copy on CPU, bench/probes/grpc_landing.py); blocks with a gap or out of order still
-    go through the index. Either way every position lands where read_layer finds it, and nowhere else."""
+    go through the index (blocks whose first and last would bound a run, but shuffled inside, too). Either way every
+    position lands where read_layer finds it, and nowhere else."""
     pool = KVPool(GEO, torch.device("cpu"), slots=2, max_seq=32, page=PAGE, blocks=16)
     pool._free_blocks = [b for b in range(16) if b not in ids] + ids[::-1]  # pop() hands out `ids` in order
     n = 4 * PAGE + 2  # 4 whole blocks and 2 positions of the fifth
