@@ -40,6 +40,8 @@ async def stream_record(stub, req: pb.GenerateRequest, timeout: float, metadata,
     has that many)."""
     out = {"input_len": len(req.token_ids), "times": [], "tokens": [], "code": None, "error": "", "mode": "",
            "timing": None}
+    if digests:
+        out["digests"] = []
     t0 = out["start"] = time.perf_counter()
     want = min(stop_after or req.max_new_tokens, req.max_new_tokens)
     call = stub.Generate(req, timeout=timeout, metadata=metadata)
@@ -48,7 +50,7 @@ async def stream_record(stub, req: pb.GenerateRequest, timeout: float, metadata,
             out["times"].append(time.perf_counter() - t0)
             out["tokens"].append(msg.token_id)
             if digests:
-                out.setdefault("digests", []).append(msg.logits_digest)
+                out["digests"].append(msg.logits_digest)
             if msg.HasField("timing"):
                 out["timing"] = msg.timing
                 out["mode"] = Mode.from_proto(msg.timing.mode).value

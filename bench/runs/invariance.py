@@ -49,7 +49,7 @@ async def one_pass(addr: str, reqs: list[pb.GenerateRequest], order: list[int], 
                    step: Step, name: str) -> tuple[list[dict], float]:
     """Every request, in `order`, at most `concurrency` in flight; -> records by request index, seconds."""
     limit = asyncio.Semaphore(concurrency)
-    records: list[dict] = [{}] * len(reqs)
+    records: list[dict] = [{} for _ in reqs]  # by request index, filled as each ends
 
     async with grpc.aio.insecure_channel(addr) as channel:
         stub = pbg.DecodeStub(channel)
@@ -75,7 +75,7 @@ def compare(a: dict, b: dict) -> dict:
 
 
 def summarize(cfg: ServeConfig, seeded: int, passes: list[tuple[list[dict], float]], order: list[int]) -> dict:
-    (one, t1), (two, t2) = passes
+    (one, _), (two, _) = passes
     failed = [i for i in range(len(one)) if one[i]["code"] or two[i]["code"]]
     rows = {i: compare(one[i], two[i]) for i in range(len(one)) if i not in failed}
     kinds = {}
