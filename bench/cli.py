@@ -34,7 +34,7 @@ from bench.report.output import json_line, write_outputs
 from bench.report.table import print_tables
 from bench.runs import decode, demo, interference, invariance, link, offload, serve, ttft
 from kvtransfer.rpc.configargs import Parser
-from kvtransfer.rpc.stacks import exit_on_sigterm
+from kvtransfer.rpc.stacks import exit_on_sigterm, exit_status
 
 SUBCOMMANDS: dict[str, ModuleType] = {"offload": offload, "ttft": ttft, "demo": demo, "link": link, "serve": serve,
                                       "decode": decode, "interference": interference, "invariance": invariance}
@@ -74,9 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if argv is None:  # the program itself, not a caller's process (a test's): `timeout` gets stacks, then exit
+    if argv is None:  # the program itself, not a caller's process (a test's): `timeout` gets stacks, then exit 143
         exit_on_sigterm()
-    argv = sys.argv[1:] if argv is None else list(argv)
+        return exit_status(lambda: run(sys.argv[1:]))
+    return run(list(argv))
+
+
+def run(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     args.command_line = shlex.join(["kvtransfer-bench", *argv])
     try:

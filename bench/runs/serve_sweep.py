@@ -23,7 +23,7 @@ import time
 
 from bench.measure.launch import colocated_server, free_port, server_pair
 from bench.runs.serve import ServeConfig, add_long_prompt_flags, run_serve
-from kvtransfer.rpc.stacks import exit_on_sigterm
+from kvtransfer.rpc.stacks import exit_on_sigterm, exit_status, terminated
 
 
 def non_negative(text: str) -> int:
@@ -183,10 +183,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = build_parser()
     if argv is None:  # the program: `timeout` gets the stacks of it and its servers; result.json keeps what ran
         exit_on_sigterm()
-    args = p.parse_args(argv)
+        return exit_status(lambda: run(None))
+    return run(argv)
+
+
+def run(argv: list[str] | None) -> int:
+    args = build_parser().parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     runs, failures = [], []
     for arm in args.arms.split(","):
@@ -196,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 run_servers(args, arm, max_batch, conc, runs, failures)
             except Exception as e:  # a server that did not start: recorded, the other arms still run
+                if terminated() is not None:  # stopped by `timeout`: no more arms
+                    raise
                 failures.append(f"{arm} max-batch {max_batch}: {e}")
     result = write_result(args, runs, failures, complete=True)
     print(json.dumps({"ok": result["ok"], "failures": failures, "summary": result["summary"]}))

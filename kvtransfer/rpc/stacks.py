@@ -17,6 +17,7 @@ import signal
 import sys
 
 DUMP_SIGNAL = signal.SIGUSR1
+_TERMINATED: list[int] = []  # the signal exit_on_sigterm's handler took, once it has run
 
 
 def enable_stack_dumps() -> bool:
@@ -35,9 +36,29 @@ def exit_on_sigterm() -> None:
     """SIGTERM: this process's stacks on stderr, then SystemExit(143) so `finally` blocks stop the servers."""
     def handler(signum, _frame):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # `timeout` signals the child, then its group: once is enough
+        _TERMINATED.append(signum)
         faulthandler.dump_traceback(all_threads=True)
         raise SystemExit(128 + signum)
     signal.signal(signal.SIGTERM, handler)
+
+
+def terminated() -> int | None:
+    """The signal exit_on_sigterm's handler took, or None while it has not run."""
+    return _TERMINATED[0] if _TERMINATED else None
+
+
+def exit_status(main) -> int:
+    """main()'s return value, as a driver's exit status; 128 + the signal once exit_on_sigterm's handler has run,
+    also where its SystemExit was lost: raised inside a library's callback (grpc's asyncio poller swallows what its
+    callbacks raise), the run then fails on what the signal stopped (`timeout` signals the servers too) and would
+    otherwise exit 1 with that error instead of saying it was terminated."""
+    try:
+        return main()
+    except Exception:
+        if terminated() is None:
+            raise
+        print(f"stopped on signal {terminated()}", file=sys.stderr)
+        return 128 + terminated()
 
 
 def catches_dump_signal(pid: int) -> bool:
