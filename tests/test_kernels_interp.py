@@ -179,6 +179,34 @@ def test_chunk_attention_matches_reference(dtype, heads):
     assert (out[78:80] == 0).all() and (out[81:] == 0).all()  # rows in no chunk
 
 
+@pytest.mark.parametrize("use_triton", [False, True], ids=["reference", "triton"])
+def test_attention_into_a_shared_output(use_triton):
+    """A mixed step's attention output is one tensor: the decode rows' kernel writes rows :d and the chunk kernel
+    the rest in place (runner.py), its padding rows zeroed by a piece of slot -1 (mixed.piece_table). Each writes
+    what it returns alone, on its own rows only: the 7.0 fill survives outside them."""
+    hq, hkv, d = 4, 2, 16
+    g = torch.Generator().manual_seed(13)
+    k_pool, v_pool = (torch.randn(4, hkv, 160, d, generator=g) for _ in range(2))
+    q = torch.randn(100, hq, d, generator=g)
+    case = decode_case([40, 1, 150, 9], hq, hkv, d, max_seq=160, dtype=torch.float32, seed=4)
+    pieces = torch.tensor([[0, 5, 1, 130], [5, 73, 0, 0], [80, 1, 3, 17], [0, 0, 0, 0], [81, 15, -1, 0]],
+                          dtype=torch.int32)  # rows 78..79: no piece; 81..95: padding; 96..99: the caller's
+    alone = K.chunk_attention(q[:96], k_pool, v_pool, pieces[:4], d ** -0.5, use_triton=use_triton)
+    out = torch.full((104, hq, d), 7.0)
+    K.chunk_attention(q[:96], k_pool, v_pool, pieces, d ** -0.5, use_triton=use_triton, out=out[4:100])
+    covered = list(range(0, 78)) + [80]
+    assert torch.equal(out[4:100][covered], alone[covered])
+    assert (out[4:100][81:96] == 0).all() and (out[4:100][78:80] == 7.0).all()
+    assert (out[:4] == 7.0).all() and (out[100:] == 7.0).all()
+    dec = torch.full((6, hq, d), 7.0)
+    K.decode_attention(case.q, case.k_pool, case.v_pool, case.slots, case.lengths, case.scale, use_triton=use_triton,
+                       out=dec[1:5])
+    assert torch.equal(dec[1:5], _att(case, use_triton=use_triton))
+    assert (dec[0] == 7.0).all() and (dec[5] == 7.0).all()
+    with pytest.raises(ValueError, match="out must be"):
+        K.chunk_attention(q, k_pool, v_pool, pieces, d ** -0.5, use_triton=use_triton, out=out[:10])
+
+
 def _p_rounding_case():
     """Two keys whose probabilities differ by less than fp16 resolves, over values +1000 and -1000.
 

@@ -65,7 +65,7 @@ def mixed(model, geom) -> dict:
         q = torch.randn(n, runner.hq, runner.d, device="cuda", dtype=torch.bfloat16)
         sl = torch.full((n,), 32, dtype=torch.long, device="cuda")
         ln = torch.arange(1, n + 1, dtype=torch.int32, device="cuda")
-        table = piece_table([Chunk(ids[:n], 32, 0, True)], 4).cuda()
+        table = piece_table([Chunk(ids[:n], 32, 0, True)], 4, n).cuda()
         row = dict(rows=n)
         for name, fn in (("decode_kernel", lambda: K.decode_attention(q, kp, vp, sl, ln, runner.scale)),
                          ("chunk_kernel", lambda: K.chunk_attention(q, kp, vp, table, runner.scale))):

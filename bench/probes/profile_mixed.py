@@ -35,9 +35,15 @@ from kvtransfer.engine.graphs import Step, buckets
 from kvtransfer.engine.mixed import MAX_PIECES, Chunk
 from kvtransfer.engine.pool import KVPool
 from kvtransfer.engine.runner import StepRunner
+from kvtransfer.engine.side_stream import SideStream
 from kvtransfer.engine.sampler import first_token, next_tokens
 from kvtransfer.geometry import CacheGeometry
 from kvtransfer.model.spec import DTYPES, ModelSpec, load_model
+
+
+def runner_side(st) -> bool:
+    """Whether the step's prompt rows attend on a side stream beside its decode rows."""
+    return st.runner.side.stream is not None
 
 
 def build(a):
@@ -57,6 +63,8 @@ def build(a):
     leases = [pool.try_lease(max_seq) for _ in range(a.batch + a.pieces)]
     pool.kv.normal_()
     runner = StepRunner(model, pool, gemv="off")  # the batch-1 GEMV never runs in a step of >= 2 rows
+    if getattr(a, "no_side_stream", False):  # the prompt rows' attention after the decode rows', on the step's one stream
+        runner.side = SideStream(dev, on=False)
     st = Step(runner, b, dev.type == "cuda" and not a.eager, chunk=a.mixed, sampling=False)
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
@@ -171,6 +179,7 @@ def profile_mixed(a) -> dict:
     share = (lambda us: us / busy if busy else 0.0)
     return {
         "bench": "profile_mixed", "model": a.model, "device": str(dev), "graphed": graphed,
+        "side_stream": runner_side(st),
         "batch": n, "bucket": b, "context": a.context, "pieces": len(chunks), "prompt_start": a.prompt_start,
         "prompt_len": a.prompt_len, "prompt_tokens": prompt_tokens, "step_rows": rows,
         "padding_rows": rows - n - prompt_tokens,
@@ -221,6 +230,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-batch", type=int, default=256, help="the engine's --max-batch: its buckets")
     p.add_argument("--page", type=int, default=64, help="the pool's --kv-block-tokens (0: slots)")
     p.add_argument("--eager", action="store_true", help="no CUDA graph (the engine's --no-cuda-graphs)")
+    p.add_argument("--no-side-stream", action="store_true",
+                   help="the prompt rows' attention after the decode rows' on one stream (to price the side stream)")
     p.add_argument("--runs", type=int, default=10, help="timed steps (median)")
     p.add_argument("--replays", type=int, default=5, help="profiled steps")
     p.add_argument("--top", type=int, default=12)

@@ -73,7 +73,7 @@ class Step:
         self.positions = torch.zeros(rows, dtype=torch.long, device=dev)
         self.slots = torch.full((rows,), self.runner.pool.scratch, dtype=torch.long, device=dev)
         self.keep = torch.zeros(self.max_batch + MAX_PIECES, dtype=torch.long, device=dev)
-        self.pieces = torch.zeros(MAX_PIECES, 4, dtype=torch.int32, device=dev)  # the chunks' table (mixed.piece_table)
+        self.pieces = torch.zeros(MAX_PIECES + 1, 4, dtype=torch.int32, device=dev)  # mixed.piece_table: the chunks'
 
     def _capture(self) -> None:
         self._inputs()

@@ -76,7 +76,7 @@ class PromptRows:
     positions: torch.Tensor  # (rows,) int64: each chunk's start .. start + c - 1, then 0
     slots: torch.Tensor  # (rows,) int64: each chunk's slot, then the scratch slot
     keep: torch.Tensor  # (b + pieces,) int64: the decode rows, then each chunk's last row (unused: the last row)
-    table: torch.Tensor  # (pieces, 4) int32: what kernels.chunk_attention reads (piece_table)
+    table: torch.Tensor  # (pieces + 1, 4) int32: what kernels.chunk_attention reads (piece_table)
 
 
 def lay_out(chunks: list[Chunk], b: int, rows: int, pieces: int, scratch: int) -> PromptRows:
@@ -94,7 +94,8 @@ def lay_out(chunks: list[Chunk], b: int, rows: int, pieces: int, scratch: int) -
         at += size
         keep.append(b + at - 1)
     keep += [b + rows - 1] * (pieces - len(chunks))  # unused pieces: a padding (or the last chunk's) row
-    return PromptRows(tokens, positions, slots, torch.tensor(keep, dtype=torch.long), piece_table(chunks, pieces))
+    return PromptRows(tokens, positions, slots, torch.tensor(keep, dtype=torch.long),
+                      piece_table(chunks, pieces, rows))
 
 
 @torch.inference_mode()
@@ -111,14 +112,16 @@ def mixed_forward(r: StepRunner, tokens: torch.Tensor, positions: torch.Tensor, 
     return logits[:b], logits[b:]
 
 
-def piece_table(chunks: list[Chunk], rows: int) -> torch.Tensor:
-    """(rows, 4) int32 on the host, one row per chunk laid out one after another: first row, rows, slot, start;
-    then unused pieces (0 rows). What kernels.chunk_attention reads."""
-    table, at = torch.zeros(rows, 4, dtype=torch.int32), 0
+def piece_table(chunks: list[Chunk], pieces: int, rows: int) -> torch.Tensor:
+    """(pieces + 1, 4) int32 on the host, what kernels.chunk_attention reads: one row per chunk laid out one after
+    another (first row, rows, slot, start), then unused pieces (0 rows), then the padding up to `rows` rows (slot
+    -1: rows the kernel zeroes, so the step's attention output needs no fill of its own)."""
+    table, at = torch.zeros(pieces + 1, 4, dtype=torch.int32), 0
     for j, c in enumerate(chunks):
         n = c.ids.shape[0]
         table[j] = torch.tensor([at, n, c.slot, c.start], dtype=torch.int32)
         at += n
+    table[pieces] = torch.tensor([at, rows - at, -1, 0], dtype=torch.int32)
     return table
 
 

@@ -20,6 +20,7 @@ import logging
 import torch
 
 from kvtransfer.engine.pool import KVPool
+from kvtransfer.engine.side_stream import SideStream
 from kvtransfer.kernels import ops as kernels
 from kvtransfer.model.decoder_stack import run_layers
 from kvtransfer.model.fused import UnsupportedModel, check_supported, fused_layers
@@ -52,6 +53,9 @@ class StepRunner:
             pos = torch.arange(pool.max_seq, device=self.device).unsqueeze(0)  # (1, max_seq)
             cos, sin = inner.rotary_emb(torch.empty(0, dtype=dtype, device=self.device), pos)
         self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()  # (max_seq, D)
+        # a mixed step's prompt rows attend on a side stream beside its decode rows (CUDA only; a probe turns it
+        # off to price it: bench/probes/profile_mixed.py)
+        self.side = SideStream(self.device)
         # gemv_rows 0 or gemv "off": cuBLAS at every batch; "on": the GEMV for every projection up to gemv_rows;
         # "auto": where it beats cuBLAS at start. A timing is noisy near the margin, so two processes may pick
         # differently (gate_up, o and lm_head flipped between starts of the same server on one H100) and then give
@@ -80,7 +84,9 @@ class StepRunner:
         so rows of one slot at consecutive positions are a causal prompt chunk (mixed.py rides one along).
         keep: (K,) int64 row indices; only those rows reach the final norm and lm_head -> logits (K, vocab).
         chunks: (d, pieces): rows 0..d-1 decode, rows d.. prompt chunks, pieces (P, 4) int32 (first row counted from
-        d, rows, slot, start; kernels.chunk_attention), attending flash style instead of one decode row each.
+        d, rows, slot, start; kernels.chunk_attention), attending flash style instead of one decode row each. The
+        pieces cover every row from d (padding rows as a zero piece, mixed.piece_table): the rows they leave out
+        attend to nothing defined.
         on_layer(i): called once layer i's K/V of every row are in the pool (eager only: the invariant prefill
         streams its layers so, kvtransfer/engine/invariant_prefill.py).
         """
@@ -102,11 +108,14 @@ class StepRunner:
                 return ops.decode_attention(q, kp, vp, slots, lengths, self.scale, use_triton=tri,
                                             block_table=table)  # (B, Hq, D)
             d, pieces = chunks
-            o = ops.chunk_attention(q[d:], kp, vp, pieces, self.scale, use_triton=tri,
-                                    block_table=table)  # (B - d, Hq, D)
+            o = torch.empty_like(q)  # (B, Hq, D): rows :d from the decode kernel, d: from the chunk kernel
+            with self.side.fork():  # beside the decode rows' kernel (side_stream.py)
+                ops.chunk_attention(q[d:], kp, vp, pieces, self.scale, use_triton=tri, block_table=table,
+                                    out=o[d:])  # pieces cover every row d.. (padding: a zero piece, mixed.py)
             if d:
-                o = torch.cat([ops.decode_attention(q[:d], kp, vp, slots[:d], lengths[:d], self.scale,
-                                                    use_triton=tri, block_table=table), o])  # (B, Hq, D)
+                ops.decode_attention(q[:d], kp, vp, slots[:d], lengths[:d], self.scale, use_triton=tri,
+                                     block_table=table, out=o[:d])
+            self.side.join()
             return o
 
         def project(name: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -54,6 +54,17 @@ def check_groups(q_heads: int, kv_heads: int) -> None:
     require(kv_heads > 0 and q_heads % kv_heads == 0, f"q heads {q_heads} not a multiple of kv heads {kv_heads}")
 
 
+def check_out(out: torch.Tensor | None, like: torch.Tensor) -> None:
+    """An output written in place: None, or `like`'s shape, dtype and device with unit stride on its last dim."""
+    if out is None:
+        return
+    require(isinstance(out, torch.Tensor), "out must be a tensor")
+    require(out.shape == like.shape and out.dtype == like.dtype and out.device == like.device,
+            f"out must be {tuple(like.shape)} {like.dtype} on {like.device}, got {tuple(out.shape)} {out.dtype} "
+            f"on {out.device}")
+    require(out.stride(-1) == 1, "out needs unit stride on its last dim")
+
+
 def last_dim_unit(t: torch.Tensor) -> torch.Tensor:
     """The tensor itself if its last dim has unit stride (and dims > 0), else a contiguous copy."""
     return t if t.stride(-1) == 1 else t.contiguous()

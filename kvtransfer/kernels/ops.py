@@ -29,6 +29,7 @@ from kvtransfer.kernels._checks import (
     check_float,
     check_groups,
     check_index,
+    check_out,
     check_pools,
     check_table,
     last_dim_unit,
@@ -83,12 +84,14 @@ def decode_attention(
     num_splits: int | None = None,
     block_table: torch.Tensor | None = None,
     split_size: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query per row over the first lengths[b] positions of slot slots[b] (paged: of table row
     slots[b]).
 
     q: (B, Hq, D); k_pool/v_pool: (S, Hkv, T, D), q's dtype; slots, lengths: (B,) int32/int64.
-    Returns a new (B, Hq, D) tensor in q.dtype. GQA: q head j reads kv head j // (Hq // Hkv).
+    Returns a new (B, Hq, D) tensor in q.dtype, or `out` (B, Hq, D) in q.dtype, unit stride on D (a slice of a
+    mixed step's attention output), written in place. GQA: q head j reads kv head j // (Hq // Hkv).
     num_splits (Triton only) overrides the static split count (for tuning/benchmarks). split_size (the
     batch-invariant mode, docs/batch-invariance.md: a multiple of BLOCK_N = 64, `INVARIANT_SPLIT_SIZE` = 256 there)
     cuts every row at the same positions instead, so a row's output does not depend on its batch; the reference then
@@ -104,15 +107,18 @@ def decode_attention(
     check_table(block_table, q.device)
     require(split_size is None or (split_size > 0 and split_size % 64 == 0 and num_splits is None),
             f"split_size {split_size}: a positive multiple of 64, without num_splits")
+    check_out(out, q)
     if not _use_triton(use_triton, q.device):
         if split_size is not None:
-            return decode_attention_split_ref(q, k_pool, v_pool, slots, lengths, scale, split_size, block_table)
-        return decode_attention_ref(q, k_pool, v_pool, slots, lengths, scale, block_table)
+            got = decode_attention_split_ref(q, k_pool, v_pool, slots, lengths, scale, split_size, block_table)
+        else:
+            got = decode_attention_ref(q, k_pool, v_pool, slots, lengths, scale, block_table)
+        return got if out is None else out.copy_(got)
     from kvtransfer.kernels.triton_attention import decode_attention_triton
 
     return decode_attention_triton(
         last_dim_unit(q), k_pool, v_pool, slots, lengths, scale, num_splits=num_splits, block_table=block_table,
-        split_size=split_size,
+        split_size=split_size, out=out,
     )
 
 
@@ -125,13 +131,16 @@ def chunk_attention(
     *,
     use_triton: bool | None = None,
     block_table: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of prompt-chunk rows over their slot's cache (a mixed step's prompt rows).
 
     q: (R, Hq, D); k_pool/v_pool: (S, Hkv, T, D), q's dtype; pieces: (P, 4) int32 on q's device, one row per
-    chunk: first row in q, rows, slot (paged: table row), position of the first row (unused: 0 rows). Row r of a chunk attends
-    over positions 0..start + r of its slot, as `decode_attention` with length start + r + 1 would. Returns a
-    new (R, Hq, D) tensor in q.dtype, zero on rows outside every chunk. Pieces must not overlap or run past R.
+    chunk: first row in q, rows, slot (paged: table row), position of the first row (unused: 0 rows; a negative
+    slot: rows to zero, a step's padding). Row r of a chunk attends over positions 0..start + r of its slot, as
+    `decode_attention` with length start + r + 1 would. Returns a new (R, Hq, D) tensor in q.dtype, zero on rows
+    outside every chunk; or `out` (R, Hq, D) in q.dtype, unit stride on D, written in place on the pieces' rows
+    only (its other rows left as they are). Pieces must not overlap or run past R.
     """
     check_float("q", q, 3)
     rows, q_heads, head_dim = q.shape
@@ -142,11 +151,12 @@ def chunk_attention(
             and pieces.shape[1] == 4, "pieces must be a (P, 4) int32 tensor: first row, rows, slot, start")
     require(pieces.device == q.device, f"pieces is on {pieces.device}, expected {q.device}")
     check_table(block_table, q.device)
+    check_out(out, q)
     if not _use_triton(use_triton, q.device):
-        return chunk_attention_ref(q, k_pool, v_pool, pieces, scale, block_table)
+        return chunk_attention_ref(q, k_pool, v_pool, pieces, scale, block_table, out)
     from kvtransfer.kernels.triton_chunk_attention import chunk_attention_triton
 
-    return chunk_attention_triton(last_dim_unit(q), k_pool, v_pool, pieces, scale, block_table)
+    return chunk_attention_triton(last_dim_unit(q), k_pool, v_pool, pieces, scale, block_table, out)
 
 
 def rope_store(

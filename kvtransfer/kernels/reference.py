@@ -133,18 +133,23 @@ def chunk_attention_ref(
     pieces: torch.Tensor,
     scale: float,
     block_table: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of prompt-chunk rows over their slot (paged: table row), HF eager math.
 
-    q: (R, Hq, D); pools: (S, Hkv, T, D); pieces: (P, 4) int32, one row per chunk: first row in q, rows, slot,
-    position of the first row -> out (R, Hq, D) in q.dtype, zero outside the pieces. Row r of a chunk at
-    position start + r attends over positions 0..start + r of its slot: what `decode_attention_ref` gives that
-    row alone with length start + r + 1. Host sync: reads pieces on the host (CPU reference).
+    q: (R, Hq, D); pools: (S, Hkv, T, D); pieces: (P, 4) int32, one row per chunk: first row in q, rows, slot
+    (negative: rows to zero), position of the first row -> out (R, Hq, D) in q.dtype: a new tensor zero outside
+    the pieces, or `out` written on the pieces' rows only. Row r of a chunk at position start + r attends over
+    positions 0..start + r of its slot: what `decode_attention_ref` gives that row alone with length start + r + 1.
+    Host sync: reads pieces on the host (CPU reference).
     """
     groups = q.shape[1] // k_pool.shape[1]
-    out = torch.zeros_like(q)
+    out = torch.zeros_like(q) if out is None else out
     for row0, rows, slot, start in pieces.tolist():
         if rows <= 0:
+            continue
+        if slot < 0:  # a step's padding rows
+            out[row0:row0 + rows] = 0
             continue
         end = start + rows
         k = repeat_kv(row_positions(k_pool, slot, end, block_table), groups)  # (Hq, end, D)

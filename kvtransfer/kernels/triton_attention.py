@@ -230,10 +230,12 @@ def decode_attention_triton(
     num_splits: int | None = None,
     block_table: torch.Tensor | None = None,
     split_size: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Split-K decode attention; shapes as `kvtransfer.kernels.ops.decode_attention` (checked there).
 
-    q: (B, Hq, D) with unit stride on D; pools (S, Hkv, T, D) contiguous; returns (B, Hq, D).
+    q: (B, Hq, D) with unit stride on D; pools (S, Hkv, T, D) contiguous; returns (B, Hq, D): `out` when given
+    (unit stride on D), else a new tensor.
     block_table: None (slot layout: row b reads slot slots[b]) or (R, W) int32 (paged: row b reads blocks
     block_table[slots[b]], T positions each). The split count depends on the context a row can hold (T, or W * T),
     never on the paging. num_splits: None picks `choose_num_splits` (static shapes only); an int overrides (bench).
@@ -258,7 +260,8 @@ def decode_attention_triton(
     block_d = max(16, triton.next_power_of_2(head_dim))
     mid_o = torch.empty((batch, q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((batch, q_heads, num_splits), dtype=torch.float32, device=q.device)
-    out = torch.empty((batch, q_heads, head_dim), dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty((batch, q_heads, head_dim), dtype=q.dtype, device=q.device)
     _decode_stage1[(batch, kv_heads * head_blocks, num_splits)](
         q, k_pool, v_pool, slots, table, lengths, mid_o, mid_lse,
         float(scale) * _LOG2E,

@@ -9,9 +9,12 @@ each K/V tile once for all of them, on tensor cores.
 
 Inputs are static-shaped, so a CUDA graph replays it for any pieces: `pieces` is a (P, 4) int32
 device tensor, one row per chunk: first row in q, rows, slot, position of its first row (unused
-pieces have 0 rows). Row r of a chunk sits at position start + r of its slot and attends over
-positions 0..start + r of it (its own K/V already written, as the step writes all before any
-row attends). Rows outside every chunk are left at zero. The online softmax over each K/V tile is the
+pieces have 0 rows; a piece whose slot is negative names rows to zero, a step's padding). Row r of a chunk
+sits at position start + r of its slot and attends over positions 0..start + r of it (its own K/V already
+written, as the step writes all before any row attends). The tiles of keys below a program's first row are
+every row's past: they are read without masks, and only the tiles from there to the last row's position
+compare positions. The output may be a slice of the step's attention output (the decode rows' kernel writes
+the rest, runner.py), so nothing is concatenated. The online softmax over each K/V tile is the
 decode kernel's own (`triton_attention.online_softmax_step`): the two kernels tile different axes (64
 rows of one head here; one row's query heads over a split there) but round the same way.
 """
@@ -25,8 +28,41 @@ import triton.language as tl
 from kvtransfer.kernels import triton_attention
 from kvtransfer.kernels.triton_paging import table_args, tile_offsets
 
-BLOCK_M = 64
-BLOCK_N = 64
+BLOCK_M = 64  # rows of one chunk per program (bench/probes/chunk_attention.py sweeps it with the warps and stages)
+BLOCK_N = 64  # keys per tile
+NUM_WARPS = 4
+NUM_STAGES = 2
+
+
+@triton.jit
+def _tile(q, k_base, v_base, Table, slot, stride_tr, n0, end, pos, offs_d, mask_d, acc, l_i, m_i,
+          qk_scale_log2, stride_ks, stride_kt,
+          BLOCK_N: tl.constexpr, UPCAST_DOT: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr,
+          MASKED: tl.constexpr, EVEN_D: tl.constexpr):
+    """One K/V tile at keys n0 .. n0 + BLOCK_N - 1 into the rows' online softmax. MASKED: keys past `end` or past a
+    row's position are left out; unmasked, every key of the tile is below every row's position (and inside the
+    cache): no compare, no select."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < end
+    off = tile_offsets(Table, slot, stride_tr, n0, offs_n, mask_n, stride_ks, stride_kt,
+                       PAGE, BLOCK_N, PAGED)  # (BLOCK_N,) int64
+    k_ptrs = k_base + off[None, :] + offs_d[:, None]  # (BLOCK_D, BLOCK_N)
+    v_ptrs = v_base + off[:, None] + offs_d[None, :]  # (BLOCK_N, BLOCK_D)
+    if MASKED:
+        k = tl.load(k_ptrs, mask=mask_n[None, :] & mask_d[:, None], other=0.0)
+        # causal: key n <= the row's position; key 0 always qualifies, so every row has a finite score
+        s = tl.where((offs_n[None, :] <= pos[:, None]) & mask_n[None, :],
+                     triton_attention.dot(q, k, UPCAST_DOT) * qk_scale_log2, float("-inf"))  # (BLOCK_M, BLOCK_N)
+        v = tl.load(v_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+    else:
+        if EVEN_D:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        else:
+            k = tl.load(k_ptrs, mask=mask_d[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=mask_d[None, :], other=0.0)
+        s = triton_attention.dot(q, k, UPCAST_DOT) * qk_scale_log2  # (BLOCK_M, BLOCK_N)
+    return triton_attention.online_softmax_step(acc, l_i, m_i, s, v, UPCAST_DOT)
 
 
 @triton.jit(do_not_specialize=["blocks_per_piece"])  # one compile for every graph size and bucket
@@ -41,8 +77,8 @@ def _chunk_attention(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST_DOT: tl.constexpr,
     PAGE: tl.constexpr, PAGED: tl.constexpr,
 ):
-    # grid (P * blocks_per_piece, Hq); Pieces (P, 4) int32: first row, rows, slot (table row when PAGED), start
-    # position. K and V share strides.
+    # grid (P * blocks_per_piece, Hq); Pieces (P, 4) int32: first row, rows, slot (table row when PAGED; < 0: rows
+    # to zero), start position. K and V share strides.
     pid = tl.program_id(0)
     h = tl.program_id(1)
     piece = pid // blocks_per_piece
@@ -57,43 +93,50 @@ def _chunk_attention(
         offs_d = tl.arange(0, BLOCK_D)
         mask_d = offs_d < HEAD_DIM
         rows = (row0 + offs_m).to(tl.int64)  # (BLOCK_M,) rows of q / out
-        q = tl.load(Q + rows[:, None] * stride_qr + h * stride_qh + offs_d[None, :],
-                    mask=mask_m[:, None] & mask_d[None, :], other=0.0)  # (BLOCK_M, BLOCK_D)
-        kv_head = (h // GROUPS).to(tl.int64)
-        k_base = K + kv_head * stride_kh
-        v_base = V + kv_head * stride_kh
-        pos = start + offs_m  # (BLOCK_M,) each row's position
-        end = start + tl.minimum((block + 1) * BLOCK_M, n_rows)  # keys 0..end - 1 cover every row's past
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        for n0 in range(0, end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < end
-            off = tile_offsets(Table, slot, stride_tr, n0, offs_n, mask_n, stride_ks, stride_kt,
-                               PAGE, BLOCK_N, PAGED)  # (BLOCK_N,) int64
-            k = tl.load(k_base + off[None, :] + offs_d[:, None],
-                        mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # (BLOCK_D, BLOCK_N)
-            # causal: key n <= the row's position; key 0 always qualifies, so every row has a finite score
-            s = tl.where((offs_n[None, :] <= pos[:, None]) & mask_n[None, :],
-                         triton_attention.dot(q, k, UPCAST_DOT) * qk_scale_log2, float("-inf"))  # (BLOCK_M, BLOCK_N)
-            v = tl.load(v_base + off[:, None] + offs_d[None, :],
-                        mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # (BLOCK_N, BLOCK_D)
-            acc, l_i, m_i = triton_attention.online_softmax_step(acc, l_i, m_i, s, v, UPCAST_DOT)
-        tl.store(Out + rows[:, None] * stride_or + h * stride_oh + offs_d[None, :],
-                 (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+        out_ptrs = Out + rows[:, None] * stride_or + h * stride_oh + offs_d[None, :]
+        out_mask = mask_m[:, None] & mask_d[None, :]
+        if slot < 0:  # a step's padding rows: zeros
+            tl.store(out_ptrs, tl.zeros([BLOCK_M, BLOCK_D], dtype=Out.dtype.element_ty), mask=out_mask)
+        else:
+            q = tl.load(Q + rows[:, None] * stride_qr + h * stride_qh + offs_d[None, :],
+                        mask=out_mask, other=0.0)  # (BLOCK_M, BLOCK_D)
+            kv_head = (h // GROUPS).to(tl.int64)
+            k_base = K + kv_head * stride_kh
+            v_base = V + kv_head * stride_kh
+            pos = start + offs_m  # (BLOCK_M,) each row's position
+            end = start + tl.minimum((block + 1) * BLOCK_M, n_rows)  # keys 0..end - 1 cover every row's past
+            # keys below the block's first position are every row's past: whole tiles of them need no mask
+            full = (start + block * BLOCK_M) // BLOCK_N * BLOCK_N
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+            for n0 in range(0, full, BLOCK_N):
+                acc, l_i, m_i = _tile(q, k_base, v_base, Table, slot, stride_tr, n0, end, pos, offs_d, mask_d,
+                                      acc, l_i, m_i, qk_scale_log2, stride_ks, stride_kt, BLOCK_N, UPCAST_DOT,
+                                      PAGE, PAGED, False, BLOCK_D == HEAD_DIM)
+            for n0 in range(full, end, BLOCK_N):
+                acc, l_i, m_i = _tile(q, k_base, v_base, Table, slot, stride_tr, n0, end, pos, offs_d, mask_d,
+                                      acc, l_i, m_i, qk_scale_log2, stride_ks, stride_kt, BLOCK_N, UPCAST_DOT,
+                                      PAGE, PAGED, True, BLOCK_D == HEAD_DIM)
+            tl.store(out_ptrs, (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=out_mask)
 
 
 def chunk_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, pieces: torch.Tensor,
-                           scale: float, block_table: torch.Tensor | None = None) -> torch.Tensor:
+                           scale: float, block_table: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                           block_m: int | None = None, num_warps: int | None = None,
+                           num_stages: int | None = None) -> torch.Tensor:
     """Shapes as `kvtransfer.kernels.ops.chunk_attention` (checked there): q (R, Hq, D) unit stride on D, pools
     (S, Hkv, T, D) contiguous, pieces (P, 4) int32, block_table None (a piece's slot) or (rows, W) int32 (a
-    piece's table row) -> a new (R, Hq, D) tensor, zero outside the pieces."""
+    piece's table row) -> `out` (R, Hq, D), unit stride on D (None: a new tensor, zero outside the pieces; given:
+    its rows outside every piece are left as they are). block_m, num_warps, num_stages: the probe's sweep (None:
+    this module's BLOCK_M, NUM_WARPS, NUM_STAGES, read at the call)."""
+    block_m, num_warps, num_stages = block_m or BLOCK_M, num_warps or NUM_WARPS, num_stages or NUM_STAGES
     table, stride_tr, _, page, paged = table_args(block_table, k_pool)
     rows, q_heads, head_dim = q.shape
     groups = q_heads // k_pool.shape[1]
-    out = torch.zeros_like(q)
-    blocks = max(1, triton.cdiv(rows, BLOCK_M))  # a piece has at most R rows
+    if out is None:
+        out = torch.zeros_like(q)
+    blocks = max(1, triton.cdiv(rows, block_m))  # a piece has at most R rows
     upcast = triton_attention._upcast_dots(q)  # as the decode kernel (fp32 pools, the interpreter: fp32 dots)
     _chunk_attention[(pieces.shape[0] * blocks, q_heads)](
         q, k_pool, v_pool, pieces, table, out,
@@ -103,6 +146,7 @@ def chunk_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         out.stride(0), out.stride(1),
         blocks,
         GROUPS=groups, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, UPCAST_DOT=upcast, PAGE=page, PAGED=paged, num_warps=4, num_stages=2,
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, UPCAST_DOT=upcast, PAGE=page, PAGED=paged, num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out

@@ -1,0 +1,159 @@
+"""The mixed step's attention on one GPU: the chunk kernel's tiling, and the two kernels side by side (issue #39).
+
+Why: in a 512-row mixed step (64 decode rows at 1k, 448 prompt rows at positions 512-959: the profile's case,
+bench/probes/profile_mixed.py) attention took ~19% of the step, the prompt rows' kernel running far under the
+tensor cores' rate and the decode rows' kernel alone on the GPU. This times, on Qwen2.5-7B's heads (28 q / 4 kv,
+D 128, bf16, 64-token pages), each in a CUDA graph of LAYERS launches (as the step replays them):
+  chunk   kernels.chunk_attention at each (BLOCK_M, warps, stages) of the sweep, its TFLOP/s (QK^T and PV of the
+          causal rows), and its output against the module's default (max |diff| / max |out|);
+  pair    the decode rows' kernel then the chunk rows' one on one stream, vs the chunk kernel on a side stream
+          beside it (engine/side_stream.py), vs each alone.
+Times are medians of REPLAYS replays. Run on the GPU machine: `python3 -m bench.probes.chunk_attention`; prints
+one JSON line (and a line per row).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from bench.measure.kernel_inputs import paged_copy
+from kvtransfer.engine.side_stream import SideStream
+from kvtransfer.kernels import ops as K
+from kvtransfer.kernels import triton_chunk_attention as TC
+
+HQ, HKV, D, PAGE = 28, 4, 128, 64
+LAYERS = 28
+REPLAYS = 7
+SWEEP = [(64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 2), (128, 8, 3), (32, 4, 2), (32, 2, 2)]
+
+
+def graph_ms(calls, replays: int = REPLAYS) -> float:
+    """Median GPU ms of one replay of `calls()` captured as a CUDA graph (warmed up outside the capture)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        calls()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        calls()
+    g.replay()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def case(decode: int, context: int, prompt_rows: int, prompt_start: int, seed: int = 0):
+    """A paged pool of decode + 1 rows of `context + prompt_rows` positions, the decode rows' q at length `context`,
+    one chunk of `prompt_rows` rows at prompt_start .. of the last row."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    seq = max(context, prompt_start + prompt_rows)
+    seq = -(-seq // PAGE) * PAGE
+    slots = decode + 1
+    pools = [torch.randn(slots, HKV, seq, D, device="cuda", generator=g).to(torch.bfloat16) for _ in range(2)]
+    (kp, table), (vp, _) = (paged_copy(p, PAGE, seed=seed) for p in pools)
+    q = torch.randn(decode + prompt_rows, HQ, D, device="cuda", generator=g).to(torch.bfloat16)
+    rows = torch.arange(decode, device="cuda")
+    lengths = torch.full((decode,), context, dtype=torch.int32, device="cuda")
+    pieces = torch.tensor([[0, prompt_rows, decode, prompt_start], [0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0],
+                           [prompt_rows, 0, -1, 0]], dtype=torch.int32, device="cuda")
+    return q, kp, vp, table, rows, lengths, pieces
+
+
+def causal_flops(rows: int, start: int) -> float:
+    """QK^T and PV of `rows` rows at positions start.., each over its own past: 4 x Hq x D per (row, key)."""
+    keys = rows * start + rows * (rows + 1) / 2
+    return 4 * HQ * D * keys
+
+
+def chunk_rows(q, kp, vp, table, pieces, decode, rows, start) -> list[dict]:
+    qc, scale = q[decode:], D ** -0.5
+    want = K.chunk_attention(qc, kp, vp, pieces, scale, block_table=table)
+    out = []
+    for bm, warps, stages in SWEEP:
+        def calls():
+            for _ in range(LAYERS):
+                TC.chunk_attention_triton(qc, kp, vp, pieces, scale, table, block_m=bm, num_warps=warps,
+                                          num_stages=stages)
+        got = TC.chunk_attention_triton(qc, kp, vp, pieces, scale, table, block_m=bm, num_warps=warps,
+                                        num_stages=stages)
+        diff = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+        ms = graph_ms(calls)
+        row = {"rows": rows, "start": start, "block_m": bm, "warps": warps, "stages": stages,
+               "ms_per_layer": ms / LAYERS, "tflops": causal_flops(rows, start) * LAYERS / (ms * 1e-3) / 1e12,
+               "max_rel_diff_vs_default": diff}
+        print("chunk", json.dumps(row), flush=True)
+        out.append(row)
+    return out
+
+
+def pair_rows(q, kp, vp, table, rows_idx, lengths, pieces, decode) -> dict:
+    scale, o = D ** -0.5, torch.empty_like(q)
+    side = SideStream(q.device)
+
+    def dec():
+        K.decode_attention(q[:decode], kp, vp, rows_idx, lengths, scale, block_table=table, out=o[:decode])
+
+    def chk():
+        K.chunk_attention(q[decode:], kp, vp, pieces, scale, block_table=table, out=o[decode:])
+
+    def serial():
+        for _ in range(LAYERS):
+            chk()
+            dec()
+
+    def beside():
+        for _ in range(LAYERS):
+            with side.fork():
+                chk()
+            dec()
+            side.join()
+
+    def decode_only():
+        for _ in range(LAYERS):
+            dec()
+
+    def chunk_only():
+        for _ in range(LAYERS):
+            chk()
+    res = {name: graph_ms(fn) for name, fn in (("serial_ms", serial), ("side_stream_ms", beside),
+                                               ("decode_only_ms", decode_only), ("chunk_only_ms", chunk_only))}
+    ref = o.clone()
+    serial()
+    torch.cuda.synchronize()
+    res["side_equals_serial"] = bool(torch.equal(ref, o))
+    print("pair", json.dumps(res), flush=True)
+    return res
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--decode", type=int, default=64, help="decode rows")
+    p.add_argument("--context", type=int, default=1024, help="the decode rows' length")
+    p.add_argument("--cases", default="448@512,512@0,448@3584",
+                   help="prompt chunks: ROWS@START, comma-separated (one chunk each)")
+    a = p.parse_args(argv)
+    result = {"bench": "chunk_attention", "device": torch.cuda.get_device_name(), "layers": LAYERS,
+              "defaults": {"block_m": TC.BLOCK_M, "warps": TC.NUM_WARPS, "stages": TC.NUM_STAGES}, "cases": []}
+    for spec in a.cases.split(","):
+        rows, start = map(int, spec.split("@"))
+        q, kp, vp, table, idx, lengths, pieces = case(a.decode, a.context, rows, start)
+        result["cases"].append({"rows": rows, "start": start, "decode": a.decode, "context": a.context,
+                                "chunk": chunk_rows(q, kp, vp, table, pieces, a.decode, rows, start),
+                                "pair": pair_rows(q, kp, vp, table, idx, lengths, pieces, a.decode)})
+        del q, kp, vp, table
+        torch.cuda.empty_cache()
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
