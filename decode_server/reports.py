@@ -61,6 +61,7 @@ def watch_gauges(metrics, engine, peers, inflight, waiting) -> None:
         metrics.cached_slots.set_function(engine.cache.cached_slots)
         metrics.host_cache_bytes.set_function(engine.cache.host_bytes)
     metrics.running.set_function(engine.scheduler.active)
+    metrics.prompts_queued.set_function(engine.scheduler.prompts_queued)
     if peers is not None:
         metrics.buffer_bytes.set_function(peers.buffer_bytes)
         metrics.expected.set_function(peers.pending)

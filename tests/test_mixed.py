@@ -205,7 +205,7 @@ def test_a_mixed_step_leaves_rows_for_prompt_chunks(tiny):
     with pytest.raises(ValueError, match=r"2 x --max-batch \(16\)"):
         EngineOptions(max_batch=8, prefill_chunk=15, mixed_prefill=True)
     step = Step(StepRunner(tiny, pool), max_batch=8, cuda_graphs=False, chunk=24)
-    assert [step.prompt_budget(n, 0) for n in (0, 1, 3, 8)] == [23, 23, 20, 16]  # rows left beside each bucket
+    assert [step.prompt_budget(n, 0) for n in (0, 1, 3, 8)] == [24, 23, 21, 16]  # rows left beside n decode rows
 
 
 def test_mixed_prefill_needs_a_chunk_size():
@@ -223,7 +223,7 @@ def test_the_server_refuses_a_mixed_step_with_no_room_for_prompt_rows():
 
 def test_a_larger_step_runs_only_when_the_prompt_tokens_waiting_fill_it(tiny):
     """--mixed-max-rows: steps of 24, 48 and 96 rows (not 192: over 100); beside n decode rows (bucket b) a step
-    takes the largest size whose c - b prompt rows the tokens waiting fill, else the smallest."""
+    takes the largest size whose c - n prompt rows the tokens waiting fill, else the smallest."""
     from kvtransfer.engine.graphs import Step
     from kvtransfer.engine.mixed import step_sizes
 
@@ -233,15 +233,15 @@ def test_a_larger_step_runs_only_when_the_prompt_tokens_waiting_fill_it(tiny):
         EngineOptions(max_batch=8, prefill_chunk=24, mixed_prefill=True, mixed_max_rows=40)
     step = Step(StepRunner(tiny, pool), max_batch=8, cuda_graphs=False, chunk=24, max_rows=100)
     assert step.sizes == [24, 48, 96]
-    # n = 3 decode rows: bucket 4
-    assert [step.prompt_budget(3, w) for w in (1, 43, 44, 91, 92, 500)] == [20, 20, 44, 44, 92, 92]
-    assert [step.rows_for(3, r) for r in (1, 20, 21, 44, 45, 92, 93)] == [24, 24, 48, 48, 96, 96, 0]
-    assert Step(StepRunner(tiny, pool), 8, False, chunk=24).prompt_budget(3, 500) == 20  # one size only
+    # n = 3 decode rows (bucket 4: its fourth row takes a prompt token, mixed.lay_out): c - 3 prompt rows
+    assert [step.prompt_budget(3, w) for w in (1, 44, 45, 92, 93, 500)] == [21, 21, 45, 45, 93, 93]
+    assert [step.rows_for(3, r) for r in (1, 21, 22, 45, 46, 93, 94)] == [24, 24, 48, 48, 96, 96, 0]
+    assert Step(StepRunner(tiny, pool), 8, False, chunk=24).prompt_budget(3, 500) == 21  # one size only
 
 
 def test_a_step_with_little_prompt_work_takes_a_smaller_size_of_the_ladder(tiny):
     """--prefill-chunk 512: steps of 128, 256 and 512 rows; a step takes every waiting prompt token in the smallest
-    size that holds them beside its decode rows (bucket b), a size holds at most half decode rows, and when more
+    size that holds them beside its n decode rows, a size holds at most half decode rows (its bucket b), and when more
     wait than the budget leaves, the whole 512 rows."""
     from kvtransfer.engine.graphs import Step
     from kvtransfer.engine.mixed import step_sizes
@@ -250,13 +250,14 @@ def test_a_step_with_little_prompt_work_takes_a_smaller_size_of_the_ladder(tiny)
     assert step_sizes(384, 0) == [192, 384] and step_sizes(200, 0) == [200]  # halves while >= MIN_STEP_ROWS
     pool = KVPool(CacheGeometry.from_config(tiny.config, torch.float32), torch.device("cpu"), slots=8, max_seq=64)
     step = Step(StepRunner(tiny, pool), max_batch=80, cuda_graphs=False, chunk=512)
-    # 3 decode rows (bucket 4): 10 waiting -> 124 rows of a 128-row step; 125 -> 256; 300 -> 512; 600 -> the budget
-    assert [step.prompt_budget(3, w) for w in (0, 10, 124, 125, 252, 253, 508, 600)] == [124] * 3 + [252] * 2 + [
-        508] * 3
-    assert [step.rows_for(3, r) for r in (1, 124, 125, 252, 253, 508, 509)] == [128, 128, 256, 256, 512, 512, 0]
+    # 3 decode rows (bucket 4, its last row a prompt row): 10 waiting -> 125 rows of a 128-row step; 126 -> 256;
+    # 300 -> 512; 600 -> the budget
+    assert [step.prompt_budget(3, w) for w in (0, 10, 125, 126, 253, 254, 509, 600)] == [125] * 3 + [253] * 2 + [
+        509] * 3
+    assert [step.rows_for(3, r) for r in (1, 125, 126, 253, 254, 509, 510)] == [128, 128, 256, 256, 512, 512, 0]
     # 65 decode rows (bucket 80): no 128-row step (most rows would decode); 100 waiting -> a 256-row step
-    assert step.prompt_budget(65, 100) == 176 and step.rows_for(65, 100) == 256 and step.rows_for(65, 40) == 256
-    assert step.prompt_budget(65, 1000) == 432 and step.rows_for(65, 433) == 0
+    assert step.prompt_budget(65, 100) == 191 and step.rows_for(65, 100) == 256 and step.rows_for(65, 40) == 256
+    assert step.prompt_budget(65, 1000) == 447 and step.rows_for(65, 448) == 0
 
 
 def test_prompts_waiting_together_ride_in_one_larger_step(tiny, monkeypatch):
@@ -313,10 +314,10 @@ def test_a_larger_step_counts_only_the_prompts_that_can_ride_in_it(tiny, monkeyp
 
 
 def test_the_oldest_prompt_gets_each_steps_first_prompt_rows(tiny, monkeypatch):
-    """Three 40-token prompts queued together (--prefill-chunk 17: 16 prompt rows a step): each step's first rows
-    go to the oldest prompt not yet handed out, a newer one starts only in the rows that the older ones leave, and
-    the prompts finish in the order they came. A prompt that jumped ahead would starve those queued before it,
-    yet every token would stay right: only this order shows it."""
+    """Three 40-token prompts queued together (--prefill-chunk 17: 17 prompt rows a step, none decoding): each
+    step's first rows go to the oldest prompt not yet handed out, a newer one starts only in the rows that the
+    older ones leave, and the prompts finish in the order they came. A prompt that jumped ahead would starve those
+    queued before it, yet every token would stay right: only this order shows it."""
     import threading
 
     from kvtransfer.engine.graphs import Step
@@ -342,11 +343,62 @@ def test_the_oldest_prompt_gets_each_steps_first_prompt_rows(tiny, monkeypatch):
             f.result(timeout=60)
         name = {lease.slot: "abc"[i] for i, lease in enumerate(leases)}
         steps = [[(name[slot], start, n) for slot, start, n in step] for step in pieces]
-        assert steps == [[("a", 0, 16)], [("a", 16, 16)], [("a", 32, 8), ("b", 0, 8)], [("b", 8, 16)],
-                         [("b", 24, 16)], [("c", 0, 16)], [("c", 16, 16)], [("c", 32, 8)]]
+        assert steps == [[("a", 0, 17)], [("a", 17, 17)], [("a", 34, 6), ("b", 0, 11)], [("b", 11, 17)],
+                         [("b", 28, 12), ("c", 0, 5)], [("c", 5, 17)], [("c", 22, 17)], [("c", 39, 1)]]
         assert finished == [0, 1, 2]
         for lease in leases:
             lease.release()
         assert e.pool.used() == 0
     finally:
         e.close()
+
+
+@pytest.mark.parametrize("page", [0, 8])
+def test_the_rows_a_bucket_leaves_carry_prompt_tokens_as_the_unpadded_step(tiny, page):
+    """The graphs' layout, run eagerly (Step staged): 9 decode rows in the 16-row bucket leave 7 rows, which take a
+    5-token chunk whole and a 30-token chunk's first 2 tokens, attending as decode rows; the rest of that chunk
+    attends through the chunk kernel from row 16, then padding to 64 rows. Decode logits, each chunk's last
+    logits and every K/V written equal the unpadded eager step's within fp32 rounding (the two attention paths
+    sum in other orders). Fails if the bucket's free rows are attended as padding, or the chunk table misses the
+    tokens they took."""
+    from kvtransfer.engine.graphs import Step
+
+    torch.manual_seed(0)
+    pool = KVPool(CacheGeometry.from_config(tiny.config, torch.float32), torch.device("cpu"), slots=16, max_seq=64,
+                  page=page)
+    leases = [pool.try_lease(64) for _ in range(11)]
+    pool.kv.normal_()
+    step = Step(StepRunner(tiny, pool), max_batch=16, cuda_graphs=False, chunk=64, staged=True)
+    assert step.staged and step.rows_for(9, 35) == 64 and step.bucket(9) == 16
+    g = torch.Generator().manual_seed(1)
+    vocab = tiny.config.vocab_size
+    tokens = torch.randint(3, vocab, (9,), generator=g)
+    positions = torch.randint(10, 40, (9,), generator=g)
+    slots = torch.tensor([x.slot for x in leases[:9]])
+    chunks = [Chunk(torch.randint(3, vocab, (5,), generator=g), leases[9].slot, 20, True),
+              Chunk(torch.randint(3, vocab, (30,), generator=g), leases[10].slot, 7, False)]
+    before = pool.kv.clone()
+    want_dec, want_last = mixed_forward(step.runner, tokens, positions, slots, chunks)
+    want_kv = pool.kv.clone()
+    pool.kv.copy_(before)
+    got_dec, got_last = step.mixed(tokens, positions, slots, chunks)
+    scale = want_dec.abs().max()
+    assert got_dec.shape == want_dec.shape and got_last.shape == want_last.shape == (2, vocab)
+    assert (got_dec - want_dec).abs().max() <= 1e-4 * scale and (got_last - want_last).abs().max() <= 1e-4 * scale
+    rows = [(s, p) for s, p in zip(slots.tolist(), positions.tolist())]
+    rows += [(c.slot, c.start + i) for c in chunks for i in range(c.ids.shape[0])]
+    for slot, pos in rows:  # every position the step wrote, through the pool's own view of a slot
+        want = [torch.stack(kv) for kv in pool_layers(pool, want_kv, slot, pos)]
+        got = [torch.stack(kv) for kv in pool_layers(pool, pool.kv, slot, pos)]
+        for w, x in zip(want, got):
+            torch.testing.assert_close(x, w, rtol=1e-4, atol=1e-4)
+
+
+def pool_layers(pool: KVPool, kv: torch.Tensor, slot: int, pos: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Position `pos` of `slot` in every layer of `kv` (a pool tensor or a copy of one): [(k, v)] each (Hkv, D)."""
+    saved = pool.kv.clone()
+    pool.kv.copy_(kv)
+    try:
+        return [(k[0, :, pos].clone(), v[0, :, pos].clone()) for k, v in pool.layers_of(slot, pos + 1)]
+    finally:
+        pool.kv.copy_(saved)

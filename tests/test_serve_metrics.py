@@ -94,3 +94,27 @@ def test_the_scheduler_reports_every_delivered_step_once():
     assert sum(s.rows for s in stats) == 10 + 6
     assert sum(1 for s in stats if s.rows) == e.scheduler.steps
     assert [s.step_rows for s in stats if s.prompt_rows] == [0] * 5  # 4 steps of the 61, 1 of the 12; eager: 0
+
+
+def test_the_bench_reports_how_often_no_prompt_waited(monkeypatch):
+    """kvt_decode_prompts_queued (the scheduler's prompts waiting to ride in steps) sampled over a run: its median
+    and the share of samples with none waiting, when a step can only decode."""
+    import asyncio
+
+    import bench.measure.serve_metrics as sm
+
+    m, queued = Metrics("decode"), iter([0, 3, 0, 5, 0, 2])
+    m.prompts_queued.set_function(lambda: next(queued))
+    monkeypatch.setattr(sm, "scrape", lambda url: series(m))
+    monkeypatch.setattr(sm, "SAMPLE_S", 0.0)
+    watch = sm.BatchWatch("http://unused")
+
+    async def run():
+        task = asyncio.create_task(watch.sample(0.0))
+        while len(watch.queued) < 4:
+            await asyncio.sleep(0)
+        task.cancel()
+    asyncio.run(run())
+    r = watch.report()
+    assert watch.queued == [3.0, 0.0, 5.0, 0.0] and r["prompts_queued_p50"] == 1.5
+    assert r["prompts_queued_none_share"] == 0.5

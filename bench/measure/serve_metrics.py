@@ -47,12 +47,15 @@ class BatchWatch:
     def __init__(self, url: str):
         self.url, self.before, self.samples = url, scrape(url), []  # samples: (s since start, running)
         self.pool: list[tuple[float, float]] = []  # (shared blocks, free blocks) at each sample
+        self.queued: list[float] = []  # prompts waiting to ride in steps at each sample (--mixed-prefill)
         self.t0 = time.perf_counter()
 
     async def sample(self, start: float) -> None:
         while True:
             m = await asyncio.to_thread(scrape, self.url)
             self.samples.append((round(time.perf_counter() - start, 3), m.get("kvt_decode_running", 0.0)))
+            if "kvt_decode_prompts_queued" in m:
+                self.queued.append(m["kvt_decode_prompts_queued"])
             if "kvt_kv_pool_free_blocks" in m:  # the paged pool's gauges
                 self.pool.append((m.get("kvt_kv_pool_shared_blocks", 0.0), m["kvt_kv_pool_free_blocks"]))
             await asyncio.sleep(SAMPLE_S)
@@ -76,6 +79,10 @@ class BatchWatch:
                     mixed_steps(after, self.before).items(), key=lambda kv: int(kv[0])) if v},
                 "device_busy": busy / wall if busy > 0 and wall > 0 else None,  # None on CPU (no CUDA events)
                 "running_p50": float(np.median(running)), "running_max": float(running.max()),
+                # how often no prompt waited for a step's rows (then a step decodes only): sampled
+                "prompts_queued_p50": float(np.median(self.queued)) if self.queued else None,
+                "prompts_queued_none_share": (sum(q == 0 for q in self.queued) / len(self.queued)
+                                              if self.queued else None),
                 "shared_blocks_max": max((s for s, _ in self.pool), default=None),
                 "free_blocks_min": min((f for _, f in self.pool), default=None),
                 "timeline": self.samples[:: max(1, len(self.samples) // 200)]}

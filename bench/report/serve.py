@@ -95,6 +95,9 @@ def run_tables(result: dict) -> list[Table]:
                       ["server: device busy (step time / wall)",
                        f"{sb['device_busy']:.0%}" if sb.get("device_busy") is not None else "-"],
                       ["server: running requests p50 / max", f"{num(sb['running_p50'])} / {num(sb['running_max'])}"]]
+        if sb.get("prompts_queued_p50") is not None:
+            head.rows += [["server: prompts queued for steps p50 / share of samples with none",
+                           f"{num(sb['prompts_queued_p50'])} / {sb['prompts_queued_none_share']:.0%}"]]
     lat = Table("Latency (ms)", ["metric", "mean", "median", "std", "p90", "p99"])
     for m, label in (("ttft", "TTFT"), ("tpot", "TPOT (excl. 1st token)"), ("itl", "ITL"), ("e2el", "E2EL")):
         lat.rows.append([label] + [num(result[f"{k}_{m}_ms"]) for k in ("mean", "median", "std", "p90", "p99")])

@@ -9,7 +9,9 @@ start, not a request. All graphs share one memory pool, largest first.
 
 With --mixed-prefill there are more graphs per bucket b, one per step size c >= 2 b (mixed.step_sizes: a
 ladder up to --prefill-chunk rows, the step's token budget): the b decode rows and then prompt chunks in the
-rest (mixed.py: up to MAX_PIECES prompts, padded when they fall short), keeping the bucket's rows and
+rest (mixed.py: up to MAX_PIECES prompts, padded when they fall short). The b - n rows a batch of n leaves in
+its bucket take the first prompt tokens (attending as decode rows, mixed.lay_out), so no bucket padding is paid
+for while prompts wait. The graph keeps the bucket's rows and
 MAX_PIECES more for lm_head (each chunk's last row; unused ones point at a padding row). Padding rows write and
 read only the scratch slot. The size counts the decode rows, because the GEMMs are compute bound there and run
 in 128-row tiles: 16 decode rows + 256 prompt rows would pay for 384.
@@ -54,14 +56,20 @@ class Step:
     """
 
     def __init__(self, runner: StepRunner, max_batch: int, cuda_graphs: bool, chunk: int = 0, max_rows: int = 0,
-                 sampling: bool = True):
+                 sampling: bool = True, staged: bool = False):
+        """staged: without graphs, run mixed steps eagerly in the graphs' padded layout (buckets, sizes, the rows a
+        bucket leaves taking prompt tokens), as tests on CPU check it; off, an eager mixed step is unpadded."""
         self.runner, self.max_batch, self.chunk = runner, max_batch, chunk
         self.sizes = step_sizes(chunk, max_rows) if chunk else []  # the mixed steps' row counts, ascending
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.mixed_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # (rows, bucket)
         self.buckets = buckets(max_batch)
+        self.staged = False
         if cuda_graphs and runner.device.type == "cuda":
             self._capture()
+        elif staged and chunk:
+            self._inputs()
+            self.staged = True
         vocab, dtype = runner.lm_head.shape[0], runner.lm_head.dtype
         rows = buckets(max_batch + MAX_PIECES) if chunk else self.buckets  # decode rows (+ finished prompts)
         self.sampler = Sampler(vocab, dtype, runner.device, rows if sampling else [], cuda_graphs,
@@ -124,19 +132,19 @@ class Step:
     def prompt_budget(self, n: int, waiting: int) -> int:
         """Prompt tokens a mixed step beside n decode rows (bucket b) carries while `waiting` prompt tokens wait:
         all of them in the smallest size that holds them, when the budget (--prefill-chunk rows) does; else the
-        rows left in the largest size they fill. Only a step that takes every waiting token is padded."""
+        rows left in the largest size they fill. The rows the bucket leaves after the n decode rows carry prompt
+        tokens too (lay_out), so a step of c rows has c - n for them. Only a step that takes every waiting token is
+        padded."""
         if not self.chunk:
             return 0
-        b = self.bucket(n)
-        sizes = self._sizes(b)  # never empty: --prefill-chunk >= 2 x --max-batch
-        if b + waiting <= self.chunk:
-            return next(c for c in sizes if c - b >= waiting) - b
-        return max(c for c in sizes if c - b <= waiting) - b
+        sizes = self._sizes(self.bucket(n))  # never empty: --prefill-chunk >= 2 x --max-batch
+        if n + waiting <= self.chunk:
+            return next(c for c in sizes if c - n >= waiting) - n
+        return max(c for c in sizes if c - n <= waiting) - n
 
     def rows_for(self, n: int, prompt_rows: int) -> int:
         """The mixed step size that carries `prompt_rows` beside n decode rows: the smallest with room (0: none)."""
-        b = self.bucket(n)
-        return next((c for c in self._sizes(b) if prompt_rows <= c - b), 0)
+        return next((c for c in self._sizes(self.bucket(n)) if prompt_rows <= c - n), 0)
 
     def _fill(self, n: int, b: int, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         """Rows 0..n-1 of the input buffers from the caller's, rows n..b-1 padding (scratch slot, position 0)."""
@@ -162,16 +170,20 @@ class Step:
               chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor]:
         n = tokens.shape[0]
         rows = self.rows_for(n, sum(c.ids.shape[0] for c in chunks))
-        if not self.mixed_graphs or not rows or len(chunks) > MAX_PIECES:
+        if not (self.mixed_graphs or self.staged) or not rows or len(chunks) > MAX_PIECES:
             return mixed_forward(self.runner, tokens, positions, slots, chunks)
         b = self.bucket(n)
-        self._fill(n, b, tokens, positions, slots)
-        p = lay_out(chunks, b, rows - b, MAX_PIECES, self.runner.pool.scratch)  # rows b .. rows - 1: the chunks
-        self.tokens[b:rows].copy_(p.tokens, non_blocking=True)
-        self.positions[b:rows].copy_(p.positions, non_blocking=True)
-        self.slots[b:rows].copy_(p.slots, non_blocking=True)
+        self._fill(n, n, tokens, positions, slots)
+        p = lay_out(chunks, n, b, rows - b, MAX_PIECES, self.runner.pool.scratch)  # rows n .. rows - 1
+        self.tokens[n:rows].copy_(p.tokens, non_blocking=True)
+        self.positions[n:rows].copy_(p.positions, non_blocking=True)
+        self.slots[n:rows].copy_(p.slots, non_blocking=True)
         self.keep[:b + MAX_PIECES].copy_(p.keep, non_blocking=True)
         self.pieces.copy_(p.table, non_blocking=True)
-        g, out = self.mixed_graphs[rows, b]
-        g.replay()
+        if self.mixed_graphs:
+            g, out = self.mixed_graphs[rows, b]
+            g.replay()
+        else:  # staged: what the graph would replay, eagerly (the CPU tests' view of the graphs' layout)
+            out = self.runner.forward(self.tokens[:rows], self.positions[:rows], self.slots[:rows],
+                                      self.keep[:b + MAX_PIECES], (b, self.pieces))
         return out[:n], out[b:b + len(chunks)]

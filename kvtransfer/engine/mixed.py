@@ -69,33 +69,37 @@ class Chunk:
 
 @dataclass
 class PromptRows:
-    """The prompt chunks' rows of one mixed step, laid out after its b decode rows (the one layout both the eager
-    step and its CUDA graphs use)."""
+    """The prompt chunks' rows of one mixed step from row n, after its n decode rows (the one layout both the eager
+    step and its CUDA graphs use). A graph has b >= n decode rows (its bucket): the b - n rows the batch leaves
+    free take the first prompt tokens, attending as decode rows (a prompt row at position p is a decode row of
+    length p + 1 of its slot: the same attention, by the decode kernel), and the rest follow from row b, attending
+    through the chunk kernel; what is left is padding."""
 
-    tokens: torch.Tensor  # (rows,) int64: the chunks' ids one after another, then padding (token 0)
-    positions: torch.Tensor  # (rows,) int64: each chunk's start .. start + c - 1, then 0
-    slots: torch.Tensor  # (rows,) int64: each chunk's slot, then the scratch slot
-    keep: torch.Tensor  # (b + pieces,) int64: the decode rows, then each chunk's last row (unused: the last row)
-    table: torch.Tensor  # (pieces + 1, 4) int32: what kernels.chunk_attention reads (piece_table)
+    tokens: torch.Tensor  # (b - n + rows,) int64: the chunks' ids one after another, then padding (token 0)
+    positions: torch.Tensor  # (b - n + rows,) int64: each chunk's start .. start + c - 1, then 0
+    slots: torch.Tensor  # (b - n + rows,) int64: each chunk's slot, then the scratch slot
+    keep: torch.Tensor  # (b + pieces,) int64: rows 0 .. b - 1, then each chunk's last row (unused: the last row)
+    table: torch.Tensor  # (pieces + 1, 4) int32: the rows from b, what kernels.chunk_attention reads (piece_table)
 
 
-def lay_out(chunks: list[Chunk], b: int, rows: int, pieces: int, scratch: int) -> PromptRows:
-    """The rows of `chunks` after b decode rows, padded to `rows` rows and `pieces` pieces (rows >= their tokens,
-    pieces >= len(chunks)). Built on the host; the caller moves them to the device."""
+def lay_out(chunks: list[Chunk], n: int, b: int, rows: int, pieces: int, scratch: int) -> PromptRows:
+    """The rows of `chunks` from row n (n decode rows, b >= n of them in the step's graph), padded to b + `rows`
+    rows and `pieces` pieces (b - n + rows >= their tokens, pieces >= len(chunks)). Built on the host; the caller
+    moves them to the device."""
     sizes = [c.ids.shape[0] for c in chunks]
-    total = sum(sizes)
+    total, span = sum(sizes), b - n + rows
     dev = chunks[0].ids.device
-    tokens = torch.cat([*(c.ids for c in chunks), torch.zeros(rows - total, dtype=torch.long, device=dev)])
-    positions, slots = torch.zeros(rows, dtype=torch.long), torch.full((rows,), scratch, dtype=torch.long)
+    tokens = torch.cat([*(c.ids for c in chunks), torch.zeros(span - total, dtype=torch.long, device=dev)])
+    positions, slots = torch.zeros(span, dtype=torch.long), torch.full((span,), scratch, dtype=torch.long)
     keep, at = list(range(b)), 0
     for c, size in zip(chunks, sizes):
         positions[at:at + size] = torch.arange(c.start, c.start + size)
         slots[at:at + size] = c.slot
         at += size
-        keep.append(b + at - 1)
+        keep.append(n + at - 1)
     keep += [b + rows - 1] * (pieces - len(chunks))  # unused pieces: a padding (or the last chunk's) row
     return PromptRows(tokens, positions, slots, torch.tensor(keep, dtype=torch.long),
-                      piece_table(chunks, pieces, rows))
+                      piece_table(chunks, pieces, rows, b - n))
 
 
 @torch.inference_mode()
@@ -104,7 +108,7 @@ def mixed_forward(r: StepRunner, tokens: torch.Tensor, positions: torch.Tensor, 
     """tokens/positions/slots: (B,) decode rows (B may be 0); chunks: P pieces of prompts, each c_j tokens into its
     slot. Eager, unpadded. Returns (decode logits (B, vocab), each chunk's last-row logits (P, vocab))."""
     b, dev = tokens.shape[0], tokens.device
-    p = lay_out(chunks, b, sum(c.ids.shape[0] for c in chunks), len(chunks), r.pool.scratch)
+    p = lay_out(chunks, b, b, sum(c.ids.shape[0] for c in chunks), len(chunks), r.pool.scratch)
     logits = r.forward(torch.cat([tokens, p.tokens]),  # (B + sum c_j,)
                        torch.cat([positions, p.positions.to(dev, non_blocking=True)]),
                        torch.cat([slots, p.slots.to(dev, non_blocking=True)]),
@@ -112,15 +116,19 @@ def mixed_forward(r: StepRunner, tokens: torch.Tensor, positions: torch.Tensor, 
     return logits[:b], logits[b:]
 
 
-def piece_table(chunks: list[Chunk], pieces: int, rows: int) -> torch.Tensor:
-    """(pieces + 1, 4) int32 on the host, what kernels.chunk_attention reads: one row per chunk laid out one after
-    another (first row, rows, slot, start), then unused pieces (0 rows), then the padding up to `rows` rows (slot
-    -1: rows the kernel zeroes, so the step's attention output needs no fill of its own)."""
-    table, at = torch.zeros(pieces + 1, 4, dtype=torch.int32), 0
+def piece_table(chunks: list[Chunk], pieces: int, rows: int, skip: int = 0) -> torch.Tensor:
+    """(pieces + 1, 4) int32 on the host, what kernels.chunk_attention reads over `rows` rows: the chunks laid out
+    one after another, their first `skip` tokens left out (rows before these, attending as decode rows: lay_out),
+    one row per chunk (first row, rows, slot, start; a chunk wholly left out: 0 rows), then unused pieces (0 rows),
+    then the padding up to `rows` rows (slot -1: rows the kernel zeroes, so the step's attention output needs no
+    fill of its own)."""
+    table, at = torch.zeros(pieces + 1, 4, dtype=torch.int32), -skip
     for j, c in enumerate(chunks):
         n = c.ids.shape[0]
-        table[j] = torch.tensor([at, n, c.slot, c.start], dtype=torch.int32)
+        cut = min(n, max(0, -at))  # its tokens before row 0
+        table[j] = torch.tensor([max(at, 0), n - cut, c.slot, c.start + cut], dtype=torch.int32)
         at += n
+    at = max(at, 0)
     table[pieces] = torch.tensor([at, rows - at, -1, 0], dtype=torch.int32)
     return table
 

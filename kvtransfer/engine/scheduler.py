@@ -120,6 +120,11 @@ class Scheduler:
         with self._cond:
             return len(self.running) + len(self._joining)
 
+    def prompts_queued(self) -> int:
+        """Prompts whose chunks wait to ride in steps, begun or not (a gauge: read without the device thread)."""
+        with self._cond:
+            return len(self._prompts.waiting) + len(self._prompts.active)
+
     def close(self) -> None:
         with self._cond:
             self._closed = True

@@ -31,7 +31,7 @@ from kvtransfer.kernels.triton_paging import table_args, tile_offsets
 BLOCK_M = 64  # rows of one chunk per program (bench/probes/chunk_attention.py sweeps it with the warps and stages)
 BLOCK_N = 64  # keys per tile
 NUM_WARPS = 4
-NUM_STAGES = 2
+NUM_STAGES = 3
 
 
 @triton.jit

@@ -70,6 +70,8 @@ class Metrics:
                                    "recompute or swap (the host tier)", ["how"], registry=r)
         self.running = Gauge("kvt_decode_running", "decode: sequences in the running batch (or joining it)",
                              registry=r)
+        self.prompts_queued = Gauge("kvt_decode_prompts_queued", "decode: prompts whose chunks wait to ride in decode "
+                                    "steps (--mixed-prefill), begun or not", registry=r)
         self.batch_size = Histogram("kvt_decode_batch_size", "decode: sequences advanced per step",
                                     buckets=(1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256), registry=r)
         self.prompt_rows = Counter("kvt_decode_prompt_rows", "decode: prompt tokens that rode in decode steps "
