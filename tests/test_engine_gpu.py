@@ -94,7 +94,7 @@ def test_mixed_graph_matches_the_eager_mixed_step_and_the_whole_prefill():
     from kvtransfer.engine.mixed import Chunk, mixed_forward
 
     model, pool, runner = build("smollm2-135m", slots=8)
-    step = Step(runner, max_batch=8, cuda_graphs=True, chunk=68, max_rows=136)  # 68 rows: 64 beside bucket 4
+    step = Step(runner, max_batch=8, cuda_graphs=True, chunk=68, max_rows=136)  # 68 rows: 65 beside 3 decode rows
     assert set(step.mixed_graphs) == {(c, b) for c in (68, 136) for b in step.graphs}
     lengths = [40, 300, 77]
     firsts = [fill(model, pool, s, random_prompt(model.config.vocab_size, n, seed=n, device="cuda"))
@@ -104,8 +104,9 @@ def test_mixed_graph_matches_the_eager_mixed_step_and_the_whole_prefill():
     plain = step(tok, pos, slots).clone()
     prompt = random_prompt(model.config.vocab_size, 150, seed=9, device="cuda")
     other = random_prompt(model.config.vocab_size, 40, seed=10, device="cuda")  # shares the last step's budget
-    assert step.prompt_budget(3, 0) == 64
-    for start in range(0, 150, 64):  # chunks of 64, 64, then 22 + the 40 of `other` (padded to 64 rows)
+    assert step.prompt_budget(3, 0) == 65  # bucket 4: its fourth row takes a prompt token (mixed.lay_out)
+    for start in range(0, 150, 64):  # chunks of 64, 64, then 22 + the 40 of `other` (padded): each chunk's first
+        # token in the bucket's free row, attending as a decode row
         chunks = [Chunk(prompt[0, start:start + 64], 5, start, start + 64 >= 150)]
         if start + 64 >= 150:
             chunks.append(Chunk(other[0], 6, 0, True))

@@ -118,3 +118,48 @@ def test_the_bench_reports_how_often_no_prompt_waited(monkeypatch):
     r = watch.report()
     assert watch.queued == [3.0, 0.0, 5.0, 0.0] and r["prompts_queued_p50"] == 1.5
     assert r["prompts_queued_none_share"] == 0.5
+
+
+def test_the_warm_up_steps_are_no_part_of_the_run(monkeypatch):
+    """serve sends its warm-up requests (each a batch of one) before the clock starts; the server's figures count
+    from the restart after them (bench/runs/serve_load.py), so steps, mean batch and busy share are the run's."""
+    import bench.measure.serve_metrics as sm
+
+    m = Metrics("decode")
+    monkeypatch.setattr(sm, "scrape", lambda url: series(m))
+    watch = sm.BatchWatch("http://unused")
+    for _ in range(128):  # a warm-up request's 128 one-row steps
+        m.stepped(StepStats(rows=1, prompt_rows=0, step_rows=0, device_s=0.005))
+    watch.restart()
+    m.stepped(StepStats(rows=56, prompt_rows=456, step_rows=512, device_s=0.013))
+    r = watch.report()
+    assert (r["steps"], r["mean_batch_per_step"], r["prompt_rows_in_steps"]) == (1, 56, 456)
+
+
+def test_serve_restarts_the_watch_after_its_warm_up(monkeypatch):
+    """The order in the load itself: warm-up requests, then the watch's restart, then the run's requests."""
+    import asyncio
+    from contextlib import asynccontextmanager
+
+    import bench.runs.serve_load as sl
+    from bench.runs.serve_config import ServeConfig
+
+    order = []
+
+    @asynccontextmanager
+    async def door(cfg, metadata):
+        async def send(ids, timeout, stop_after=None):
+            order.append("send")
+            return {"code": None, "error": "", "input_len": len(ids), "times": [0.0], "sent": 0.0}
+        yield send
+
+    class Watch:
+        def restart(self):
+            order.append("restart")
+
+        async def sample(self, start):
+            await asyncio.sleep(3600)
+    monkeypatch.setattr(sl, "grpc_door", door)
+    cfg = ServeConfig(addr="127.0.0.1:1", num_prompts=3, warmup=2, input_len=8, output_len=2, vocab_size=100)
+    asyncio.run(sl._run(cfg, [[1, 2, 3]] * 3, lambda _: None, None, Watch()))
+    assert order == ["send", "send", "restart", "send", "send", "send"]

@@ -50,6 +50,12 @@ class BatchWatch:
         self.queued: list[float] = []  # prompts waiting to ride in steps at each sample (--mixed-prefill)
         self.t0 = time.perf_counter()
 
+    def restart(self) -> None:
+        """Count from now: the server's series as they stand and an empty timeline (after the warm-up requests,
+        whose steps, batch-of-one ones, are no part of the run)."""
+        self.before, self.t0 = scrape(self.url), time.perf_counter()
+        self.samples, self.pool, self.queued = [], [], []
+
     async def sample(self, start: float) -> None:
         while True:
             m = await asyncio.to_thread(scrape, self.url)

@@ -61,6 +61,8 @@ async def _run(cfg: ServeConfig, prompts: list[list[int]], step: Step, metadata,
             step(f"warm-up {i + 1}")
             if w["code"]:
                 return [], 0.0, [f"warm-up request failed: {w['code']}: {w['error']}"]
+        if watch is not None:  # the server's figures count from here: the warm-up's steps are no part of the run
+            await asyncio.to_thread(watch.restart)
         rng = np.random.default_rng(cfg.seed + 1)
         gaps = rng.exponential(1 / cfg.request_rate, len(prompts)) if math.isfinite(cfg.request_rate) else None
         limit = asyncio.Semaphore(cfg.concurrency or len(prompts))
