@@ -20,6 +20,7 @@ import json
 import torch
 
 from bench.measure.kernel_inputs import paged_copy
+from kvtransfer.engine.runner import graph_us
 from kvtransfer.engine.side_stream import SideStream
 from kvtransfer.kernels import ops as K
 from kvtransfer.kernels import triton_chunk_attention as TC
@@ -31,25 +32,8 @@ SWEEP = [(64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 2), (128, 8, 
 
 
 def graph_ms(calls, replays: int = REPLAYS) -> float:
-    """Median GPU ms of one replay of `calls()` captured as a CUDA graph (warmed up outside the capture)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        calls()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        calls()
-    g.replay()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
+    """Median GPU ms of one replay of `calls()` captured as a CUDA graph (the engine's own timer, runner.graph_us)."""
+    return graph_us(calls, torch.device("cuda", torch.cuda.current_device()), replays) / 1e3
 
 
 def case(decode: int, context: int, prompt_rows: int, prompt_start: int, seed: int = 0):
