@@ -216,7 +216,7 @@ def report(r: dict) -> None:
           + ", ".join(f"{k} {v:.0f}" for k, v in r["gemm_tflops"].items()))
 
 
-def main(argv: list[str] | None = None) -> dict:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen2.5-7b")
     p.add_argument("--device", default="cuda")
@@ -235,7 +235,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--runs", type=int, default=10, help="timed steps (median)")
     p.add_argument("--replays", type=int, default=5, help="profiled steps")
     p.add_argument("--top", type=int, default=12)
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict:
+    a = build_parser().parse_args(argv)
     with torch.inference_mode():
         r = profile_mixed(a)
     report(r)

@@ -30,6 +30,17 @@ def check(argv: list[str]) -> None:
         for extra in (args.decode_args, args.baseline_decode_args or ""):
             from_args(DecodeConfig, ["--device", "cpu", *shlex.split(extra)], "check", "kvtransfer-decode")
         return
+    if argv[:2] == ["-m", "decode_server"]:  # a server the runbook starts itself (checked as on a CPU)
+        from decode_server.config import DecodeConfig
+        from kvtransfer.rpc.configargs import from_args
+        from_args(DecodeConfig, [*argv[2:], "--device", "cpu"], "check", "kvtransfer-decode")
+        return
+    if argv[:2] == ["-m", "bench.probes.profile_mixed"]:
+        from bench.probes.profile_mixed import build_parser as profile_parser
+        profile_parser().parse_args(argv[2:])
+        return
+    if argv[:1] == ["-c"] and "wait_serving" in argv[1]:  # waits for a server it started
+        return
     raise SystemExit(f"runbook ran an unexpected python3 command: {shlex.join(argv)}")
 
 
