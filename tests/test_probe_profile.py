@@ -98,3 +98,20 @@ def test_reference_labels_with_and_without_the_profilers_link():
     assert reference_labels(old) == [("g", "qkv")]
     old[1].kernels = []  # no launch lists it: by name
     assert reference_labels(old) == [("g", "other")]
+
+
+def test_gemms_unnamed_by_the_ranges_are_named_by_their_place_in_the_step():
+    """torch 2.11 links no kernel to its range, so every cuBLAS kernel reads "gemm": a layer's four come in qkv, o,
+    gate_up, down order and the lm_head last, per replay; a count that is not 4 x layers + 1 a replay, or a GEMM the
+    ranges did name, leaves the labels as they are."""
+    from bench.probes.kernel_labels import gemms_by_position
+
+    step = ["norm", "gemm", "rope", "attn_decode", "gemm", "norm", "gemm", "silu", "gemm"] * 2 + ["norm", "gemm",
+                                                                                                  "sample"]
+    labels = gemms_by_position(step * 2, layers=2, replays=2)
+    named = [lab for lab in labels if lab not in ("norm", "rope", "attn_decode", "silu", "sample")]
+    assert named == ["qkv", "o", "gate_up", "down", "qkv", "o", "gate_up", "down", "lm_head"] * 2
+    assert labels[2] == "rope" and labels[-1] == "sample"
+    assert gemms_by_position(step[:-2] * 2, layers=2, replays=2) == step[:-2] * 2  # 8 GEMMs a replay, not 9
+    partly = ["qkv" if i == 1 else lab for i, lab in enumerate(step)]
+    assert gemms_by_position(partly, layers=2, replays=1) == partly

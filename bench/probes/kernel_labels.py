@@ -54,7 +54,7 @@ def labeled(runner: StepRunner, seen: dict):
             if label in CATEGORY and CATEGORY[label] == "gemm":
                 info |= {"n": int(args[1].shape[0]), "k": int(args[1].shape[1])}
             if label == "attn_chunk":  # the chunks this call attends for (its table: rows > 0)
-                info["pieces"] = int((args[3][:, 1] > 0).sum())
+                info["pieces"] = int(((args[3][:, 1] > 0) & (args[3][:, 2] >= 0)).sum())  # not the padding piece
             seen.setdefault(label, info)
             with record_function(f"kvt:{label}"):
                 return fn(*args, **kw)
@@ -97,6 +97,25 @@ def label_of(e, cpu: dict) -> str | None:
     while p is not None and not p.name.startswith("kvt:"):
         p = p.cpu_parent
     return None if p is None else p.name[4:]
+
+
+PROJECTIONS = ("qkv", "o", "gate_up", "down")  # each layer's GEMMs in launch order; the lm_head after the last
+
+
+def gemms_by_position(labels: list[str], layers: int, replays: int) -> list[str]:
+    """Name the GEMMs that only their kernel name labeled ("gemm"), by their place in the step: a layer launches qkv,
+    o, gate_up, down in that order on the step's stream, and the lm_head comes last, so each replay has 4 x layers
+    + 1 of them. Labels are left as they are when some GEMM already has its projection's name (the ranges linked
+    it), or when the count is not that (another path ran: the GEMV, another model)."""
+    at = [i for i, lab in enumerate(labels) if CATEGORY.get(lab) == "gemm"]
+    per = 4 * layers + 1
+    if any(labels[i] != "gemm" for i in at) or len(at) != per * replays:
+        return labels
+    names = [*PROJECTIONS * layers, "lm_head"] * replays
+    out = list(labels)
+    for i, name in zip(at, names):
+        out[i] = name
+    return out
 
 
 def align(kern: list, ref: list[tuple[str, str]], replays: int) -> tuple[list[str], int]:

@@ -30,7 +30,8 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from bench.measure.stats import summarize
-from bench.probes.kernel_labels import CATEGORIES, CATEGORY, EagerGraph, align, by_name, label_of, labeled
+from bench.probes.kernel_labels import (CATEGORIES, CATEGORY, EagerGraph, align, by_name, gemms_by_position,
+                                        label_of, labeled)
 from kvtransfer.engine.graphs import Step, buckets
 from kvtransfer.engine.mixed import MAX_PIECES, Chunk
 from kvtransfer.engine.pool import KVPool
@@ -116,6 +117,7 @@ def gpu_kernels(st: Step, body, rows: int, b: int, replays: int, seen: dict) -> 
         if graph is not None:
             st.mixed_graphs[rows, b] = graph
     labels, matched = align(kern, reference_labels(lp.events()), replays)
+    labels = gemms_by_position(labels, len(st.runner.layers), replays)  # when no range named them (torch 2.11)
     return [(lab, e.name, e.time_range.end - e.time_range.start) for e, lab in zip(kern, labels)], matched
 
 
