@@ -64,7 +64,7 @@ def build(a):
     leases = [pool.try_lease(max_seq) for _ in range(a.batch + a.pieces)]
     pool.kv.normal_()
     runner = StepRunner(model, pool, gemv="off")  # the batch-1 GEMV never runs in a step of >= 2 rows
-    if getattr(a, "no_side_stream", False):  # the prompt rows' attention after the decode rows', on the step's one stream
+    if getattr(a, "no_side_stream", False):  # the prompt rows' attention after the decode rows', one stream
         runner.side = SideStream(dev, on=False)
     st = Step(runner, b, dev.type == "cuda" and not a.eager, chunk=a.mixed, sampling=False)
     g = torch.Generator().manual_seed(0)
