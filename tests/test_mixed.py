@@ -402,3 +402,35 @@ def pool_layers(pool: KVPool, kv: torch.Tensor, slot: int, pos: int) -> list[tup
         return [(k[0, :, pos].clone(), v[0, :, pos].clone()) for k, v in pool.layers_of(slot, pos + 1)]
     finally:
         pool.kv.copy_(saved)
+
+
+def test_the_side_stream_is_joined_when_a_launch_fails(tiny, monkeypatch):
+    """The prompt rows' attention goes to a side stream (engine/side_stream.py) and writes into the step's one
+    output; if the decode rows' launch then fails, the step's stream still waits for the side stream before that
+    output can be freed and handed out again (a join skipped would let a later allocation race the chunk kernel)."""
+    from contextlib import contextmanager
+
+    from kvtransfer.kernels import ops
+
+    pool = KVPool(CacheGeometry.from_config(tiny.config, torch.float32), torch.device("cpu"), slots=4, max_seq=64)
+    runner = StepRunner(tiny, pool)
+    events = []
+
+    class Recorder:
+        @contextmanager
+        def fork(self):
+            events.append("fork")
+            yield
+
+        def join(self):
+            events.append("join")
+    runner.side = Recorder()
+
+    def fails(*args, **kw):
+        raise RuntimeError("CUDA out of memory (injected)")
+    monkeypatch.setattr(ops, "decode_attention", fails)
+    lease = pool.try_lease(64)
+    chunk = Chunk(torch.arange(3, 8), lease.slot, 0, True)
+    with pytest.raises(RuntimeError, match="injected"):
+        mixed_forward(runner, torch.tensor([5]), torch.tensor([3]), torch.tensor([lease.slot]), [chunk])
+    assert events == ["fork", "join"]

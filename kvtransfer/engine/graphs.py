@@ -95,7 +95,8 @@ class Step:
             for _ in range(2):
                 self.runner.forward(self.tokens[:self.max_batch], self.positions[:self.max_batch],
                                     self.slots[:self.max_batch])
-                for c in self.sizes:
+                for c in self.sizes:  # one decode row, then c - 1 padding rows (a zero piece: every row written)
+                    self.pieces[MAX_PIECES] = torch.tensor([0, c - 1, -1, 0], dtype=torch.int32)
                     self.runner.forward(self.tokens[:c], self.positions[:c], self.slots[:c], self.keep,
                                         (1, self.pieces))
         torch.cuda.current_stream(dev).wait_stream(side)

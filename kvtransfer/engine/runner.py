@@ -109,13 +109,15 @@ class StepRunner:
                                             block_table=table)  # (B, Hq, D)
             d, pieces = chunks
             o = torch.empty_like(q)  # (B, Hq, D): rows :d from the decode kernel, d: from the chunk kernel
-            with self.side.fork():  # beside the decode rows' kernel (side_stream.py)
-                ops.chunk_attention(q[d:], kp, vp, pieces, self.scale, use_triton=tri, block_table=table,
-                                    out=o[d:])  # pieces cover every row d.. (padding: a zero piece, mixed.py)
-            if d:
-                ops.decode_attention(q[:d], kp, vp, slots[:d], lengths[:d], self.scale, use_triton=tri,
-                                     block_table=table, out=o[:d])
-            self.side.join()
+            try:
+                with self.side.fork():  # beside the decode rows' kernel (side_stream.py)
+                    ops.chunk_attention(q[d:], kp, vp, pieces, self.scale, use_triton=tri, block_table=table,
+                                        out=o[d:])  # pieces cover every row d.. (padding: a zero piece, mixed.py)
+                if d:
+                    ops.decode_attention(q[:d], kp, vp, slots[:d], lengths[:d], self.scale, use_triton=tri,
+                                         block_table=table, out=o[:d])
+            finally:  # joined even when a launch fails: `o` is never freed while the side stream may write it
+                self.side.join()
             return o
 
         def project(name: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

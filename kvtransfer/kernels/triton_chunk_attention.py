@@ -129,8 +129,10 @@ def chunk_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     (S, Hkv, T, D) contiguous, pieces (P, 4) int32, block_table None (a piece's slot) or (rows, W) int32 (a
     piece's table row) -> `out` (R, Hq, D), unit stride on D (None: a new tensor, zero outside the pieces; given:
     its rows outside every piece are left as they are). block_m, num_warps, num_stages: the probe's sweep (None:
-    this module's BLOCK_M, NUM_WARPS, NUM_STAGES, read at the call)."""
-    block_m, num_warps, num_stages = block_m or BLOCK_M, num_warps or NUM_WARPS, num_stages or NUM_STAGES
+    this module's BLOCK_M, NUM_WARPS, NUM_STAGES (2 for fp32), read at the call)."""
+    block_m, num_warps = block_m or BLOCK_M, num_warps or NUM_WARPS
+    # 3 stages of fp32 tiles take ~180 KB of shared memory at D 128 (sm_90 has ~227 KB, an A100 ~164 KB): 2 there
+    num_stages = num_stages or (NUM_STAGES if q.element_size() == 2 else 2)
     table, stride_tr, _, page, paged = table_args(block_table, k_pool)
     rows, q_heads, head_dim = q.shape
     groups = q_heads // k_pool.shape[1]
