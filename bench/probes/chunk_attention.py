@@ -7,7 +7,9 @@ D 128, bf16, 64-token pages), each in a CUDA graph of LAYERS launches (as the st
   chunk   kernels.chunk_attention at each (BLOCK_M, warps, stages) of the sweep, its TFLOP/s (QK^T and PV of the
           causal rows), and its output against the module's default (max |diff| / max |out|);
   pair    the decode rows' kernel then the chunk rows' one on one stream, vs the chunk kernel on a side stream
-          beside it (engine/side_stream.py), vs each alone.
+          beside it (engine/side_stream.py), vs each alone;
+  decode  with --decode-sweep: the decode rows' kernel at other launches (warps, stages, splits), its K/V read rate
+          against the copy bandwidth measured in the same run.
 Times are medians of REPLAYS replays. Run on the GPU machine: `python3 -m bench.probes.chunk_attention`; prints
 one JSON line (and a line per row).
 """
@@ -119,12 +121,43 @@ def pair_rows(q, kp, vp, table, rows_idx, lengths, pieces, decode) -> dict:
     return res
 
 
+DECODE_SWEEP = [(4, 2, None), (4, 3, None), (4, 4, None), (8, 2, None), (8, 3, None), (4, 2, 8), (4, 3, 8),
+                (4, 2, 16)]  # stage 1's (warps, stages, splits: None the engine's choice)
+
+
+def decode_rows(q, kp, vp, table, rows_idx, lengths, decode, context, bandwidth) -> list[dict]:
+    """The decode rows' kernel alone at each launch of DECODE_SWEEP: ms a layer, the K/V bytes it must read over
+    that time against the copy bandwidth measured in this run, and its output against the default launch's."""
+    from kvtransfer.kernels.triton_attention import decode_attention_triton
+
+    qd, scale = q[:decode], D ** -0.5
+    want = decode_attention_triton(qd, kp, vp, rows_idx, lengths, scale, block_table=table)
+    kv_bytes = 2 * decode * context * HKV * D * qd.element_size()
+    out = []
+    for warps, stages, splits in DECODE_SWEEP:
+        def calls():
+            for _ in range(LAYERS):
+                decode_attention_triton(qd, kp, vp, rows_idx, lengths, scale, block_table=table, num_splits=splits,
+                                        num_warps=warps, num_stages=stages)
+        got = decode_attention_triton(qd, kp, vp, rows_idx, lengths, scale, block_table=table, num_splits=splits,
+                                      num_warps=warps, num_stages=stages)
+        ms = graph_ms(calls) / LAYERS
+        row = {"warps": warps, "stages": stages, "splits": splits or "default", "ms_per_layer": ms,
+               "kv_gb_s": kv_bytes / (ms * 1e-3) / 1e9, "of_copy_bandwidth": kv_bytes / (ms * 1e-3) / bandwidth,
+               "max_rel_diff_vs_default": ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()}
+        print("decode", json.dumps(row), flush=True)
+        out.append(row)
+    return out
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--decode", type=int, default=64, help="decode rows")
     p.add_argument("--context", type=int, default=1024, help="the decode rows' length")
     p.add_argument("--cases", default="448@512,512@0,448@3584",
                    help="prompt chunks: ROWS@START, comma-separated (one chunk each)")
+    p.add_argument("--decode-sweep", action="store_true",
+                   help="also time the decode rows' kernel at other launches (DECODE_SWEEP), the first case's rows")
     a = p.parse_args(argv)
     result = {"bench": "chunk_attention", "device": torch.cuda.get_device_name(), "layers": LAYERS,
               "defaults": {"block_m": TC.BLOCK_M, "warps": TC.NUM_WARPS, "stages": TC.NUM_STAGES}, "cases": []}
@@ -134,6 +167,12 @@ def main(argv=None) -> None:
         result["cases"].append({"rows": rows, "start": start, "decode": a.decode, "context": a.context,
                                 "chunk": chunk_rows(q, kp, vp, table, pieces, a.decode, rows, start),
                                 "pair": pair_rows(q, kp, vp, table, idx, lengths, pieces, a.decode)})
+        if a.decode_sweep and "decode_sweep" not in result:
+            from bench.probes.kernels import copy_bandwidth
+
+            bw = copy_bandwidth()
+            result["copy_bandwidth_gb_s"] = bw / 1e9
+            result["decode_sweep"] = decode_rows(q, kp, vp, table, idx, lengths, a.decode, a.context, bw)
         del q, kp, vp, table
         torch.cuda.empty_cache()
     print(json.dumps(result))

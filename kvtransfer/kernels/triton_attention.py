@@ -37,6 +37,8 @@ from kvtransfer.kernels.triton_paging import table_args, tile_offsets
 
 BLOCK_N = 64  # positions per inner step of stage 1
 BLOCK_H = 16  # query heads per stage-1 program (tl.dot needs M >= 16): G is padded / tiled by it
+STAGE1_WARPS = 4  # stage 1's launch (bench/probes/chunk_attention.py --decode-sweep times others)
+STAGE1_STAGES = 2
 MAX_SPLITS = 256  # bounds the stage-2 tile (all splits of a row are merged in one shot)
 _MERGE_ELEMS = 4096  # fp32 partial-output elements per stage-2 program
 _LOG2E = 1.4426950408889634
@@ -231,8 +233,13 @@ def decode_attention_triton(
     block_table: torch.Tensor | None = None,
     split_size: int | None = None,
     out: torch.Tensor | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Split-K decode attention; shapes as `kvtransfer.kernels.ops.decode_attention` (checked there).
+
+    num_warps, num_stages: stage 1's launch (None: STAGE1_WARPS, STAGE1_STAGES, read at the call; a probe's sweep).
+    A program's tiles and their order do not depend on them.
 
     q: (B, Hq, D) with unit stride on D; pools (S, Hkv, T, D) contiguous; returns (B, Hq, D): `out` when given
     (unit stride on D), else a new tensor.
@@ -271,7 +278,7 @@ def decode_attention_triton(
         Q_HEADS=q_heads, GROUPS=groups, HEAD_BLOCKS=head_blocks, HEAD_DIM=head_dim,
         BLOCK_D=block_d, BLOCK_N=BLOCK_N, BLOCK_H=BLOCK_H,
         UPCAST_DOT=_upcast_dots(q), PAGE=page, PAGED=paged, SPLIT_SIZE=split_size or 0,
-        num_warps=4, num_stages=2,
+        num_warps=num_warps or STAGE1_WARPS, num_stages=num_stages or STAGE1_STAGES,
     )
     if split_size is not None:
         merge_fixed_splits(mid_o, mid_lse, lengths, out, max_seq, split_size)
