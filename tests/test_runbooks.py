@@ -20,7 +20,7 @@ from support.runbook_checker import check
 from support.servers import ROOT
 
 RUNBOOKS = {"two-gpu-1-smoke.sh": 4, "two-gpu-2-interference.sh": 2, "two-gpu-3-serve.sh": 1,
-            "one-gpu-39-budget.sh": 5}  # python3 calls
+            "one-gpu-39-budget.sh": 6}  # python3 calls
 
 
 def parse_error(argv: list[str]) -> str | None:
@@ -66,3 +66,4 @@ def test_the_checker_refuses_a_bad_flag_and_an_unexpected_command():
     assert parse_error(["-m", "decode_server", "--colocated", "--model", "tiny"]) is None
     assert "--no-such-flag" in parse_error(["-m", "decode_server", "--colocated", "--no-such-flag"])
     assert "--no-such-flag" in parse_error(["-m", "bench.probes.profile_mixed", "--no-such-flag"])
+    assert "--no-such-flag" in parse_error(["-m", "bench.probes.chunk_attention", "--no-such-flag"])

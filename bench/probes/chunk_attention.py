@@ -150,7 +150,7 @@ def decode_rows(q, kp, vp, table, rows_idx, lengths, decode, context, bandwidth)
     return out
 
 
-def main(argv=None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--decode", type=int, default=64, help="decode rows")
     p.add_argument("--context", type=int, default=1024, help="the decode rows' length")
@@ -158,7 +158,11 @@ def main(argv=None) -> None:
                    help="prompt chunks: ROWS@START, comma-separated (one chunk each)")
     p.add_argument("--decode-sweep", action="store_true",
                    help="also time the decode rows' kernel at other launches (DECODE_SWEEP), the first case's rows")
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> None:
+    a = build_parser().parse_args(argv)
     result = {"bench": "chunk_attention", "device": torch.cuda.get_device_name(), "layers": LAYERS,
               "defaults": {"block_m": TC.BLOCK_M, "warps": TC.NUM_WARPS, "stages": TC.NUM_STAGES}, "cases": []}
     for spec in a.cases.split(","):

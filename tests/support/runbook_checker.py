@@ -39,6 +39,10 @@ def check(argv: list[str]) -> None:
         from bench.probes.profile_mixed import build_parser as profile_parser
         profile_parser().parse_args(argv[2:])
         return
+    if argv[:2] == ["-m", "bench.probes.chunk_attention"]:
+        from bench.probes.chunk_attention import build_parser as attention_parser
+        attention_parser().parse_args(argv[2:])
+        return
     if argv[:1] == ["-c"] and "wait_serving" in argv[1]:  # waits for a server it started
         return
     raise SystemExit(f"runbook ran an unexpected python3 command: {shlex.join(argv)}")
