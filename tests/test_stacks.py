@@ -143,5 +143,6 @@ def test_a_driver_whose_sigterm_exit_was_lost_still_exits_as_terminated():
     got = subprocess.run([*run, "term"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert got.returncode == 128 + signal.SIGTERM, got.stderr[-2000:]
     assert got.stderr.count("Current thread") == 1 and "stopped on signal 15" in got.stderr, got.stderr[-2000:]
+    assert "RuntimeError: UNAVAILABLE: the server the signal stopped" in got.stderr  # the error said, not hidden
     plain = subprocess.run([*run, "none"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert plain.returncode == 1 and "RuntimeError: UNAVAILABLE" in plain.stderr  # no signal: the error is the error

@@ -54,10 +54,10 @@ def exit_status(main) -> int:
     otherwise exit 1 with that error instead of saying it was terminated."""
     try:
         return main()
-    except Exception:
+    except Exception as e:  # any failure: after the signal it is the stop's consequence, said, not hidden
         if terminated() is None:
             raise
-        print(f"stopped on signal {terminated()}", file=sys.stderr)
+        print(f"stopped on signal {terminated()} (the run then failed: {type(e).__name__}: {e})", file=sys.stderr)
         return 128 + terminated()
 
 
