@@ -5,7 +5,6 @@ with itself, so a bug that changes the bits the same way everywhere, or only on 
 
 from __future__ import annotations
 
-import asyncio
 
 import pytest
 import torch
