@@ -28,8 +28,16 @@ def enable_stack_dumps() -> bool:
     except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError
         return False
     faulthandler.enable(all_threads=True)
-    faulthandler.register(DUMP_SIGNAL, all_threads=True, chain=False)
+    signal.signal(DUMP_SIGNAL, _dump)
     return True
+
+
+def _dump(_signum, _frame) -> None:
+    """DUMP_SIGNAL's handler: a Python one, so it runs on the main thread holding the GIL and no other thread's
+    frames change while it reads them. faulthandler.register's C handler read them from inside the signal while
+    those threads ran, and once crashed the server it asked (a segfault in CI while the scheduler thread was in a
+    torch op). The main thread is the server's event loop, which a signal wakes."""
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
 
 
 def exit_on_sigterm() -> None:
