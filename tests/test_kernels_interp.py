@@ -257,6 +257,29 @@ def test_decode_attention_paged_equals_slots(page, dtype):
         assert torch.equal(got, want), (use_triton, page)
 
 
+@pytest.mark.parametrize("block_n", [16, 32, 128])
+def test_decode_attention_other_tile_widths(block_n):
+    # The probe's sweep (bench/probes/chunk_attention.py --decode-sweep) times other stage-1 tile widths: each must
+    # still give the attention, paged (tiles across 64-position pages, and 128-wide tiles over two) or not.
+    from kvtransfer.kernels.triton_attention import decode_attention_triton
+
+    case = decode_case([150, 1, 64, 65, 256, 17], 9, 3, 64, max_seq=256, dtype=torch.float32, seed=22, pad_rows=2)
+    gold = attention_gold(case)
+    kp, table = paged_copy(case.k_pool, 64, seed=5, width=6)
+    vp, _ = paged_copy(case.v_pool, 64, seed=5, width=6)
+    for splits in (None, 3):
+        out = decode_attention_triton(case.q, case.k_pool, case.v_pool, case.slots, case.lengths, case.scale,
+                                      num_splits=splits, block_n=block_n)
+        assert _rel_err(out[:6], gold[:6]) <= 1e-5, (block_n, splits)
+        paged = decode_attention_triton(case.q, kp, vp, case.slots, case.lengths, case.scale, num_splits=splits,
+                                        block_table=table, block_n=block_n)
+        assert torch.equal(paged, out), (block_n, splits)
+    for bad in (8, 48):
+        with pytest.raises(ValueError, match="block_n"):
+            decode_attention_triton(case.q, case.k_pool, case.v_pool, case.slots, case.lengths, case.scale,
+                                    block_n=bad)
+
+
 @pytest.mark.parametrize("page", PAGES)
 def test_chunk_attention_paged_equals_slots(page):
     g = torch.Generator().manual_seed(12)

@@ -8,7 +8,7 @@ D 128, bf16, 64-token pages), each in a CUDA graph of LAYERS launches (as the st
           causal rows), and its output against the module's default (max |diff| / max |out|);
   pair    the decode rows' kernel then the chunk rows' one on one stream, vs the chunk kernel on a side stream
           beside it (engine/side_stream.py), vs each alone;
-  decode  with --decode-sweep: the decode rows' kernel at other launches (warps, stages, splits), its K/V read rate
+  decode  with --decode-sweep: the decode rows' kernel at other launches (warps, stages, splits, BLOCK_N), its K/V read rate
           against the copy bandwidth measured in the same run.
 Times are medians of REPLAYS replays. Run on the GPU machine: `python3 -m bench.probes.chunk_attention`; prints
 one JSON line (and a line per row).
@@ -121,8 +121,10 @@ def pair_rows(q, kp, vp, table, rows_idx, lengths, pieces, decode) -> dict:
     return res
 
 
-DECODE_SWEEP = [(4, 2, None), (4, 3, None), (4, 4, None), (8, 2, None), (8, 3, None), (4, 2, 8), (4, 3, 8),
-                (4, 2, 16)]  # stage 1's (warps, stages, splits: None the engine's choice)
+DECODE_SWEEP = [(4, 2, None, None), (4, 3, None, None), (4, 4, None, None), (8, 2, None, None), (8, 3, None, None),
+                (4, 2, 2, None), (4, 2, 3, None), (4, 2, 6, None), (4, 2, 8, None), (4, 3, 8, None), (4, 2, 16, None),
+                (4, 2, None, 32), (4, 3, None, 32), (2, 3, None, 32), (4, 2, None, 128), (8, 3, None, 128),
+                (4, 3, 2, 128)]  # stage 1's (warps, stages, splits, BLOCK_N): None the engine's choice
 
 
 def decode_rows(q, kp, vp, table, rows_idx, lengths, decode, context, bandwidth) -> list[dict]:
@@ -134,15 +136,16 @@ def decode_rows(q, kp, vp, table, rows_idx, lengths, decode, context, bandwidth)
     want = decode_attention_triton(qd, kp, vp, rows_idx, lengths, scale, block_table=table)
     kv_bytes = 2 * decode * context * HKV * D * qd.element_size()
     out = []
-    for warps, stages, splits in DECODE_SWEEP:
+    for warps, stages, splits, block_n in DECODE_SWEEP:
         def calls():
             for _ in range(LAYERS):
                 decode_attention_triton(qd, kp, vp, rows_idx, lengths, scale, block_table=table, num_splits=splits,
-                                        num_warps=warps, num_stages=stages)
+                                        num_warps=warps, num_stages=stages, block_n=block_n)
         got = decode_attention_triton(qd, kp, vp, rows_idx, lengths, scale, block_table=table, num_splits=splits,
-                                      num_warps=warps, num_stages=stages)
+                                      num_warps=warps, num_stages=stages, block_n=block_n)
         ms = graph_ms(calls) / LAYERS
-        row = {"warps": warps, "stages": stages, "splits": splits or "default", "ms_per_layer": ms,
+        row = {"warps": warps, "stages": stages, "splits": splits or "default", "block_n": block_n or "default",
+               "ms_per_layer": ms,
                "kv_gb_s": kv_bytes / (ms * 1e-3) / 1e9, "of_copy_bandwidth": kv_bytes / (ms * 1e-3) / bandwidth,
                "max_rel_diff_vs_default": ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()}
         print("decode", json.dumps(row), flush=True)

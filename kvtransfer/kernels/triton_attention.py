@@ -235,11 +235,13 @@ def decode_attention_triton(
     out: torch.Tensor | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    block_n: int | None = None,
 ) -> torch.Tensor:
     """Split-K decode attention; shapes as `kvtransfer.kernels.ops.decode_attention` (checked there).
 
     num_warps, num_stages: stage 1's launch (None: STAGE1_WARPS, STAGE1_STAGES, read at the call; a probe's sweep).
-    A program's tiles and their order do not depend on them.
+    A program's tiles and their order do not depend on them. block_n: positions per stage-1 tile (None: BLOCK_N; a
+    power of two >= 16, a probe's sweep); it moves the splits' edges, so the output's bits may change with it.
 
     q: (B, Hq, D) with unit stride on D; pools (S, Hkv, T, D) contiguous; returns (B, Hq, D): `out` when given
     (unit stride on D), else a new tensor.
@@ -253,6 +255,10 @@ def decode_attention_triton(
     kv_heads = k_pool.shape[1]
     table, stride_tr, width, page, paged = table_args(block_table, k_pool)
     max_seq = width * page  # the positions a row can hold
+    if block_n is None:
+        block_n = BLOCK_N
+    elif block_n < 16 or block_n & (block_n - 1) or split_size is not None:
+        raise ValueError(f"block_n {block_n} must be a power of two >= 16, without split_size")
     groups = q_heads // kv_heads
     head_blocks = triton.cdiv(groups, BLOCK_H)
     if split_size is not None:
@@ -276,7 +282,7 @@ def decode_attention_triton(
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), stride_tr,
         max_seq, num_splits,
         Q_HEADS=q_heads, GROUPS=groups, HEAD_BLOCKS=head_blocks, HEAD_DIM=head_dim,
-        BLOCK_D=block_d, BLOCK_N=BLOCK_N, BLOCK_H=BLOCK_H,
+        BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_H=BLOCK_H,
         UPCAST_DOT=_upcast_dots(q), PAGE=page, PAGED=paged, SPLIT_SIZE=split_size or 0,
         num_warps=num_warps or STAGE1_WARPS, num_stages=num_stages or STAGE1_STAGES,
     )
@@ -290,7 +296,7 @@ def decode_attention_triton(
         out.stride(0), out.stride(1),
         max_seq, num_splits,
         Q_HEADS=q_heads, HEAD_DIM=head_dim,
-        BLOCK_N=BLOCK_N, BLOCK_S=block_s, BLOCK_DS=block_ds,
+        BLOCK_N=block_n, BLOCK_S=block_s, BLOCK_DS=block_ds,
         num_warps=4,
     )
     return out
