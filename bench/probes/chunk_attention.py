@@ -9,7 +9,7 @@ D 128, bf16, 64-token pages), each in a CUDA graph of LAYERS launches (as the st
   pair    the decode rows' kernel then the chunk rows' one on one stream, vs the chunk kernel on a side stream
           beside it (engine/side_stream.py), vs each alone;
   decode  with --decode-sweep: the decode rows' kernel at other launches (warps, stages, splits, BLOCK_N), its K/V read rate
-          against the copy bandwidth measured in the same run.
+          against the copy bandwidth measured in the same run, and the pair's time with that launch.
 Times are medians of REPLAYS replays. Run on the GPU machine: `python3 -m bench.probes.chunk_attention`; prints
 one JSON line (and a line per row).
 """
@@ -127,25 +127,37 @@ DECODE_SWEEP = [(4, 2, None, None), (4, 3, None, None), (4, 4, None, None), (8, 
                 (4, 3, 2, 128)]  # stage 1's (warps, stages, splits, BLOCK_N): None the engine's choice
 
 
-def decode_rows(q, kp, vp, table, rows_idx, lengths, decode, context, bandwidth) -> list[dict]:
-    """The decode rows' kernel alone at each launch of DECODE_SWEEP: ms a layer, the K/V bytes it must read over
-    that time against the copy bandwidth measured in this run, and its output against the default launch's."""
+def decode_rows(q, kp, vp, table, rows_idx, lengths, pieces, decode, context, bandwidth) -> list[dict]:
+    """The decode rows' kernel at each launch of DECODE_SWEEP: alone (ms a layer, the K/V bytes it must read over
+    that time against the copy bandwidth measured in this run, its output against the default launch's), and beside
+    the chunk kernel on the side stream as the step runs them (pair_ms: the 28 layers of both)."""
     from kvtransfer.kernels.triton_attention import decode_attention_triton
 
-    qd, scale = q[:decode], D ** -0.5
+    qd, qc, scale = q[:decode], q[decode:], D ** -0.5
     want = decode_attention_triton(qd, kp, vp, rows_idx, lengths, scale, block_table=table)
     kv_bytes = 2 * decode * context * HKV * D * qd.element_size()
+    o, side = torch.empty_like(q), SideStream(q.device)
     out = []
     for warps, stages, splits, block_n in DECODE_SWEEP:
+        def dec(dst=None):
+            return decode_attention_triton(qd, kp, vp, rows_idx, lengths, scale, block_table=table,
+                                           num_splits=splits, num_warps=warps, num_stages=stages, block_n=block_n,
+                                           out=dst)
+
         def calls():
             for _ in range(LAYERS):
-                decode_attention_triton(qd, kp, vp, rows_idx, lengths, scale, block_table=table, num_splits=splits,
-                                        num_warps=warps, num_stages=stages, block_n=block_n)
-        got = decode_attention_triton(qd, kp, vp, rows_idx, lengths, scale, block_table=table, num_splits=splits,
-                                      num_warps=warps, num_stages=stages, block_n=block_n)
+                dec()
+
+        def beside():
+            for _ in range(LAYERS):
+                with side.fork():
+                    K.chunk_attention(qc, kp, vp, pieces, scale, block_table=table, out=o[decode:])
+                dec(o[:decode])
+                side.join()
+        got = dec()
         ms = graph_ms(calls) / LAYERS
         row = {"warps": warps, "stages": stages, "splits": splits or "default", "block_n": block_n or "default",
-               "ms_per_layer": ms,
+               "ms_per_layer": ms, "pair_ms": graph_ms(beside),
                "kv_gb_s": kv_bytes / (ms * 1e-3) / 1e9, "of_copy_bandwidth": kv_bytes / (ms * 1e-3) / bandwidth,
                "max_rel_diff_vs_default": ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()}
         print("decode", json.dumps(row), flush=True)
@@ -179,7 +191,7 @@ def main(argv=None) -> None:
 
             bw = copy_bandwidth()
             result["copy_bandwidth_gb_s"] = bw / 1e9
-            result["decode_sweep"] = decode_rows(q, kp, vp, table, idx, lengths, a.decode, a.context, bw)
+            result["decode_sweep"] = decode_rows(q, kp, vp, table, idx, lengths, pieces, a.decode, a.context, bw)
         del q, kp, vp, table
         torch.cuda.empty_cache()
     print(json.dumps(result))
