@@ -124,7 +124,10 @@ def pair_rows(q, kp, vp, table, rows_idx, lengths, pieces, decode) -> dict:
 DECODE_SWEEP = [(4, 2, None, None), (4, 3, None, None), (4, 4, None, None), (8, 2, None, None), (8, 3, None, None),
                 (4, 2, 2, None), (4, 2, 3, None), (4, 2, 6, None), (4, 2, 8, None), (4, 3, 8, None), (4, 2, 16, None),
                 (4, 2, None, 32), (4, 3, None, 32), (2, 3, None, 32), (4, 2, None, 128), (8, 3, None, 128),
-                (4, 3, 2, 128)]  # stage 1's (warps, stages, splits, BLOCK_N): None the engine's choice
+                (4, 3, 2, 128), (4, 2, None, None, "k_rows"), (4, 2, None, None, "full_tiles"),
+                (4, 3, None, None, "k_rows", "full_tiles"), (4, 2, 8, None, "k_rows", "full_tiles"),
+                (4, 3, 3, None, "k_rows", "full_tiles")]
+# stage 1's (warps, stages, splits, BLOCK_N, *flags of decode_attention_triton): None the engine's choice
 
 
 def decode_rows(q, kp, vp, table, rows_idx, lengths, pieces, decode, context, bandwidth) -> list[dict]:
@@ -138,11 +141,11 @@ def decode_rows(q, kp, vp, table, rows_idx, lengths, pieces, decode, context, ba
     kv_bytes = 2 * decode * context * HKV * D * qd.element_size()
     o, side = torch.empty_like(q), SideStream(q.device)
     out = []
-    for warps, stages, splits, block_n in DECODE_SWEEP:
+    for warps, stages, splits, block_n, *flags in DECODE_SWEEP:
         def dec(dst=None):
             return decode_attention_triton(qd, kp, vp, rows_idx, lengths, scale, block_table=table,
                                            num_splits=splits, num_warps=warps, num_stages=stages, block_n=block_n,
-                                           out=dst)
+                                           out=dst, **dict.fromkeys(flags, True))
 
         def calls():
             for _ in range(LAYERS):
@@ -157,7 +160,7 @@ def decode_rows(q, kp, vp, table, rows_idx, lengths, pieces, decode, context, ba
         got = dec()
         ms = graph_ms(calls) / LAYERS
         row = {"warps": warps, "stages": stages, "splits": splits or "default", "block_n": block_n or "default",
-               "ms_per_layer": ms, "pair_ms": graph_ms(beside),
+               "flags": flags, "ms_per_layer": ms, "pair_ms": graph_ms(beside),
                "kv_gb_s": kv_bytes / (ms * 1e-3) / 1e9, "of_copy_bandwidth": kv_bytes / (ms * 1e-3) / bandwidth,
                "max_rel_diff_vs_default": ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()}
         print("decode", json.dumps(row), flush=True)
@@ -171,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=int, default=1024, help="the decode rows' length")
     p.add_argument("--cases", default="448@512,512@0,448@3584",
                    help="prompt chunks: ROWS@START, comma-separated (one chunk each)")
+    p.add_argument("--no-chunk-sweep", action="store_true", help="skip the chunk kernel's tiling sweep")
     p.add_argument("--decode-sweep", action="store_true",
                    help="also time the decode rows' kernel at other launches (DECODE_SWEEP), the first case's rows")
     return p
@@ -184,7 +188,8 @@ def main(argv=None) -> None:
         rows, start = map(int, spec.split("@"))
         q, kp, vp, table, idx, lengths, pieces = case(a.decode, a.context, rows, start)
         result["cases"].append({"rows": rows, "start": start, "decode": a.decode, "context": a.context,
-                                "chunk": chunk_rows(q, kp, vp, table, pieces, a.decode, rows, start),
+                                "chunk": [] if a.no_chunk_sweep else chunk_rows(q, kp, vp, table, pieces, a.decode,
+                                                                                rows, start),
                                 "pair": pair_rows(q, kp, vp, table, idx, lengths, pieces, a.decode)})
         if a.decode_sweep and "decode_sweep" not in result:
             from bench.probes.kernels import copy_bandwidth
