@@ -280,25 +280,6 @@ def test_decode_attention_other_tile_widths(block_n):
                                     block_n=bad)
 
 
-@pytest.mark.parametrize("k_rows,full_tiles", [(True, False), (False, True), (True, True)])
-def test_decode_attention_load_variants_give_the_same_bits(k_rows, full_tiles):
-    # The sweep's other stage-1 loads: K as rows transposed, a split's full tiles unmasked. Same sums, same bits,
-    # with rows whose splits end mid-tile, at a tile edge, and of length 1; paged over 32-position pages too.
-    from kvtransfer.kernels.triton_attention import decode_attention_triton
-
-    case = decode_case([150, 1, 64, 65, 256, 17, 128], 9, 3, 64, max_seq=256, dtype=torch.float32, seed=23,
-                       pad_rows=1)
-    kp, table = paged_copy(case.k_pool, 32, seed=6, width=8)
-    vp, _ = paged_copy(case.v_pool, 32, seed=6, width=8)
-    for splits in (None, 1, 3):
-        for pools in ((case.k_pool, case.v_pool, None), (kp, vp, table)):
-            args = (case.q, pools[0], pools[1], case.slots, case.lengths, case.scale)
-            want = decode_attention_triton(*args, num_splits=splits, block_table=pools[2])
-            got = decode_attention_triton(*args, num_splits=splits, block_table=pools[2], k_rows=k_rows,
-                                          full_tiles=full_tiles)
-            assert torch.equal(got, want), (splits, pools[2] is not None)
-
-
 @pytest.mark.parametrize("page", PAGES)
 def test_chunk_attention_paged_equals_slots(page):
     g = torch.Generator().manual_seed(12)

@@ -20,7 +20,7 @@ from support.runbook_checker import check
 from support.servers import ROOT
 
 RUNBOOKS = {"two-gpu-1-smoke.sh": 4, "two-gpu-2-interference.sh": 2, "two-gpu-3-serve.sh": 1,
-            "one-gpu-39-budget.sh": 6}  # python3 calls
+            "one-gpu-39-budget.sh": 7}  # python3 calls
 
 
 def parse_error(argv: list[str]) -> str | None:

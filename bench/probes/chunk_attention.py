@@ -9,7 +9,9 @@ D 128, bf16, 64-token pages), each in a CUDA graph of LAYERS launches (as the st
   pair    the decode rows' kernel then the chunk rows' one on one stream, vs the chunk kernel on a side stream
           beside it (engine/side_stream.py), vs each alone;
   decode  with --decode-sweep: the decode rows' kernel at other launches (warps, stages, splits, BLOCK_N), its K/V read rate
-          against the copy bandwidth measured in the same run, and the pair's time with that launch.
+          against the copy bandwidth measured in the same run, and the pair's time with that launch;
+  splits  with --split-sweep ROWS@CONTEXT,...: only the decode kernel at each split count (re-tuning
+          triton_attention.choose_num_splits).
 Times are medians of REPLAYS replays. Run on the GPU machine: `python3 -m bench.probes.chunk_attention`; prints
 one JSON line (and a line per row).
 """
@@ -124,10 +126,7 @@ def pair_rows(q, kp, vp, table, rows_idx, lengths, pieces, decode) -> dict:
 DECODE_SWEEP = [(4, 2, None, None), (4, 3, None, None), (4, 4, None, None), (8, 2, None, None), (8, 3, None, None),
                 (4, 2, 2, None), (4, 2, 3, None), (4, 2, 6, None), (4, 2, 8, None), (4, 3, 8, None), (4, 2, 16, None),
                 (4, 2, None, 32), (4, 3, None, 32), (2, 3, None, 32), (4, 2, None, 128), (8, 3, None, 128),
-                (4, 3, 2, 128), (4, 2, None, None, "k_rows"), (4, 2, None, None, "full_tiles"),
-                (4, 3, None, None, "k_rows", "full_tiles"), (4, 2, 8, None, "k_rows", "full_tiles"),
-                (4, 3, 3, None, "k_rows", "full_tiles")]
-# stage 1's (warps, stages, splits, BLOCK_N, *flags of decode_attention_triton): None the engine's choice
+                (4, 3, 2, 128)]  # stage 1's (warps, stages, splits, BLOCK_N): None the engine's choice
 
 
 def decode_rows(q, kp, vp, table, rows_idx, lengths, pieces, decode, context, bandwidth) -> list[dict]:
@@ -141,11 +140,11 @@ def decode_rows(q, kp, vp, table, rows_idx, lengths, pieces, decode, context, ba
     kv_bytes = 2 * decode * context * HKV * D * qd.element_size()
     o, side = torch.empty_like(q), SideStream(q.device)
     out = []
-    for warps, stages, splits, block_n, *flags in DECODE_SWEEP:
+    for warps, stages, splits, block_n in DECODE_SWEEP:
         def dec(dst=None):
             return decode_attention_triton(qd, kp, vp, rows_idx, lengths, scale, block_table=table,
                                            num_splits=splits, num_warps=warps, num_stages=stages, block_n=block_n,
-                                           out=dst, **dict.fromkeys(flags, True))
+                                           out=dst)
 
         def calls():
             for _ in range(LAYERS):
@@ -160,12 +159,38 @@ def decode_rows(q, kp, vp, table, rows_idx, lengths, pieces, decode, context, ba
         got = dec()
         ms = graph_ms(calls) / LAYERS
         row = {"warps": warps, "stages": stages, "splits": splits or "default", "block_n": block_n or "default",
-               "flags": flags, "ms_per_layer": ms, "pair_ms": graph_ms(beside),
+               "ms_per_layer": ms, "pair_ms": graph_ms(beside),
                "kv_gb_s": kv_bytes / (ms * 1e-3) / 1e9, "of_copy_bandwidth": kv_bytes / (ms * 1e-3) / bandwidth,
                "max_rel_diff_vs_default": ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()}
         print("decode", json.dumps(row), flush=True)
         out.append(row)
     return out
+
+
+SPLITS = [None, 1, 2, 3, 4, 6, 8, 12, 16]  # --split-sweep: the decode kernel's split counts (None: choose_num_splits)
+
+
+def split_rows(decode: int, context: int) -> list[dict]:
+    """The decode kernel alone (default launch) at each split count of SPLITS, `decode` rows of `context` positions
+    each (paged), 28 layers in a graph: ms a layer and the K/V read rate. The split count is a runtime argument:
+    one compiled kernel serves them all."""
+    from kvtransfer.kernels.triton_attention import decode_attention_triton, default_num_splits
+
+    q, kp, vp, table, idx, lengths, _ = case(decode, context, 64, 0)
+    qd, scale = q[:decode], D ** -0.5
+    kv_bytes = 2 * decode * context * HKV * D * qd.element_size()
+    chosen = default_num_splits(decode, HQ, HKV, table.shape[1] * PAGE, q.device)
+    out = []
+    for splits in SPLITS:
+        def calls():
+            for _ in range(LAYERS):
+                decode_attention_triton(qd, kp, vp, idx, lengths, scale, block_table=table, num_splits=splits)
+        ms = graph_ms(calls) / LAYERS
+        row = {"decode": decode, "context": context, "splits": splits or f"default ({chosen})",
+               "ms_per_layer": ms, "kv_gb_s": kv_bytes / (ms * 1e-3) / 1e9}
+        print("splits", json.dumps(row), flush=True)
+        out.append(row)
+    return out  # the pools go with this frame
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -175,6 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cases", default="448@512,512@0,448@3584",
                    help="prompt chunks: ROWS@START, comma-separated (one chunk each)")
     p.add_argument("--no-chunk-sweep", action="store_true", help="skip the chunk kernel's tiling sweep")
+    p.add_argument("--split-sweep", default="",
+                   help="only the decode kernel's split counts (SPLITS) at ROWS@CONTEXT, comma-separated")
     p.add_argument("--decode-sweep", action="store_true",
                    help="also time the decode rows' kernel at other launches (DECODE_SWEEP), the first case's rows")
     return p
@@ -182,6 +209,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> None:
     a = build_parser().parse_args(argv)
+    if a.split_sweep:
+        rows = []
+        for spec in a.split_sweep.split(","):
+            rows += split_rows(*map(int, spec.split("@")))
+            torch.cuda.empty_cache()
+        print(json.dumps({"bench": "decode_splits", "device": torch.cuda.get_device_name(), "layers": LAYERS,
+                          "rows": rows}))
+        return
     result = {"bench": "chunk_attention", "device": torch.cuda.get_device_name(), "layers": LAYERS,
               "defaults": {"block_m": TC.BLOCK_M, "warps": TC.NUM_WARPS, "stages": TC.NUM_STAGES}, "cases": []}
     for spec in a.cases.split(","):

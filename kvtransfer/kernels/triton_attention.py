@@ -114,38 +114,6 @@ def online_softmax_step(acc, l_i, m_i, s, v, UPCAST_DOT: tl.constexpr):
 
 
 @triton.jit
-def _decode_tile(acc, l_i, m_i, q, k_base, v_base, Table, slot, stride_tr, n0, end, offs_d, mask_d, stride_ks,
-                 stride_kt, qk_scale_log2, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr,
-                 UPCAST_DOT: tl.constexpr, K_ROWS: tl.constexpr, MASKED: tl.constexpr):
-    """One K/V tile of positions n0 .. n0 + BLOCK_N - 1 (those < end when MASKED; all of them else) of stage 1.
-    K_ROWS loads K as (BLOCK_N, D) rows and transposes it for the dot instead of loading it as (D, BLOCK_N): the
-    same products, another load layout (a probe's sweep)."""
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < end
-    off = tile_offsets(Table, slot, stride_tr, n0, offs_n, mask_n, stride_ks, stride_kt,
-                       PAGE, BLOCK_N, PAGED)  # (BLOCK_N,) int64
-    if MASKED:
-        if K_ROWS:
-            k = tl.trans(tl.load(k_base + off[:, None] + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :],
-                                 other=0.0))  # (BLOCK_D, BLOCK_N)
-        else:
-            k = tl.load(k_base + off[None, :] + offs_d[:, None], mask=mask_n[None, :] & mask_d[:, None],
-                        other=0.0)  # (BLOCK_D, BLOCK_N)
-        # Every tile has >= 1 valid position, so m_new is finite for every row.
-        s = tl.where(mask_n[None, :], dot(q, k, UPCAST_DOT) * qk_scale_log2, float("-inf"))  # (BLOCK_H, BLOCK_N)
-        v = tl.load(v_base + off[:, None] + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :],
-                    other=0.0)  # (BLOCK_N, BLOCK_D)
-    else:
-        if K_ROWS:
-            k = tl.trans(tl.load(k_base + off[:, None] + offs_d[None, :], mask=mask_d[None, :], other=0.0))
-        else:
-            k = tl.load(k_base + off[None, :] + offs_d[:, None], mask=mask_d[:, None], other=0.0)
-        s = dot(q, k, UPCAST_DOT) * qk_scale_log2  # (BLOCK_H, BLOCK_N)
-        v = tl.load(v_base + off[:, None] + offs_d[None, :], mask=mask_d[None, :], other=0.0)
-    return online_softmax_step(acc, l_i, m_i, s, v, UPCAST_DOT)
-
-
-@triton.jit
 def _decode_stage1(
     Q, K, V, Slots, Table, Lengths, MidO, MidLse,
     qk_scale_log2,
@@ -156,7 +124,6 @@ def _decode_stage1(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, UPCAST_DOT: tl.constexpr,
     PAGE: tl.constexpr, PAGED: tl.constexpr, SPLIT_SIZE: tl.constexpr,
-    K_ROWS: tl.constexpr = False, FULL_TILES: tl.constexpr = False,
 ):
     # grid (B, Hkv * HEAD_BLOCKS, NUM_SPLITS); MidO (B, Hq, S, D), MidLse (B, Hq, S) fp32. K and V share strides.
     # SPLIT_SIZE 0: S chunks of ceil(L / S); > 0: split j covers [j * SPLIT_SIZE, (j + 1) * SPLIT_SIZE) of every row.
@@ -187,21 +154,22 @@ def _decode_stage1(
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-        if FULL_TILES:  # the split's full tiles without masks, then its last (partial) tile masked: the same sums
-            full_end = start + (end - start) // BLOCK_N * BLOCK_N
-            for n0 in range(start, full_end, BLOCK_N):
-                acc, l_i, m_i = _decode_tile(acc, l_i, m_i, q, k_base, v_base, Table, slot, stride_tr, n0, end,
-                                             offs_d, mask_d, stride_ks, stride_kt, qk_scale_log2, BLOCK_N, PAGE,
-                                             PAGED, UPCAST_DOT, K_ROWS, False)
-            if full_end < end:
-                acc, l_i, m_i = _decode_tile(acc, l_i, m_i, q, k_base, v_base, Table, slot, stride_tr, full_end,
-                                             end, offs_d, mask_d, stride_ks, stride_kt, qk_scale_log2, BLOCK_N,
-                                             PAGE, PAGED, UPCAST_DOT, K_ROWS, True)
-        else:
-            for n0 in range(start, end, BLOCK_N):
-                acc, l_i, m_i = _decode_tile(acc, l_i, m_i, q, k_base, v_base, Table, slot, stride_tr, n0, end,
-                                             offs_d, mask_d, stride_ks, stride_kt, qk_scale_log2, BLOCK_N, PAGE,
-                                             PAGED, UPCAST_DOT, K_ROWS, True)
+        for n0 in range(start, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < end
+            off = tile_offsets(Table, slot, stride_tr, n0, offs_n, mask_n, stride_ks, stride_kt,
+                               PAGE, BLOCK_N, PAGED)  # (BLOCK_N,) int64
+            k = tl.load(
+                k_base + off[None, :] + offs_d[:, None],
+                mask=mask_n[None, :] & mask_d[:, None], other=0.0,
+            )  # (BLOCK_D, BLOCK_N)
+            # Every step has >= 1 valid position, so m_new is finite for every row.
+            s = tl.where(mask_n[None, :], dot(q, k, UPCAST_DOT) * qk_scale_log2, float("-inf"))  # (BLOCK_H, BLOCK_N)
+            v = tl.load(
+                v_base + off[:, None] + offs_d[None, :],
+                mask=mask_n[:, None] & mask_d[None, :], other=0.0,
+            )  # (BLOCK_N, BLOCK_D)
+            acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, v, UPCAST_DOT)
 
         row = (b64 * Q_HEADS + heads) * num_splits + split  # (BLOCK_H,) index into (B, Hq, S)
         tl.store(
@@ -268,16 +236,12 @@ def decode_attention_triton(
     num_warps: int | None = None,
     num_stages: int | None = None,
     block_n: int | None = None,
-    k_rows: bool = False,
-    full_tiles: bool = False,
 ) -> torch.Tensor:
     """Split-K decode attention; shapes as `kvtransfer.kernels.ops.decode_attention` (checked there).
 
     num_warps, num_stages: stage 1's launch (None: STAGE1_WARPS, STAGE1_STAGES, read at the call; a probe's sweep).
     A program's tiles and their order do not depend on them. block_n: positions per stage-1 tile (None: BLOCK_N; a
     power of two >= 16, a probe's sweep); it moves the splits' edges, so the output's bits may change with it.
-    k_rows, full_tiles: stage 1 loads K as rows and transposes it; reads a split's full tiles without masks (a
-    probe's sweep; the same sums).
 
     q: (B, Hq, D) with unit stride on D; pools (S, Hkv, T, D) contiguous; returns (B, Hq, D): `out` when given
     (unit stride on D), else a new tensor.
@@ -320,7 +284,6 @@ def decode_attention_triton(
         Q_HEADS=q_heads, GROUPS=groups, HEAD_BLOCKS=head_blocks, HEAD_DIM=head_dim,
         BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_H=BLOCK_H,
         UPCAST_DOT=_upcast_dots(q), PAGE=page, PAGED=paged, SPLIT_SIZE=split_size or 0,
-        K_ROWS=bool(k_rows), FULL_TILES=bool(full_tiles),
         num_warps=num_warps or STAGE1_WARPS, num_stages=num_stages or STAGE1_STAGES,
     )
     if split_size is not None:
