@@ -47,6 +47,7 @@ def _prepare(config: ApiConfig):
     from api_server.auth import RequireToken
     from api_server.backend import Backend
     from api_server.metrics import ApiMetrics, CountResponses
+    from api_server.slow_clients import guarded_h11
     from api_server.text import TextCodec
 
     token = resolve_token(config.auth_token, config.auth_token_file)
@@ -66,6 +67,7 @@ def _prepare(config: ApiConfig):
     app = CountResponses(app, metrics)  # outermost: a 500 from Starlette's last-resort handler is counted too
     host, port = split_address("--listen", config.listen)
     uv = uvicorn.Config(app, host=host, port=port, log_level=config.log_level.lower(), lifespan="on",
+                        http=guarded_h11(config.header_timeout_s),
                         timeout_graceful_shutdown=config.shutdown_grace_s, ssl_certfile=config.tls_cert or None,
                         ssl_keyfile=config.tls_key or None, ssl_ca_certs=config.tls_ca or None,
                         ssl_cert_reqs=ssl.CERT_REQUIRED if config.tls_ca else ssl.CERT_NONE)

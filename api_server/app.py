@@ -40,6 +40,7 @@ from api_server.protocol import (
     completion_choice,
     envelope,
 )
+from api_server.slow_clients import BodyDeadline
 from api_server.streams import collect_all, merge_pieces, sse, sse_response, usage_of
 from api_server.text import TextCodec
 from proto import kvtransfer_pb2 as pb
@@ -61,6 +62,7 @@ def build_app(config: ApiConfig, backend: Backend, codec: TextCodec | None, metr
                   openapi_url=None)
     errors.install(app)
     app.add_middleware(BodyLimit, limit=config.max_body_bytes)
+    app.add_middleware(BodyDeadline, seconds=config.body_timeout_s)
     started = int(time.time())
     front = Front(config, backend, codec, metrics)
 

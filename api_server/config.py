@@ -37,6 +37,11 @@ class ApiConfig:
                                       "fail UNAVAILABLE (503) instead of hanging")
     health_timeout_s: float = flag(2.0, "GET /health: wait this long for the decode server's health answer, s")
     shutdown_grace_s: float = flag(20.0, "on SIGTERM/SIGINT: time requests in flight get to finish, s")
+    header_timeout_s: float = flag(10.0, "a request's line and headers must arrive within this, s, from the moment "
+                                   "its connection opens or the response before it ends; else 408 and the "
+                                   "connection is closed (slow clients)")
+    body_timeout_s: float = flag(60.0, "a request's body must arrive within this, s, after its headers; else 408 "
+                                 "and the connection is closed")
     max_message_bytes: int = flag(CONTROL_MESSAGE_LIMIT, "gRPC send/receive limit to the decode server; a prompt "
                                   "whose request is larger is refused 400")
     max_body_bytes: int = flag(MAX_BODY_BYTES, "largest HTTP request body, bytes; larger: 413, refused before it is "
@@ -63,7 +68,7 @@ class ApiConfig:
         check_address("--listen", self.listen)
         check_address("--backend", self.backend, allow_port_zero=False)
         check_positive(self, "request_timeout_s", "backend_keepalive_s", "health_timeout_s", "max_body_bytes",
-                       "max_prompts_per_request")
+                       "max_prompts_per_request", "header_timeout_s", "body_timeout_s")
         if self.max_message_bytes < 1 or self.shutdown_grace_s < 0:
             raise ValueError("--max-message-bytes must be >= 1 and --shutdown-grace-s >= 0")
         if self.tokenizer and not os.path.isdir(self.tokenizer):

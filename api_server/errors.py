@@ -158,8 +158,11 @@ def install(app: FastAPI) -> None:
     async def _http(_request: Request, exc: HTTPException):
         if exc.status_code == 400:  # FastAPI's "There was an error parsing the body": say why
             return bad_request(_unparsable(exc.__cause__) if exc.__cause__ else str(exc.detail)).response()
-        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
-        return ApiError(exc.status_code, str(exc.detail), code=code).response()
+        code = {404: "not_found", 405: "method_not_allowed", 408: "request_timeout",
+                413: "request_too_large"}.get(exc.status_code)
+        response = ApiError(exc.status_code, str(exc.detail), code=code).response()
+        response.headers.update(exc.headers or {})  # a 408's `connection: close`
+        return response
 
     @app.exception_handler(Exception)
     async def _internal(_request: Request, exc: Exception):
