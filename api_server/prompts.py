@@ -4,7 +4,10 @@ they are; with the checks that must come before any of it.
 Why long texts are tokenized off the event loop: the front is one event loop serving every request, and a prompt
 of a few MiB takes seconds to tokenize; on the loop, every other request (a one-word prompt, /health) would wait
 those seconds. In a worker thread the tokenizers library releases the GIL while it encodes, so the loop serves on;
-a short text is tokenized in place, where a thread hop would cost more than the encoding.
+a short text is tokenized in place, where a thread hop would cost more than the encoding. At most
+LONG_TEXTS_AT_ONCE long texts are tokenized at a time, the others wait their turn: a tokenizer holds tens of bytes
+per character of its text while it works (a new-user pass sent 30 bodies of 3 MB text at once: 3.4 GB of memory,
+kept by the allocator afterwards, and seconds of every core), whatever the prompt-length check then says.
 
 Why a lone UTF-16 surrogate is refused here: JSON's "\\ud800" escape parses to a Python str that no UTF-8
 encoder takes, so the tokenizer fails on it with a TypeError (a 500 saying nothing useful); it is the client's
@@ -14,6 +17,7 @@ text that is wrong, so it is a 400 naming the field and the character.
 from __future__ import annotations
 
 import asyncio
+import weakref
 
 from api_server.errors import bad_request
 from api_server.limits import check_prompt_count, prompt_count
@@ -22,6 +26,8 @@ from api_server.protocol import ChatCompletionRequest
 from api_server.text import TextCodec
 
 INLINE_CHARS = 2048  # texts up to this long are tokenized on the event loop (well under a millisecond)
+LONG_TEXTS_AT_ONCE = 2  # longer ones: this many worker threads at most, whatever the number of requests
+_gates: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> its Semaphore
 
 
 def need_codec(codec: TextCodec | None, param: str, needs: str = "", instead: str = "send token ids") -> TextCodec:
@@ -56,7 +62,17 @@ def _check_all(value, param: str) -> None:
 
 
 async def _off_loop(size: int, fn, *args):
-    return fn(*args) if size <= INLINE_CHARS else await asyncio.to_thread(fn, *args)
+    if size <= INLINE_CHARS:
+        return fn(*args)
+    loop = asyncio.get_running_loop()
+    gate = _gates.get(loop) or _gates.setdefault(loop, asyncio.Semaphore(LONG_TEXTS_AT_ONCE))
+    async with gate:
+        work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+        try:
+            return await asyncio.shield(work)
+        except asyncio.CancelledError:  # its client left; the thread runs on, and keeps its turn until it ends
+            await asyncio.wait([work])
+            raise
 
 
 def _encode_checked(codec: TextCodec, text: str, param: str) -> list[int]:

@@ -284,3 +284,48 @@ def test_without_max_tokens_completions_ask_for_16_and_chat_for_what_the_server_
     completion, chat = _asked([("/v1/completions", {"prompt": [1, 2]}),
                                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})], codec)
     assert completion.max_new_tokens == 16 and chat.max_new_tokens == 64
+
+
+def test_at_most_two_long_texts_are_tokenized_at_once_and_a_cancelled_one_keeps_its_turn():
+    """Long prompts are tokenized in worker threads, LONG_TEXTS_AT_ONCE at a time (api_server/prompts.py): before,
+    30 bodies of 3 MB text were all tokenized at once (3.4 GB). A request cancelled while its text is tokenized
+    keeps its turn until its thread ends, since the thread cannot be stopped."""
+    import threading
+
+    from api_server import prompts
+
+    release, lock = threading.Event(), threading.Lock()
+    inside, most = [0], [0]
+
+    class Blocking:
+        def encode(self, text):
+            with lock:
+                inside[0] += 1
+                most[0] = max(most[0], inside[0])
+            release.wait(60)
+            with lock:
+                inside[0] -= 1
+            return [len(text)]
+
+    async def until(cond, seconds):
+        end = time.monotonic() + seconds
+        while not cond() and time.monotonic() < end:
+            await asyncio.sleep(0.01)
+        return cond()
+
+    async def main():
+        long = "w " * prompts.INLINE_CHARS
+        tasks = [asyncio.create_task(prompts.completion_prompts(Blocking(), long + "x" * i, 64)) for i in range(6)]
+        try:
+            assert await until(lambda: inside[0] == prompts.LONG_TEXTS_AT_ONCE, 30)
+            assert not await until(lambda: inside[0] > prompts.LONG_TEXTS_AT_ONCE, 1.0), "more threads went in"
+            tasks[0].cancel()  # one of the two inside: its thread runs on, so no third may start yet
+            assert not await until(lambda: inside[0] > prompts.LONG_TEXTS_AT_ONCE, 0.5)
+        finally:
+            release.set()  # a failed check must not leave threads waiting out their 60 s
+        done = await asyncio.gather(*tasks, return_exceptions=True)
+        assert isinstance(done[0], asyncio.CancelledError)
+        assert [d[0][0] for d in done[1:]] == [len(long) + i for i in range(1, 6)]
+
+    asyncio.run(main())
+    assert most[0] == prompts.LONG_TEXTS_AT_ONCE
