@@ -11,9 +11,11 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-# LoadResponse fields exported as gauges kvt_router_worker_<field>{worker}
-LOAD_FIELDS = ("running_requests", "running_tokens", "remaining_tokens", "waiting_requests", "waiting_tokens",
-               "free_slots", "cached_slots")
+from proto import kvtransfer_pb2 as pb
+
+# LoadResponse's counts (every field but `serving`): summed over the workers by Load, and exported as gauges
+# kvt_router_worker_<field>{worker}. Read from the message itself, so a field added to it is never left out.
+LOAD_FIELDS = tuple(f.name for f in pb.LoadResponse.DESCRIPTOR.fields if f.name != "serving")
 
 
 class RouterMetrics:
