@@ -9,6 +9,7 @@ that knows. Defaults are OpenAI's: temperature 1, top_p 1, max_tokens 16 on /v1/
 
 from __future__ import annotations
 
+import ctypes
 import math
 from dataclasses import dataclass, field
 
@@ -88,14 +89,25 @@ def params(req: CompletionRequest | ChatCompletionRequest) -> Params:
                                                                                 "stop_token_ids"), req.ignore_eos)
 
 
+def _f32(x: float) -> float:
+    """x as the decode server holds it (Sampling's fields are 32-bit floats)."""
+    return ctypes.c_float(x).value
+
+
 def sampling(req) -> pb.Sampling:
     t = 1.0 if req.temperature is None else req.temperature
     if not math.isfinite(t) or t < 0:
         raise bad_request(f"temperature is {t}; use 0 (greedy) or more", "temperature")
-    out = pb.Sampling(temperature=t)
+    if not math.isfinite(_f32(t)):
+        raise bad_request(f"temperature is {t}, over a 32-bit float's range; use at most 1e38 (any temperature "
+                          "over ~100 already draws nearly uniformly)", "temperature")
+    out = pb.Sampling(temperature=t)  # one under ~1.4e-45 holds as 0: greedy, its limit
     if req.top_p is not None:
         if not (math.isfinite(req.top_p) and 0 < req.top_p <= 1):
             raise bad_request(f"top_p is {req.top_p}; use a value in (0, 1]", "top_p")
+        if _f32(req.top_p) == 0:
+            raise bad_request(f"top_p is {req.top_p}, which a 32-bit float holds as 0; use at least 1e-38 (any "
+                              "top_p that small keeps the single most likely token)", "top_p")
         out.top_p = req.top_p
     if req.top_k is not None:
         if not -1 <= req.top_k <= UINT32_MAX:
@@ -109,7 +121,11 @@ def sampling(req) -> pb.Sampling:
 
 
 def stop_strings(stop: str | list[str] | None) -> list[str]:
-    return [s for s in ([stop] if isinstance(stop, str) else stop or []) if s]
+    out = [stop] if isinstance(stop, str) else stop or []
+    if any(s == "" for s in out):
+        raise bad_request("stop holds an empty string, which would end every answer before its first character: "
+                          "remove it", "stop")
+    return out
 
 
 def token_ids(ids: list[int], param: str, low: int = 0) -> list[int]:

@@ -26,6 +26,7 @@ from api_server.protocol import ChatCompletionRequest
 from api_server.text import TextCodec
 
 INLINE_CHARS = 2048  # texts up to this long are tokenized on the event loop (well under a millisecond)
+ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's chat roles
 LONG_TEXTS_AT_ONCE = 2  # longer ones: this many worker threads at most, whatever the number of requests
 _gates: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> its Semaphore
 
@@ -99,13 +100,20 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
     """The messages as the chat template takes them: content parts joined (text only), every string valid."""
     out = []
     for i, m in enumerate(req.messages):
+        if m.role not in ROLES:
+            raise bad_request(f"messages[{i}].role is {m.role!r}; use one of {', '.join(ROLES)}",
+                              f"messages[{i}].role")
         content = m.content
         if isinstance(content, list):
             kinds = {part.get("type") for part in content} - {"text"}
             if kinds:
                 raise bad_request(f"messages[{i}].content: part type {min(map(str, kinds))!r} is not "
                                   "supported (text only)", f"messages[{i}].content", code="unsupported_parameter")
-            content = "".join(str(part.get("text", "")) for part in content)
+            for j, part in enumerate(content):
+                if not isinstance(part.get("text"), str):
+                    raise bad_request(f"messages[{i}].content[{j}].text must be a string (a text part is "
+                                      '{"type": "text", "text": "..."})', f"messages[{i}].content[{j}].text")
+            content = "".join(part["text"] for part in content)
         message = {**m.model_dump(exclude_none=True), "content": content or ""}
         _check_all(message, f"messages[{i}]")
         out.append(message)

@@ -10,6 +10,7 @@ with random weights.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import grpc
@@ -329,3 +330,32 @@ def test_at_most_two_long_texts_are_tokenized_at_once_and_a_cancelled_one_keeps_
 
     asyncio.run(main())
     assert most[0] == prompts.LONG_TEXTS_AT_ONCE
+
+
+CHAT = "/v1/chat/completions"
+
+
+@pytest.mark.parametrize("path,body,param,words", [
+    ("/v1/completions", {"prompt": [1], "temperature": 1e308}, "temperature", ["32-bit"]),
+    ("/v1/completions", {"prompt": [1], "top_p": 1e-50}, "top_p", ["32-bit"]),
+    ("/v1/completions", {"prompt": [1], "stop": ""}, "stop", ["empty"]),
+    ("/v1/completions", {"prompt": [1], "stop": ["x", ""]}, "stop", ["empty"]),
+    (CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role", ["wizard", "user"]),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": {"x": ["y"]}}]}]},
+     "messages[0].content[0].text", ["string"]),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text"}]}]},
+     "messages[0].content[1].text", ["string"]),
+], ids=["temperature-over-f32", "top-p-under-f32", "stop-empty", "stop-list-empty", "role", "part-text-object",
+        "part-text-missing"])
+def test_values_the_decode_server_cannot_hold_or_parts_without_text_are_400_naming_the_field(codec, path, body,
+                                                                                          param, words):
+    """Before: the float overflowed on the way (a 400 from the decode server naming sampling.temperature, param
+    null), an empty stop string was dropped, and an unknown role or a text part whose text was an object or absent
+    was served (the object turned into its repr)."""
+    backend = FakeBackend([])
+    status, text = _post(_app(backend, codec), body, path)
+    err = json.loads(text)["error"]
+    assert status == 400 and err["param"] == param, (status, err)
+    for w in words:
+        assert w in err["message"], err
+    assert backend.calls == []  # refused before any Generate call
