@@ -359,3 +359,42 @@ def test_values_the_decode_server_cannot_hold_or_parts_without_text_are_400_nami
     for w in words:
         assert w in err["message"], err
     assert backend.calls == []  # refused before any Generate call
+
+
+def test_the_decode_servers_info_is_asked_again_after_its_ttl_and_a_failed_refresh_keeps_the_last(monkeypatch):
+    """Before, the front kept the first Info forever: a decode server restarted with --max-new-tokens 50 had its
+    requests without max_tokens refused for the old default (4095), a limit the client never sent."""
+    from types import SimpleNamespace
+
+    from api_server import backend as backend_mod
+
+    now = [100.0]
+    monkeypatch.setattr(backend_mod.time, "monotonic", lambda: now[0])
+    answers = [pb.InfoResponse(model="m", max_new_tokens=4095), pb.InfoResponse(model="m", max_new_tokens=50),
+               rpc_error(grpc.StatusCode.UNAVAILABLE, "down")]
+
+    class Stub:
+        calls = 0
+
+        async def Info(self, request, timeout, metadata):
+            Stub.calls += 1
+            got = answers.pop(0)
+            if isinstance(got, Exception):
+                raise got
+            return got
+
+    b = backend_mod.Backend("127.0.0.1:1", SimpleNamespace(metadata=lambda: ()), 1 << 20, 10.0, 60.0)
+
+    async def main():
+        b._decode, b._info_lock = Stub(), asyncio.Lock()
+        first = (await b.info()).max_new_tokens
+        now[0] += backend_mod.INFO_TTL_S / 2
+        cached = (await b.info()).max_new_tokens
+        now[0] += backend_mod.INFO_TTL_S
+        refreshed = (await b.info()).max_new_tokens
+        now[0] += backend_mod.INFO_TTL_S
+        kept = (await b.info()).max_new_tokens  # the refresh fails: the last answer stands
+        return first, cached, refreshed, kept
+
+    assert asyncio.run(main()) == (4095, 4095, 50, 50)
+    assert Stub.calls == 3
