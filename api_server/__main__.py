@@ -3,11 +3,13 @@
 Why the socket is bound here and handed to uvicorn: a port already taken, a tokenizer directory that does not
 load or a certificate that does not parse then exits 2 with one line naming the flag, as the gRPC servers do
 (kvtransfer.rpc.main), instead of a traceback or uvicorn's exit 1. SIGTERM/SIGINT: uvicorn stops accepting,
-gives requests in flight --shutdown-grace-s, and the process exits 0.
+gives requests in flight --shutdown-grace-s (one still running then is answered 503, or its stream ended with an
+error event: api_server/shutdown.py), and the process exits 0.
 """
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import logging
 import signal
@@ -47,6 +49,7 @@ def _prepare(config: ApiConfig):
     from api_server.auth import RequireToken
     from api_server.backend import Backend
     from api_server.metrics import ApiMetrics, CountResponses
+    from api_server.shutdown import CutOffAtShutdown, Stopping
     from api_server.slow_clients import guarded_h11
     from api_server.text import TextCodec
 
@@ -64,6 +67,8 @@ def _prepare(config: ApiConfig):
     app = build_app(config, backend, codec, metrics)
     if token:
         app = RequireToken(app, token)
+    stopping = asyncio.Event()  # set when the shutdown begins (Stopping); only set and read, never awaited
+    app = CutOffAtShutdown(app, stopping)  # at the grace's end, a request in flight is answered 503 / its stream ended
     app = CountResponses(app, metrics)  # outermost: a 500 from Starlette's last-resort handler is counted too
     host, port = split_address("--listen", config.listen)
     uv = uvicorn.Config(app, host=host, port=port, log_level=config.log_level.lower(), lifespan="on",
@@ -82,7 +87,7 @@ def _prepare(config: ApiConfig):
     if not _loopback(host) and not (config.tls_cert and token):
         log.warning("listening on %s without %s: anyone who can reach this address can call it", config.listen,
                     " and ".join(w for w, off in (("TLS", not config.tls_cert), ("a token", not token)) if off))
-    return uvicorn.Server(uv), sock
+    return Stopping(uv, stopping), sock
 
 
 def main(argv: list[str] | None = None) -> None:
