@@ -152,12 +152,14 @@ class Front:
         byte at least)."""
         eos, limit = self.codec.eos_token_ids if self.codec else [], self.config.max_message_bytes
         try:
-            most = (await self.backend.info()).max_prompt_tokens
+            info = await self.backend.info()
+            most, max_seq = info.max_prompt_tokens, min((x for x in (info.context_length, info.max_seq_len) if x),
+                                                        default=0)  # the decode server's bound: the smaller
         except ApiError:  # not reachable: its Generate call will say so
-            most = 0
+            most = max_seq = 0
         out = []
         for ids, n in zip(prompts, max_tokens):
-            check_prompt_tokens(len(ids), most, param)
+            check_prompt_tokens(len(ids), most, param, max_seq)
             request = p.request(ids, n, eos) if len(ids) <= limit else None
             check_message_size(len(ids), None if request is None else request.ByteSize(), limit, param)
             out.append(request)

@@ -109,11 +109,16 @@ def check_prompt_count(n: int, limit: int) -> None:
                           "once): send them over several requests", "prompt", code="too_many_prompts")
 
 
-def check_prompt_tokens(n: int, most: int, param: str) -> None:
-    """`most`: the decode server's --max-prompt-tokens (its Info; 0: not known)."""
-    if most and n > most:
+def check_prompt_tokens(n: int, most: int, param: str, max_seq: int = 0) -> None:
+    """`most`: the decode server's --max-prompt-tokens; `max_seq`: the tokens one request can hold there, prompt
+    and answer (both from its Info; 0: not known). A prompt needs room for one answer token too."""
+    if most and n > most and not (max_seq and max_seq - 1 < most):
         raise bad_request(f"{param}: {n} tokens; the decode server takes at most {most} prompt tokens (its "
                           "--max-prompt-tokens): send a shorter prompt", param, code="prompt_too_large")
+    if max_seq and n > max_seq - 1:
+        raise bad_request(f"{param}: {n} tokens; the decode server holds at most {max_seq} tokens a request, prompt "
+                          f"and answer (its context), so at most {max_seq - 1} prompt tokens: send a shorter prompt",
+                          param, code="prompt_too_large")
 
 
 def check_message_size(n: int, size: int | None, limit: int, param: str) -> None:

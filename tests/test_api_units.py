@@ -398,3 +398,25 @@ def test_the_decode_servers_info_is_asked_again_after_its_ttl_and_a_failed_refre
 
     assert asyncio.run(main()) == (4095, 4095, 50, 50)
     assert Stub.calls == 3
+
+
+@pytest.mark.parametrize("info,bound,words", [
+    (pb.InfoResponse(model="m", max_prompt_tokens=32768, context_length=4096, max_seq_len=4096), 4095,
+     ["at most 4095 prompt tokens", "context"]),
+    (pb.InfoResponse(model="m", max_prompt_tokens=100, context_length=4096, max_seq_len=4096), 100,
+     ["at most 100 prompt tokens", "--max-prompt-tokens"]),
+    (pb.InfoResponse(model="m", max_prompt_tokens=32768, context_length=32768, max_seq_len=2048), 2047,
+     ["at most 2047 prompt tokens"]),
+], ids=["context-binds", "flag-binds", "pool-binds"])
+def test_a_prompt_over_the_decode_servers_context_is_refused_by_the_front_naming_the_bound(info, bound, words):
+    """Before, the front checked only --max-prompt-tokens (32,768 by default on CPU, where a request holds 4,096),
+    so a 5,000-token prompt reached the decode server and came back with param null."""
+    backend = FakeBackend(lambda _req: [(5, LAST)], info=info)
+    status, text = _post(_app(backend), {"prompt": [1] * (bound + 1), "max_tokens": 1})
+    err = json.loads(text)["error"]
+    assert status == 400 and err["param"] == "prompt" and err["code"] == "prompt_too_large", (status, err)
+    for w in words:
+        assert w in err["message"], err
+    assert backend.calls == []
+    assert _post(_app(backend), {"prompt": [1] * bound, "max_tokens": 1})[0] == 200  # at the bound: sent
+    assert len(backend.calls) == 1
