@@ -100,9 +100,6 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
     """The messages as the chat template takes them: content parts joined (text only), every string valid."""
     out = []
     for i, m in enumerate(req.messages):
-        if m.role not in ROLES:
-            raise bad_request(f"messages[{i}].role is {m.role!r}; use one of {', '.join(ROLES)}",
-                              f"messages[{i}].role")
         content = m.content
         if isinstance(content, list):
             kinds = {part.get("type") for part in content} - {"text"}
@@ -115,7 +112,10 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
                                       '{"type": "text", "text": "..."})', f"messages[{i}].content[{j}].text")
             content = "".join(part["text"] for part in content)
         message = {**m.model_dump(exclude_none=True), "content": content or ""}
-        _check_all(message, f"messages[{i}]")
+        _check_all(message, f"messages[{i}]")  # a lone surrogate is named first, the role's too
+        if m.role not in ROLES:
+            raise bad_request(f"messages[{i}].role is {m.role!r}; use one of {', '.join(ROLES)}",
+                              f"messages[{i}].role")
         out.append(message)
     return out
 

@@ -122,9 +122,17 @@ def test_chat_requests_not_implemented_are_400(url, body, param):
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_a_prompt_over_the_context_is_400_in_the_decode_servers_words(url, stream):
-    """Streaming too: a refusal before the first token is an HTTP error, not an error event in a 200 stream."""
-    got = post(url, "/v1/completions", {"prompt": [5] * 4096, "max_tokens": 4, "stream": stream})
+    """Streaming too: a refusal before the first token is an HTTP error, not an error event in a 200 stream. The
+    prompt fits; with its max_tokens it does not: the decode server's refusal (a prompt that alone leaves no room
+    is the front's own, below)."""
+    got = post(url, "/v1/completions", {"prompt": [5] * 4000, "max_tokens": 200, "stream": stream})
     assert refused(got, 400, None, "context")["code"] == "INVALID_ARGUMENT"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_prompt_that_leaves_no_room_in_the_context_is_refused_by_the_front(url, stream):
+    got = post(url, "/v1/completions", {"prompt": [5] * 4096, "max_tokens": 4, "stream": stream})
+    assert refused(got, 400, "prompt", "at most 4095 prompt tokens", "context")["code"] == "prompt_too_large"
 
 
 def test_a_token_id_outside_the_vocabulary_is_400(url):
