@@ -512,3 +512,42 @@ def test_a_dead_scheduler_fails_every_request_it_held_and_every_later_one():
             sched.call(lambda: None)
     finally:
         sched.close()
+
+
+def test_a_dead_scheduler_ends_what_its_step_in_flight_carried():
+    """The step queued on the device when the thread dies is the scheduler's too: a stream whose stop token came in
+    the step before gets its end (its last token) and its row back, and a prompt whose last chunk rides in that step
+    gets an error. Before, `_die` never saw that step (a local of the loop): the stream never ended, the prompt's
+    future never resolved (found by this file's mutation pass, in the unmodified code)."""
+    p, died = KVPool(CacheGeometry(1, 1, 2, torch.float32), torch.device("cpu"), slots=8, max_seq=512), \
+        threading.Event()
+    sched = Scheduler(FakeStep(), torch.device("cpu"), on_fatal=lambda *_: died.set(), fail_after_steps=3)
+    try:
+        full = expected(5, 10, 10)
+        e = Stream(p, 0, 5, 10, 10, eos=frozenset([full[2]]))
+        gate = hold(sched)
+        sched.add(e.seq)
+        gate.set()
+        assert died.wait(WAIT_S)
+        last = e.end()
+        assert isinstance(last, Token) and last.last and last.token_id == full[2], last
+    finally:
+        sched.close()
+    p, died = KVPool(CacheGeometry(1, 1, 2, torch.float32), torch.device("cpu"), slots=8, max_seq=512), \
+        threading.Event()
+    sched = Scheduler(FakeStep(), torch.device("cpu"), on_fatal=lambda *_: died.set(), fail_after_steps=3)
+    try:
+        task, futs = prompt_task(p, [4, 4, 2]), []
+
+        def at_step_2(_seq, _tok):
+            if sched.steps == 2 and not futs:
+                futs.append(sched.submit_mixed(task))
+        a = Stream(p, 0, 5, 10, 1000, on_token=at_step_2)
+        gate = hold(sched)
+        sched.add(a.seq)
+        gate.set()
+        assert died.wait(WAIT_S)
+        with pytest.raises(EngineFailed):
+            futs[0].result(timeout=WAIT_S)
+    finally:
+        sched.close()

@@ -62,6 +62,7 @@ class Scheduler:
         self.fail_after_steps = fail_after_steps
         self.dead: str | None = None  # why the thread died
         self._job: tuple[Job, Future] | None = None  # the piece of device work in hand (this thread's)
+        self._pending: QueuedStep | None = None  # the step queued on the device, not delivered (this thread's)
         self.max_batch = step.max_batch
         self._cond = threading.Condition()
         self._jobs: deque[tuple[Job, Future]] = deque()
@@ -147,6 +148,11 @@ class Scheduler:
             jobs, self._jobs = list(self._jobs), deque()
             tasks = self._prompts.take_all()
             joining, self._joining = self._joining, []
+        pending, self._pending = self._pending, None
+        for task in pending.chunk_tasks if pending is not None else ():
+            if not task.future.done():
+                task.future.set_exception(EngineFailed(self.dead))
+        let_go(pending, self._end)  # the step in flight: its rows' holds and the ends it carried (EOS)
         for s in self.running + joining:
             if not s.over:
                 self._end(s, Ended(EndCause.ENGINE_FAILED, self.dead))
@@ -198,21 +204,21 @@ class Scheduler:
                 newer = queue_step(self.step, self.device, launch, pending, pieces) if launch or pieces else None
                 if pending is not None:
                     self._deliver(pending, newer)
-                pending = newer
+                pending = self._pending = newer
             except Exception as e:  # a failed step fails every running request loudly, not silently
                 log.exception("decode step failed")
                 for s in self.running:
                     if not s.over:
                         self._end(s, Ended(EndCause.STEP_FAILED, f"decode step failed: {e}"))
                 self.running = []
-                pending = let_go(pending, self._end)
+                pending = self._pending = let_go(pending, self._end)
                 if newer is not pending:
                     let_go(newer, self._end)
                 for task in [t for t, _ in pieces] + self._prompts.active:
                     if not task.future.done():
                         task.future.set_exception(RuntimeError(f"decode step failed: {e}"))
                 self._prompts.active = []
-        pending = let_go(pending, self._end)
+        pending = self._pending = let_go(pending, self._end)
         for s in self.running + self._joining:
             if not s.over:
                 self._end(s, Ended(EndCause.SHUTDOWN, "the decode server is stopping"))
