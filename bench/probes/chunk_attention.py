@@ -168,6 +168,7 @@ def decode_rows(q, kp, vp, table, rows_idx, lengths, pieces, decode, context, ba
 
 
 SPLITS = [None, 1, 2, 3, 4, 6, 8, 12, 16]  # --split-sweep: the decode kernel's split counts (None: choose_num_splits)
+SPLITS_FEW_ROWS = [24, 32, 48, 64, 96, 128, 192]  # and these too at <= 16 rows, where the default goes past 16
 
 
 def split_rows(decode: int, context: int) -> list[dict]:
@@ -181,7 +182,9 @@ def split_rows(decode: int, context: int) -> list[dict]:
     kv_bytes = 2 * decode * context * HKV * D * qd.element_size()
     chosen = default_num_splits(decode, HQ, HKV, table.shape[1] * PAGE, q.device)
     out = []
-    for splits in SPLITS:
+    for splits in SPLITS + (SPLITS_FEW_ROWS if decode <= 16 else []):
+        if splits and splits > context // 64:
+            continue  # a split shorter than one tile of keys
         def calls():
             for _ in range(LAYERS):
                 decode_attention_triton(qd, kp, vp, idx, lengths, scale, block_table=table, num_splits=splits)
