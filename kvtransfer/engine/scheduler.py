@@ -80,9 +80,7 @@ class Scheduler:
         """Run `job` on the device thread between steps; the future gets what the generator returns."""
         fut: Future = Future()
         with self._cond:
-            self._refuse_if_dead()
-            if self._closed:
-                raise RuntimeError("the decode scheduler is stopped")
+            self._refuse_if_stopped()
             self._jobs.append((job, fut))
             self._cond.notify()
         return fut
@@ -90,9 +88,7 @@ class Scheduler:
     def submit_mixed(self, task: MixedPrefill) -> Future:
         """Hand out `task`'s chunks one per step, each in the same forward as the decode rows (mixed.py)."""
         with self._cond:
-            self._refuse_if_dead()
-            if self._closed:
-                raise RuntimeError("the decode scheduler is stopped")
+            self._refuse_if_stopped()
             self._prompts.waiting.append(task)
             self._cond.notify()
         return task.future
@@ -113,9 +109,11 @@ class Scheduler:
                 return
         self._end(seq, Ended(EndCause.ENGINE_FAILED, self.dead))
 
-    def _refuse_if_dead(self) -> None:
+    def _refuse_if_stopped(self) -> None:
         if self.dead is not None:
             raise EngineFailed(self.dead)
+        if self._closed:
+            raise RuntimeError("the decode scheduler is stopped")
 
     def active(self) -> int:
         with self._cond:
@@ -149,7 +147,7 @@ class Scheduler:
             tasks = self._prompts.take_all()
             joining, self._joining = self._joining, []
         pending, self._pending = self._pending, None
-        for task in pending.chunk_tasks if pending is not None else ():
+        for task in tasks + (pending.chunk_tasks if pending is not None else []):  # + those riding in the step
             if not task.future.done():
                 task.future.set_exception(EngineFailed(self.dead))
         let_go(pending, self._end)  # the step in flight: its rows' holds and the ends it carried (EOS)
@@ -162,9 +160,6 @@ class Scheduler:
         for _, fut in jobs:
             if not fut.done():
                 fut.set_exception(EngineFailed(self.dead))
-        for task in tasks:
-            if not task.future.done():
-                task.future.set_exception(EngineFailed(self.dead))
         if self.on_fatal is not None:
             self.on_fatal("the decode scheduler thread", error)
         else:
