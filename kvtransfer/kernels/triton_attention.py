@@ -255,9 +255,8 @@ def decode_attention_triton(
     kv_heads = k_pool.shape[1]
     table, stride_tr, width, page, paged = table_args(block_table, k_pool)
     max_seq = width * page  # the positions a row can hold
-    if block_n is None:
-        block_n = BLOCK_N
-    elif block_n < 16 or block_n & (block_n - 1) or split_size is not None:
+    block_n = BLOCK_N if block_n is None else block_n
+    if block_n < 16 or block_n & (block_n - 1) or (split_size is not None and block_n != BLOCK_N):
         raise ValueError(f"block_n {block_n} must be a power of two >= 16, without split_size")
     groups = q_heads // kv_heads
     head_blocks = triton.cdiv(groups, BLOCK_H)
@@ -273,8 +272,7 @@ def decode_attention_triton(
     block_d = max(16, triton.next_power_of_2(head_dim))
     mid_o = torch.empty((batch, q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((batch, q_heads, num_splits), dtype=torch.float32, device=q.device)
-    if out is None:
-        out = torch.empty((batch, q_heads, head_dim), dtype=q.dtype, device=q.device)
+    out = torch.empty((batch, q_heads, head_dim), dtype=q.dtype, device=q.device) if out is None else out
     _decode_stage1[(batch, kv_heads * head_blocks, num_splits)](
         q, k_pool, v_pool, slots, table, lengths, mid_o, mid_lse,
         float(scale) * _LOG2E,
