@@ -7,13 +7,13 @@ configured on its own, and each is plaintext unless told otherwise.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from kvtransfer.engine.engine import check_options
 from kvtransfer.engine.runner import GEMV_CHOICES
 from kvtransfer.model.loaded import resolve_dtype
 from kvtransfer.model.spec import ModelSpec
-from kvtransfer.rpc.configargs import LOG_LEVELS, check_choices, flag, one_line
+from kvtransfer.rpc.configargs import LOG_LEVELS, check_choices, flag, flag_name, one_line
 from kvtransfer.rpc.flagchecks import check_address, check_device, check_dist_init, check_positive
 from kvtransfer.rpc.limits import CONTROL_MESSAGE_LIMIT, MAX_WAITING, check_message_limit
 from kvtransfer.rpc.metrics import check_metrics_flags
@@ -127,6 +127,14 @@ class DecodeConfig:
     def prefill_addrs(self) -> list[str]:
         """--prefill-addr's addresses, in order."""
         return [a.strip() for a in self.prefill_addr.split(",") if a.strip()]
+
+    def unused_when_colocated(self) -> list[str]:
+        """The peer's flags given beside --colocated, which has no peer (the server warns at start, and serves)."""
+        peer_only = ("prefill_addr", "transport", "data_listen", "dist_init", "ipc_slots", "on_failure",
+                     "peer_timeout_s", "handshake_timeout_s", "prefill_tls_ca", "prefill_auth_token",
+                     "prefill_auth_token_file")
+        defaults = {f.name: f.default for f in fields(self)}
+        return [flag_name(f) for f in peer_only if self.colocated and getattr(self, f) != defaults[f]]
 
     @property
     def dist_inits(self) -> list[str]:

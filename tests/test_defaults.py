@@ -170,3 +170,13 @@ def test_without_cuda_auto_is_cpu_and_cuda_is_refused(monkeypatch):
     assert pick_device("auto") == torch.device("cpu")
     with pytest.raises(ValueError, match="--device cuda: no CUDA device here"):
         pick_device("cuda")
+
+
+def test_peer_flags_beside_colocated_are_named_for_the_start_warning():
+    # --colocated has no prefill peer: a --transport or --prefill-addr given beside it does nothing, and the server
+    # says so at start (decode_server/__main__.py) rather than silently running colocated.
+    assert DecodeConfig(colocated=True, transport="grpc", prefill_addr="10.0.0.2:50061",
+                        on_failure="recompute").unused_when_colocated() == [
+        "--prefill-addr", "--transport", "--on-failure"]
+    assert DecodeConfig(colocated=True).unused_when_colocated() == []
+    assert DecodeConfig(transport="grpc").unused_when_colocated() == []  # disaggregated: they are used
