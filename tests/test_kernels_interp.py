@@ -280,6 +280,23 @@ def test_decode_attention_other_tile_widths(block_n):
                                     block_n=bad)
 
 
+def test_decode_attention_merge_launches_give_the_same_bits():
+    # The probe's --pair-sweep times stage 2 at other launches (warps, query heads a program, taken in turn): each
+    # program merges a (row, head) in the same tile, so every launch must give the default's bits, the heads past
+    # Hq (7 a program over 9) left alone.
+    from kvtransfer.kernels.triton_attention import decode_attention_triton
+
+    case = decode_case([150, 1, 64, 65, 256, 17], 9, 3, 64, max_seq=256, dtype=torch.float32, seed=23, pad_rows=2)
+    for splits in (None, 3):
+        want = decode_attention_triton(case.q, case.k_pool, case.v_pool, case.slots, case.lengths, case.scale,
+                                       num_splits=splits)
+        assert _rel_err(want[:6], attention_gold(case)[:6]) <= 1e-5
+        for stage2 in ((1, 1), (2, 7), (4, 9), (1, 4)):
+            got = decode_attention_triton(case.q, case.k_pool, case.v_pool, case.slots, case.lengths, case.scale,
+                                          num_splits=splits, stage2=stage2)
+            assert torch.equal(got, want), (splits, stage2)
+
+
 @pytest.mark.parametrize("page", PAGES)
 def test_chunk_attention_paged_equals_slots(page):
     g = torch.Generator().manual_seed(12)

@@ -10,6 +10,8 @@ D 128, bf16, 64-token pages), each in a CUDA graph of LAYERS launches (as the st
           beside it (engine/side_stream.py), vs each alone;
   decode  with --decode-sweep: the decode rows' kernel at other launches (warps, stages, splits, BLOCK_N), its K/V read rate
           against the copy bandwidth measured in the same run, and the pair's time with that launch;
+  pairs   with --pair-sweep: the pair at other launches (which kernel takes the side stream, the decode kernel's
+          splits and stage-2 launch);
   splits  with --split-sweep ROWS@CONTEXT,...: only the decode kernel at each split count (re-tuning
           triton_attention.choose_num_splits).
 Times are medians of REPLAYS replays. Run on the GPU machine: `python3 -m bench.probes.chunk_attention`; prints
@@ -167,6 +169,49 @@ def decode_rows(q, kp, vp, table, rows_idx, lengths, pieces, decode, context, ba
     return out
 
 
+PAIR_SWEEP = [("chunk", None, None), ("decode", None, None), ("chunk", None, (1, 1)), ("chunk", None, (2, 1)),
+              ("chunk", None, (4, 7)), ("chunk", None, (1, 7)), ("chunk", None, (4, 28)), ("chunk", 2, None),
+              ("decode", 2, None), ("chunk", 2, (1, 7)), ("decode", 2, (1, 7)), ("decode", None, (1, 7))]
+# --pair-sweep: (the kernel on the side stream, the decode kernel's splits, its stage-2 (warps, heads a program));
+# None: the engine's choice
+
+
+def pair_sweep(q, kp, vp, table, rows_idx, lengths, pieces, decode) -> list[dict]:
+    """The two attention kernels of a mixed step at each variant of PAIR_SWEEP, 28 layers in one graph: which one
+    goes on the side stream, and the decode kernel's split count and merge launch. Each variant's outputs are
+    compared with the default launch at its split count (the merge's launch must not change a bit)."""
+    from kvtransfer.kernels.triton_attention import decode_attention_triton
+
+    qd, qc, scale = q[:decode], q[decode:], D ** -0.5
+    side = SideStream(q.device)
+    out = []
+    for on_side, splits, stage2 in PAIR_SWEEP:
+        o = torch.zeros_like(q)
+
+        def dec():
+            decode_attention_triton(qd, kp, vp, rows_idx, lengths, scale, block_table=table, num_splits=splits,
+                                    stage2=stage2, out=o[:decode])
+
+        def chk():
+            K.chunk_attention(qc, kp, vp, pieces, scale, block_table=table, out=o[decode:])
+        first, second = (chk, dec) if on_side == "chunk" else (dec, chk)
+
+        def beside():
+            for _ in range(LAYERS):
+                with side.fork():
+                    first()
+                second()
+                side.join()
+        want = decode_attention_triton(qd, kp, vp, rows_idx, lengths, scale, block_table=table, num_splits=splits)
+        beside()
+        torch.cuda.synchronize()
+        row = {"side": on_side, "splits": splits or "default", "stage2": stage2 or "default",
+               "pair_ms": graph_ms(beside), "decode_bits_as_default": bool(torch.equal(o[:decode], want))}
+        print("pairs", json.dumps(row), flush=True)
+        out.append(row)
+    return out
+
+
 SPLITS = [None, 1, 2, 3, 4, 6, 8, 12, 16]  # --split-sweep: the decode kernel's split counts (None: choose_num_splits)
 SPLITS_FEW_ROWS = [24, 32, 48, 64, 96, 128, 192]  # and these too at <= 16 rows, where the default goes past 16
 
@@ -205,6 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-chunk-sweep", action="store_true", help="skip the chunk kernel's tiling sweep")
     p.add_argument("--split-sweep", default="",
                    help="only the decode kernel's split counts (SPLITS) at ROWS@CONTEXT, comma-separated")
+    p.add_argument("--pair-sweep", action="store_true",
+                   help="also time the pair at each variant of PAIR_SWEEP (side stream, splits, merge launch)")
     p.add_argument("--decode-sweep", action="store_true",
                    help="also time the decode rows' kernel at other launches (DECODE_SWEEP), the first case's rows")
     return p
@@ -229,6 +276,8 @@ def main(argv=None) -> None:
                                 "chunk": [] if a.no_chunk_sweep else chunk_rows(q, kp, vp, table, pieces, a.decode,
                                                                                 rows, start),
                                 "pair": pair_rows(q, kp, vp, table, idx, lengths, pieces, a.decode)})
+        if a.pair_sweep and "pair_sweep" not in result:
+            result["pair_sweep"] = pair_sweep(q, kp, vp, table, idx, lengths, pieces, a.decode)
         if a.decode_sweep and "decode_sweep" not in result:
             from bench.probes.kernels import copy_bandwidth
 

@@ -12,7 +12,7 @@ table). As there, one program takes all G query heads of one kv head (padded to 
 K/V are read once per group and never repeated in memory; and a row's valid length is cut
 into num_splits equal chunks (rounded up to BLOCK_N), so every split of a long row does
 work. Splits whose chunk starts at or past the length (short rows, padded rows of length 1)
-exit at once and stage 2 skips them. The batch-invariant mode passes `split_size` instead: every row cut at
+exit at once and stage 2 (triton_attention_split.py) skips them. The batch-invariant mode passes `split_size` instead: every row cut at
 multiples of it, so a row's splits depend on its own length only, merged by triton_attention_split.py.
 
 num_splits is a Python int from static shapes only (B, kv heads, max_seq, SM count), so one
@@ -32,7 +32,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kvtransfer.kernels.triton_attention_split import INVARIANT_SPLIT_SIZE, merge_fixed_splits  # noqa: F401
+from kvtransfer.kernels.triton_attention_split import (  # noqa: F401
+    INVARIANT_SPLIT_SIZE,
+    merge_fixed_splits,
+    merge_splits,
+    row_length_and_chunk,
+)
 from kvtransfer.kernels.triton_paging import table_args, tile_offsets
 
 BLOCK_N = 64  # positions per inner step of stage 1
@@ -40,7 +45,6 @@ BLOCK_H = 16  # query heads per stage-1 program (tl.dot needs M >= 16): G is pad
 STAGE1_WARPS = 4  # stage 1's launch (bench/probes/chunk_attention.py --decode-sweep times others)
 STAGE1_STAGES = 2
 MAX_SPLITS = 256  # bounds the stage-2 tile (all splits of a row are merged in one shot)
-_MERGE_ELEMS = 4096  # fp32 partial-output elements per stage-2 program
 _LOG2E = 1.4426950408889634
 
 
@@ -72,18 +76,6 @@ def default_num_splits(batch: int, q_heads: int, kv_heads: int, max_seq: int, de
     head_blocks = triton.cdiv(q_heads // kv_heads, BLOCK_H)
     sm_count = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) if device.type == "cuda" else 8
     return choose_num_splits(batch, kv_heads, head_blocks, max_seq, sm_count)
-
-
-@triton.jit
-def _row_length_and_chunk(Lengths, b, max_seq, num_splits, BLOCK: tl.constexpr, SPLIT_SIZE: tl.constexpr):
-    # Valid positions of row b (clamped to the pool) and positions per split: ceil(L / S)
-    # rounded up to BLOCK, or SPLIT_SIZE when set (the fixed-split mode). Stage 1 and stage 2 must agree exactly.
-    length = tl.minimum(tl.maximum(tl.load(Lengths + b).to(tl.int32), 0), max_seq)
-    if SPLIT_SIZE > 0:
-        chunk = SPLIT_SIZE
-    else:
-        chunk = tl.cdiv(tl.cdiv(length, num_splits), BLOCK) * BLOCK
-    return length, chunk
 
 
 @triton.jit
@@ -133,7 +125,7 @@ def _decode_stage1(
     kv_head = pid_h // HEAD_BLOCKS
     head_block = pid_h % HEAD_BLOCKS
 
-    length, chunk = _row_length_and_chunk(Lengths, b, max_seq, num_splits, BLOCK_N, SPLIT_SIZE)
+    length, chunk = row_length_and_chunk(Lengths, b, max_seq, num_splits, BLOCK_N, SPLIT_SIZE)
     start = split * chunk
     end = tl.minimum(start + chunk, length)
     if start < end:
@@ -180,42 +172,6 @@ def _decode_stage1(
         tl.store(MidLse + row, m_i + tl.math.log2(l_i), mask=mask_h)
 
 
-@triton.jit
-def _decode_stage2(
-    MidO, MidLse, Lengths, Out,
-    stride_ob, stride_oh,
-    max_seq, num_splits,
-    Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DS: tl.constexpr,
-):
-    # grid (B, Hq, cdiv(D, BLOCK_DS)): merges all splits of (row, head) over BLOCK_DS dims at once.
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    pid_d = tl.program_id(2)
-    length, chunk = _row_length_and_chunk(Lengths, b, max_seq, num_splits, BLOCK_N, 0)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = pid_d * BLOCK_DS + tl.arange(0, BLOCK_DS)
-    mask_d = offs_d < HEAD_DIM
-    # The same test as stage 1's `start < end`: inactive splits were never written.
-    active = (offs_s < num_splits) & (offs_s * chunk < length)
-    row = (b.to(tl.int64) * Q_HEADS + h) * num_splits + offs_s  # (BLOCK_S,)
-    lse = tl.load(MidLse + row, mask=active, other=float("-inf"))
-    part = tl.load(
-        MidO + row[:, None] * HEAD_DIM + offs_d[None, :],
-        mask=active[:, None] & mask_d[None, :], other=0.0,
-    )  # (BLOCK_S, BLOCK_DS)
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)  # length 0: no split active, output zeros
-    w = tl.math.exp2(lse - m)  # (BLOCK_S,), the largest is exactly 1 when any split is active
-    acc = tl.sum(w[:, None] * part, 0)
-    denom = tl.maximum(tl.sum(w, 0), 1e-30)
-    tl.store(
-        Out + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d,
-        (acc / denom).to(Out.dtype.element_ty),
-        mask=mask_d,
-    )
-
-
 def _upcast_dots(q: torch.Tensor) -> bool:
     # fp32 pools: IEEE dots, no TF32. CPU tensors run only under the Triton interpreter, whose
     # tl.dot mishandles bf16: there the dots run in fp32 on the same rounded values.
@@ -236,11 +192,13 @@ def decode_attention_triton(
     num_warps: int | None = None,
     num_stages: int | None = None,
     block_n: int | None = None,
+    stage2: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Split-K decode attention; shapes as `kvtransfer.kernels.ops.decode_attention` (checked there).
 
     num_warps, num_stages: stage 1's launch (None: STAGE1_WARPS, STAGE1_STAGES, read at the call; a probe's sweep).
-    A program's tiles and their order do not depend on them. block_n: positions per stage-1 tile (None: BLOCK_N; a
+    A program's tiles and their order do not depend on them. stage2: the merge's (warps, query heads a program), as
+    `merge_splits` (a probe's sweep). block_n: positions per stage-1 tile (None: BLOCK_N; a
     power of two >= 16, a probe's sweep); it moves the splits' edges, so the output's bits may change with it.
 
     q: (B, Hq, D) with unit stride on D; pools (S, Hkv, T, D) contiguous; returns (B, Hq, D): `out` when given
@@ -287,14 +245,5 @@ def decode_attention_triton(
     if split_size is not None:
         merge_fixed_splits(mid_o, mid_lse, lengths, out, max_seq, split_size)
         return out
-    block_s = max(2, triton.next_power_of_2(num_splits))
-    block_ds = min(block_d, max(16, _MERGE_ELEMS // block_s))
-    _decode_stage2[(batch, q_heads, triton.cdiv(head_dim, block_ds))](
-        mid_o, mid_lse, lengths, out,
-        out.stride(0), out.stride(1),
-        max_seq, num_splits,
-        Q_HEADS=q_heads, HEAD_DIM=head_dim,
-        BLOCK_N=block_n, BLOCK_S=block_s, BLOCK_DS=block_ds,
-        num_warps=4,
-    )
+    merge_splits(mid_o, mid_lse, lengths, out, max_seq, block_n, *(stage2 or ()))
     return out

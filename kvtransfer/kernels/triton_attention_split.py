@@ -1,16 +1,22 @@
-"""Decode attention's fixed-split-size mode: the stage-2 merge of the batch-invariant mode (docs/batch-invariance.md).
+"""Decode attention's stage 2: the merges of a row's split partials (stage 1 is triton_attention.py).
 
-Why: the default decode attention (triton_attention.py) cuts a row of length L into a split COUNT chosen from the
-batch size, so the positions each split sums, and the merge's reduction tree (BLOCK_S = next_pow2(count)), change
-with the batch: a row's output changes bits with its neighbours. In this mode every row is cut at the same absolute
-positions, split j covering [j * split_size, min((j + 1) * split_size, L)) (stage 1 of triton_attention.py with
-SPLIT_SIZE set), and this merge folds a row's cdiv(L, split_size) partials in index order, MERGE_TILE splits at a
-time: a tile shape that is a constant, never the count rounded to a power of two, and a number of tiles that is a
-function of the row's own length. So every reduction a row's output goes through depends on its length, its
-keys and values and the model's shapes alone.
+Why a module of its own: stage 1 cuts each row's length into splits read in parallel; the merges here fold the
+splits' (output, log-sum-exp) pairs into the row's output, in one of two modes.
 
-The grid's split dimension is cdiv(max_seq, split_size) (static: one CUDA graph serves any lengths); splits past a
-row's length exit at once in stage 1 and are never read here.
+By count (the default, `merge_splits`): a row of length L is cut into the split COUNT chosen from the batch size
+(triton_attention.choose_num_splits), chunks of ceil(L / count) rounded up to BLOCK_N, and all of a row's splits
+merge in one tile of next_pow2(count). So the positions each split sums, and the merge's reduction tree, change
+with the batch: a row's output changes bits with its neighbours.
+
+Fixed size (the batch-invariant mode, docs/batch-invariance.md: `merge_fixed_splits`): every row is cut at the same
+absolute positions, split j covering [j * split_size, min((j + 1) * split_size, L)) (stage 1 with SPLIT_SIZE set),
+and the merge folds a row's cdiv(L, split_size) partials in index order, MERGE_TILE splits at a time: a tile shape
+that is a constant, never the count rounded to a power of two, and a number of tiles that is a function of the
+row's own length. So every reduction a row's output goes through depends on its length, its keys and values and
+the model's shapes alone.
+
+The grid's split dimension is static in both (one CUDA graph serves any lengths); splits past a row's length exit
+at once in stage 1 and are never read here.
 """
 
 from __future__ import annotations
@@ -27,7 +33,76 @@ import triton.language as tl
 # 1k (4 here). A short row at batch 1 gets fewer programs than today (cdiv(L, 256) splits): the mode's cost.
 INVARIANT_SPLIT_SIZE = 256
 MERGE_TILE = 16  # splits per stage-2 step (BLOCK_S): a constant; rows of more splits fold tiles in order
-_MERGE_ELEMS = 4096  # fp32 partial-output elements per stage-2 step, as triton_attention's merge
+_MERGE_ELEMS = 4096  # fp32 partial-output elements per stage-2 step (both modes)
+STAGE2_WARPS = 4  # the by-count merge's launch (bench/probes/chunk_attention.py --pair-sweep times others)
+STAGE2_HEADS = 1  # query heads a by-count merge program takes, one after another
+
+
+@triton.jit
+def row_length_and_chunk(Lengths, b, max_seq, num_splits, BLOCK: tl.constexpr, SPLIT_SIZE: tl.constexpr):
+    """Valid positions of row b (clamped to the pool) and positions per split: ceil(L / S) rounded up to BLOCK, or
+    SPLIT_SIZE when set (the fixed-split mode). Stage 1 and stage 2 must agree exactly."""
+    length = tl.minimum(tl.maximum(tl.load(Lengths + b).to(tl.int32), 0), max_seq)
+    if SPLIT_SIZE > 0:
+        chunk = SPLIT_SIZE
+    else:
+        chunk = tl.cdiv(tl.cdiv(length, num_splits), BLOCK) * BLOCK
+    return length, chunk
+
+
+@triton.jit
+def _decode_stage2(
+    MidO, MidLse, Lengths, Out,
+    stride_ob, stride_oh,
+    max_seq, num_splits,
+    Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DS: tl.constexpr, HEADS: tl.constexpr,
+):
+    # grid (B, cdiv(Hq, HEADS), cdiv(D, BLOCK_DS)): merges all splits of (row, head) over BLOCK_DS dims at once,
+    # for HEADS heads in turn (each the same tile, so the bits do not depend on HEADS).
+    b = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    pid_d = tl.program_id(2)
+    length, chunk = row_length_and_chunk(Lengths, b, max_seq, num_splits, BLOCK_N, 0)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = pid_d * BLOCK_DS + tl.arange(0, BLOCK_DS)
+    mask_d = offs_d < HEAD_DIM
+    # The same test as stage 1's `start < end`: inactive splits were never written.
+    active = (offs_s < num_splits) & (offs_s * chunk < length)
+    for i in tl.static_range(HEADS):
+        h = pid_h * HEADS + i
+        if h < Q_HEADS:
+            row = (b.to(tl.int64) * Q_HEADS + h) * num_splits + offs_s  # (BLOCK_S,)
+            lse = tl.load(MidLse + row, mask=active, other=float("-inf"))
+            part = tl.load(
+                MidO + row[:, None] * HEAD_DIM + offs_d[None, :],
+                mask=active[:, None] & mask_d[None, :], other=0.0,
+            )  # (BLOCK_S, BLOCK_DS)
+            m = tl.max(lse, 0)
+            m = tl.where(m == float("-inf"), 0.0, m)  # length 0: no split active, output zeros
+            w = tl.math.exp2(lse - m)  # (BLOCK_S,), the largest is exactly 1 when any split is active
+            acc = tl.sum(w[:, None] * part, 0)
+            denom = tl.maximum(tl.sum(w, 0), 1e-30)
+            tl.store(Out + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, (acc / denom).to(Out.dtype.element_ty),
+                     mask=mask_d)
+
+
+def merge_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor, max_seq: int,
+                 block_n: int, warps: int | None = None, heads: int | None = None) -> None:
+    """Stage 2 by count: mid_o (B, Hq, S, D), mid_lse (B, Hq, S) fp32 -> out (B, Hq, D), in place. block_n: stage
+    1's tile (the splits' edges); warps, heads: the launch (None: STAGE2_WARPS, STAGE2_HEADS, read at the call)."""
+    batch, q_heads, num_splits, head_dim = mid_o.shape
+    heads = heads or STAGE2_HEADS
+    block_s = max(2, triton.next_power_of_2(num_splits))
+    block_ds = min(max(16, triton.next_power_of_2(head_dim)), max(16, _MERGE_ELEMS // block_s))
+    _decode_stage2[(batch, triton.cdiv(q_heads, heads), triton.cdiv(head_dim, block_ds))](
+        mid_o, mid_lse, lengths, out,
+        out.stride(0), out.stride(1),
+        max_seq, num_splits,
+        Q_HEADS=q_heads, HEAD_DIM=head_dim,
+        BLOCK_N=block_n, BLOCK_S=block_s, BLOCK_DS=block_ds, HEADS=heads,
+        num_warps=warps or STAGE2_WARPS,
+    )
 
 
 @triton.jit

@@ -66,19 +66,16 @@ def _run(fn) -> None:
         pass
 
 
-def _attention(ta, hq, hkv, d, dtype, batch, max_seq, splits=None) -> None:
+def _attention(ta, tas, hq, hkv, d, dtype, batch, max_seq, splits=None) -> None:
     q = torch.empty(batch, hq, d, dtype=dtype)
     pool = torch.empty(batch + 1, hkv, max_seq, d, dtype=dtype)
     idx = torch.zeros(batch, dtype=torch.int64)
     _run(lambda: ta.decode_attention_triton(q, pool, pool, idx, idx, 0.1, num_splits=splits))  # stage 1
     ns = splits or ta.choose_num_splits(batch, hkv, triton.cdiv(hq // hkv, ta.BLOCK_H), max_seq, 132)
-    block_s = max(2, triton.next_power_of_2(ns))
-    block_ds = min(max(16, triton.next_power_of_2(d)), max(16, ta._MERGE_ELEMS // block_s))
     mid_o, mid_lse = torch.empty(batch, hq, ns, d), torch.empty(batch, hq, ns)
     out = torch.empty(batch, hq, d, dtype=dtype)
-    _run(lambda: ta._decode_stage2[(batch, hq, triton.cdiv(d, block_ds))](
-        mid_o, mid_lse, idx, out, out.stride(0), out.stride(1), max_seq, ns,
-        Q_HEADS=hq, HEAD_DIM=d, BLOCK_N=ta.BLOCK_N, BLOCK_S=block_s, BLOCK_DS=block_ds, num_warps=4))
+    _run(lambda: tas.merge_splits(mid_o, mid_lse, idx, out, max_seq, ta.BLOCK_N))  # stage 2
+    _run(lambda: tas.merge_splits(mid_o, mid_lse, idx, out, max_seq, ta.BLOCK_N, 1, 7))  # the probe's launch
 
 
 def _attention_fixed(ta, tas, hq, hkv, d, dtype, batch, max_seq, page=None) -> None:
@@ -141,8 +138,8 @@ def main() -> int:
     for cfg in [(28, 4, 128, bf16, 1, 32768), (28, 4, 128, torch.float32, 1, 32768), (28, 4, 128, bf16, 64, 1024),
                 (4, 2, 16, bf16, 7, 1000), (4, 2, 16, torch.float16, 7, 1000), (4, 2, 16, torch.float32, 7, 1000),
                 (9, 3, 64, bf16, 7, 1000), (4, 4, 64, bf16, 3, 800), (40, 2, 128, bf16, 3, 800)]:
-        _attention(ta, *cfg)
-    _attention(ta, 28, 4, 128, bf16, 8, 8192, splits=1)
+        _attention(ta, tas, *cfg)
+    _attention(ta, tas, 28, 4, 128, bf16, 8, 8192, splits=1)
     for cfg in [(28, 4, 128, bf16, 64, 32768), (28, 4, 128, torch.float32, 1, 32768), (4, 2, 16, bf16, 7, 1024)]:
         _attention_fixed(ta, tas, *cfg)
     _attention_fixed(ta, tas, 28, 4, 128, bf16, 64, 8192, page=16)
