@@ -50,6 +50,9 @@ class PrefillConfig:
     max_message_bytes: int = flag(CONTROL_MESSAGE_LIMIT, "gRPC send/receive limit; larger: RESOURCE_EXHAUSTED")
     send_timeout_s: float = flag(60.0, "longest a transfer may take to be sent (and a link to connect), s")
     dist_timeout_s: float = flag(120.0, "nccl/gloo: hosting the rendezvous and joining the process group, s")
+    max_pending_pairings: int = flag(16, "nccl/gloo: process groups being joined at once, a thread each until the "
+                                     "decode side joins, goes or --dist-timeout-s passes; a handshake from another "
+                                     "decode worker beyond: RESOURCE_EXHAUSTED (it retries)")
     shutdown_grace_s: float = flag(20.0, "on SIGTERM/SIGINT: time in-flight requests get to finish, s; the rest "
                                    "end UNAVAILABLE")
     warmup_tokens: int = flag(128, "warm-up at each pairing (0: none); must fit the peer's --max-receive-bytes")
@@ -75,7 +78,7 @@ class PrefillConfig:
     def __post_init__(self):
         ModelSpec(self.model, "float32" if self.dtype == "auto" else self.dtype, self.seed)  # validates both
         options_from(self, self.transport)  # the backend's options; refuses another backend's flags
-        for name in ("max_prompt_tokens", "max_inflight", "max_message_bytes"):
+        for name in ("max_prompt_tokens", "max_inflight", "max_message_bytes", "max_pending_pairings"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         if self.warmup_tokens > self.max_prompt_tokens:

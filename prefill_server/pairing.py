@@ -1,31 +1,27 @@
 """The prefill side of its pairs: answer handshakes, (re)build each decode peer's data plane, say which are up.
 
-Why the decode side leads: it is the front door and sees every failure first (a request
-that fails, a control channel that drops), so it decides when to pair again and simply
-handshakes; this side never has to detect the peer's death. A prefill worker serves several
-decode workers (xPyD): one pair per decode instance (its handshake's instance id), each with
-its own link, and every accepted handshake is a new pairing of that pair with a new epoch,
+Why the decode side leads: it is the front door and sees every failure first (a request that fails, a control
+channel that drops), so it decides when to pair again and simply handshakes; this side never has to detect the
+peer's death. A prefill worker serves several decode workers (xPyD): one pair per decode instance (its handshake's
+instance id), each with its own link, and every accepted handshake is a new pairing of that pair with a new epoch,
 which supersedes its old one (never another pair's):
-- nccl/gloo: the answer names (instance id, epoch) at once; then, on the device thread
-  (so no transfer of the old group is in progress), the pair's old group is dropped; a
-  fresh one is joined under that prefix on a thread of the join's own while the decode side
-  joins too (a join whose decode worker died holds only that thread), then one warm-up back
-  on the device thread.
-- grpc/cuda_ipc: the device thread connects to the data address the decode side
-  announced (closing the pair's old link) and warms it up before the answer goes back.
-Each request names the decode instance that asked (PrefillRequest.decode_instance), and its
-cache goes to that pair's link. A request that comes while its pair's process-group pairing is in
-progress (the decode side counts the pair up once its own join returns, and sends at once; this
-side's join thread may not have handed the group to the device thread yet, or be warming it up)
-waits for that pairing to end (`request`), rather than finding no data plane.
+- nccl/gloo: the answer names (instance id, epoch) at once; then, on the device thread (so no transfer of the old
+  group is in progress), the pair's old group is dropped; a fresh one is joined under that prefix on a thread of the
+  join's own while the decode side joins too (a join whose decode worker died holds only that thread), then one
+  warm-up back on the device thread.
+- grpc/cuda_ipc: the device thread connects to the data address the decode side announced (closing the pair's old
+  link) and warms it up before the answer goes back.
+Each request names the decode instance that asked (PrefillRequest.decode_instance), and its cache goes to that
+pair's link. A request that comes while its pair's process-group pairing is in progress (the decode side counts the
+pair up once its own join returns, and sends at once) waits for that pairing to end (`request`). At most
+--max-pending-pairings joins are in progress at once: a new decode worker's handshake beyond is refused.
 
-Health, per pair (published through peer_health.py, which also says who still watches): a pair
-is up from its pairing's warm-up until a transfer breaks its process group (peer gone, gloo
-timeout: the group is closed for good), which ends that pair until its next handshake. A pair
-whose decode worker is gone (no liveness watch open here: a health Watch carrying its instance
-id, opened before its handshake) is dropped at the next handshake.
-A stopping worker refuses handshakes (UNAVAILABLE: the decode side waits and retries), gives up a
-join in progress, and closes every data plane; nothing it runs outlives the stop.
+Health, per pair (published through peer_health.py, which also says who still watches): a pair is up from its
+pairing's warm-up until a transfer breaks its process group (peer gone, gloo timeout: the group is closed for good),
+which ends that pair until its next handshake. A pair whose decode worker is gone (no liveness watch open here: a
+health Watch carrying its instance id, opened before its handshake) is dropped at the next handshake. A stopping
+worker refuses handshakes (UNAVAILABLE: the decode side waits and retries), gives up a join in progress, and closes
+every data plane; nothing it runs outlives the stop.
 """
 
 from __future__ import annotations
@@ -81,6 +77,9 @@ class PrefillPairing:
     def up_count(self) -> int:
         return sum(p.up for p in self.pairs.values())
 
+    def pending(self) -> int:  # pairings whose process group is being joined: a thread each
+        return sum(not p.settled.is_set() for p in self.pairs.values())
+
     async def handshake(self, request, context) -> pb.HandshakeResponse:
         """A compatible decode peer asks to pair: a new pairing of its pair (epoch + 1) that supersedes the old."""
         self.loop = asyncio.get_running_loop()
@@ -90,6 +89,9 @@ class PrefillPairing:
         who = request.instance_id
         if not who:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the handshake names no decode instance_id")
+        if self.process_group and who not in self.pairs and self.pending() >= self.config.max_pending_pairings:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.pending()} pairings are being joined "
+                                "here (--max-pending-pairings); retry once one ends (--dist-timeout-s at most)")
         pair = self.pairs.setdefault(who, Pair(who))
         self.epoch += 1
         pair.epoch = epoch = self.epoch

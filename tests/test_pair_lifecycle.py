@@ -168,6 +168,50 @@ def test_an_abandoned_pairing_leaves_the_prefill_worker_ready_for_the_next(tmp_p
         assert "pairing failed" not in pair.decode.log_text(), pair.log_text()
 
 
+def test_pending_pairings_are_capped_and_a_decode_worker_gone_frees_its_place(tmp_path, compat):
+    """Decode workers that watch and handshake but never join hold a join thread each (until --dist-timeout-s): at
+    most --max-pending-pairings (2 here) at once. A third worker is refused RESOURCE_EXHAUSTED naming the flag; a
+    pending one may handshake again; a watcher that leaves gives its place to the refused one. Without the cap, a
+    caller without the token held ~1,000 threads (docs/security.md)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from kvtransfer.rpc.server import DECODE_INSTANCE_KEY
+
+    with Pair(tmp_path, prefill_args=["--max-pending-pairings", "2", "--dist-timeout-s", "60"]) as pair:
+        pair.prefill.start()
+        pair.wait_line(pair.prefill, "prefill server ready")
+
+        async def scenario():
+            async with grpc.aio.insecure_channel(pair.prefill_addr) as ch:
+                stub, health = pbg.PrefillStub(ch), health_pb2_grpc.HealthStub(ch)
+                watches = {i: health.Watch(health_pb2.HealthCheckRequest(service=""),
+                                           metadata=((DECODE_INSTANCE_KEY, f"{i:x}"),)) for i in (11, 12, 13)}
+                for w in watches.values():
+                    await w.read()  # open: the worker counts it
+
+                def handshake(i):
+                    return stub.Handshake(pb.HandshakeRequest(compat=compat, transport=pb.TRANSPORT_GLOO,
+                                                              instance_id=i), timeout=30)
+                await handshake(11)
+                await handshake(12)
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await handshake(13)
+                assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value
+                assert "--max-pending-pairings" in refused.value.details()
+                await handshake(11)  # a pending pair may pair again (its new epoch supersedes the old)
+                watches[12].cancel()  # decode worker 12 is gone: its join gives way, and its place with it
+                deadline = time.monotonic() + 20
+                while True:
+                    try:
+                        return await handshake(13)
+                    except grpc.aio.AioRpcError as e:
+                        if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() > deadline:
+                            raise
+                        await asyncio.sleep(0.1)
+        assert asyncio.run(scenario()).epoch == 4, pair.prefill.log_text()[-3000:]
+        assert "pairing failed" not in pair.prefill.log_text()
+
+
 def test_a_decode_worker_checks_its_rendezvous_flag_before_the_handshake(tmp_path, lone_prefill):
     """--dist-init env:// without MASTER_ADDR/MASTER_PORT: exit 2 at start naming the flag; the prefill worker
     never saw a handshake."""
