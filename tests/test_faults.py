@@ -156,7 +156,7 @@ def test_prefill_stalled(pair_factory, tiny_fp32, record_property):
 @pytest.mark.parametrize("transport,policy", [("gloo", "recompute"), ("grpc", "fail")])
 def test_link_down_mid_transfer(pair_factory, tiny_fp32, record_property, transport, policy):
     """Down the veth while a transfer is held; bring it back: the policy, then the pair is rebuilt, once. (Keepalive
-    at 2 s, the default: at 1 s a loaded CI machine once missed a ping after the repair and paired a third time.)"""
+    at 2 s, the default: at 1 s, under a load of ~7.7, it once paired a third time; a missed ping is suspected.)"""
     ids = prompt(150, 4)
     with remote_host(transport[:2]) as r, pair_factory(
             transport, remote=r, prefill_args=[*HOLD, "--fail-stall-s", "3", "--send-timeout-s", "5"],
