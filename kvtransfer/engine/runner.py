@@ -30,6 +30,8 @@ log = logging.getLogger("kvtransfer.decode.runner")
 
 
 GEMV_CHOICES = ("auto", "on", "off")  # --gemv: timed at start, every projection, none
+SIDE_KERNEL = "chunk"  # a mixed step's attention kernel launched on the side stream: "chunk" (the prompt rows') or
+# "decode" (bench/probes/chunk_attention.py --pair-sweep times both; the same kernels, so the same bits)
 class StepRunner:
     def __init__(self, model, pool: KVPool, use_triton: bool | None = None, gemv_rows: int | None = None,
                  gemv: str = "auto", invariant: bool = False):
@@ -109,13 +111,19 @@ class StepRunner:
                                             block_table=table)  # (B, Hq, D)
             d, pieces = chunks
             o = torch.empty_like(q)  # (B, Hq, D): rows :d from the decode kernel, d: from the chunk kernel
-            try:
-                with self.side.fork():  # beside the decode rows' kernel (side_stream.py)
-                    ops.chunk_attention(q[d:], kp, vp, pieces, self.scale, use_triton=tri, block_table=table,
-                                        out=o[d:])  # pieces cover every row d.. (padding: a zero piece, mixed.py)
+
+            def prompt_rows():  # pieces cover every row d.. (padding: a zero piece, mixed.py)
+                ops.chunk_attention(q[d:], kp, vp, pieces, self.scale, use_triton=tri, block_table=table, out=o[d:])
+
+            def decode_rows():
                 if d:
                     ops.decode_attention(q[:d], kp, vp, slots[:d], lengths[:d], self.scale, use_triton=tri,
                                          block_table=table, out=o[:d])
+            beside, then = (prompt_rows, decode_rows) if SIDE_KERNEL == "chunk" else (decode_rows, prompt_rows)
+            try:
+                with self.side.fork():  # the two kernels at once (side_stream.py)
+                    beside()
+                then()
             finally:  # joined even when a launch fails: `o` is never freed while the side stream may write it
                 self.side.join()
             return o
