@@ -50,7 +50,7 @@ def held_join(monkeypatch):
 
 def pairing(gpu) -> PrefillPairing:
     config = SimpleNamespace(dist_init="tcp://127.0.0.1:1", dist_timeout_s=3600.0, dist_op_timeout_s=0.0,
-                             warmup_tokens=0)
+                             warmup_tokens=0, max_pending_pairings=16)
     worker = SimpleNamespace(m=SimpleNamespace(device=torch.device("cpu")), warmup=lambda n, link: None,
                              run=lambda link, *args: (link, args))
     backend = SimpleNamespace(name="gloo", rendezvous=Rendezvous.PROCESS_GROUP)
