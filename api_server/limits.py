@@ -29,9 +29,9 @@ LINGER_S = 5.0  # a refused body's rest is read (and dropped) this long at most 
 
 def _too_large(limit: int, size: int | None) -> str:
     """`size` None: a body without Content-Length, refused once it passed the limit."""
-    return (f"the request body is {f'{size} bytes' if size is not None else 'longer'}, over this server's limit "
-            f"of {limit} bytes (--max-body-bytes): send a shorter prompt, or start kvtransfer-api with a larger "
-            "--max-body-bytes")
+    body = f"the request body is {size} bytes, over" if size is not None else "the request body went past"
+    return (f"{body} this server's limit of {limit} bytes (--max-body-bytes): send a shorter prompt, or start "
+            "kvtransfer-api with a larger --max-body-bytes")
 
 
 class BodyTooLarge(HTTPException):
