@@ -86,10 +86,12 @@ def test_decode_attention_edge_lengths():
 
 
 def test_choose_num_splits_examples():
-    # The documented H200 examples (132 SMs, Qwen2.5-7B: 4 kv heads, 1 head block).
-    assert choose_num_splits(1, 4, 1, 32768, 132) == 198
-    assert choose_num_splits(8, 4, 1, 32768, 132) == 25
-    assert choose_num_splits(64, 4, 1, 1024, 132) == 4
+    # The documented examples (132 SMs, an H100 or H200; Qwen2.5-7B: 4 kv heads, 1 head block), ~2 programs an SM.
+    assert choose_num_splits(1, 4, 1, 32768, 132) == 66
+    assert choose_num_splits(8, 4, 1, 32768, 132) == 9
+    assert choose_num_splits(32, 4, 1, 8192, 132) == 3
+    assert choose_num_splits(64, 4, 1, 1024, 132) == 2
+    assert choose_num_splits(66, 4, 1, 1024, 132) == 1
     assert choose_num_splits(1, 4, 1, 64, 132) == 1  # short pool: chunks >= BLOCK_N
     assert choose_num_splits(512, 8, 2, 4096, 132) == 1
 

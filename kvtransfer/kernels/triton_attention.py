@@ -45,6 +45,7 @@ BLOCK_H = 16  # query heads per stage-1 program (tl.dot needs M >= 16): G is pad
 STAGE1_WARPS = 4  # stage 1's launch (bench/probes/chunk_attention.py --decode-sweep times others)
 STAGE1_STAGES = 2
 MAX_SPLITS = 256  # bounds the stage-2 tile (all splits of a row are merged in one shot)
+PROGRAMS_PER_SM = 2  # choose_num_splits' aim: stage-1 programs a split count makes, per SM (was 6 before 2026-12-06)
 _LOG2E = 1.4426950408889634
 
 
@@ -56,17 +57,16 @@ def _sm_count(device_index: int) -> int:
 def choose_num_splits(batch: int, kv_heads: int, head_blocks: int, max_seq: int, sm_count: int) -> int:
     """Splits per row, from static shapes only (so one CUDA graph serves any lengths).
 
-    The bf16 D=128 stage-1 program compiles for sm_90 to 87 registers/thread (4 warps) and
-    ~39 KB of shared memory, so ~5 are resident per SM. Aim for 6 * SMs programs in all
-    (about 1.2 such waves) when the rows are full: enough to keep HBM busy when B is 1, few
-    enough that the partial outputs stay a few percent of the K/V bytes when B is large.
-    Programs per split = B * Hkv * head_blocks. Capped so that a full-length row's chunk is
-    >= BLOCK_N positions, and at MAX_SPLITS. H200 (132 SMs), Qwen2.5-7B (4 kv heads): B=1 ->
-    198 splits (chunks of 192 at 32k); B=8 -> 25; B=64 -> 4 (chunks of 256 at 1k, 2048 at
-    8k). `python -m bench.probes.kernels` sweeps the split count to re-tune this.
+    Aim for PROGRAMS_PER_SM * SMs stage-1 programs in all when the rows are full (programs per split = B * Hkv *
+    head_blocks), capped so that a full-length row's chunk is >= BLOCK_N positions, and at MAX_SPLITS. Measured
+    (bench/results/splits-2026-12-06: `python -m bench.probes.chunk_attention --split-sweep`, one H100, Qwen2.5-7B's
+    heads): fewer, longer programs read faster than ~1.2 waves of them (5 resident per SM), as each program's fixed
+    cost (its query, its partial output, the merge) is paid once per split. 132 SMs, 4 kv heads: B=1 -> 66 splits
+    (chunks of 512 at 32k); B=8 -> 9; B=32 -> 3; B=64 -> 2 (chunks of 512 at 1k); B >= 66 -> 1 (no merge work
+    beyond one split's).
     """
     per_split = max(1, batch * kv_heads * head_blocks)
-    want = triton.cdiv(6 * sm_count, per_split)
+    want = triton.cdiv(PROGRAMS_PER_SM * sm_count, per_split)
     cap = max(1, min(MAX_SPLITS, triton.cdiv(max_seq, BLOCK_N)))
     return max(1, min(want, cap))
 
