@@ -283,20 +283,25 @@ def test_decode_attention_other_tile_widths(block_n):
 
 
 def test_decode_attention_merge_launches_give_the_same_bits():
-    # The probe's --pair-sweep times stage 2 at other launches (warps, query heads a program, taken in turn): each
-    # program merges a (row, head) in the same tile, so every launch must give the default's bits, the heads past
-    # Hq (7 a program over 9) left alone.
+    # The probe's --pair-sweep times stage 2 at other launches (warps, query heads a program, taken in turn). Heads
+    # taken in turn are the same tile each, so they give the default's bits, the heads past Hq (7 a program over 9)
+    # left alone; the H100 run agreed (bench/results/splits-2026-12-06). Other warp counts lay the tile out
+    # otherwise: on that GPU they changed the last bits (the interpreter has no warps), so they are held to the
+    # attention itself.
     from kvtransfer.kernels.triton_attention import decode_attention_triton
 
     case = decode_case([150, 1, 64, 65, 256, 17], 9, 3, 64, max_seq=256, dtype=torch.float32, seed=23, pad_rows=2)
+    gold = attention_gold(case)
     for splits in (None, 3):
         want = decode_attention_triton(case.q, case.k_pool, case.v_pool, case.slots, case.lengths, case.scale,
                                        num_splits=splits)
-        assert _rel_err(want[:6], attention_gold(case)[:6]) <= 1e-5
-        for stage2 in ((1, 1), (2, 7), (4, 9), (1, 4)):
+        assert _rel_err(want[:6], gold[:6]) <= 1e-5
+        for stage2 in ((4, 7), (4, 9), (4, 4), (1, 1), (2, 7)):
             got = decode_attention_triton(case.q, case.k_pool, case.v_pool, case.slots, case.lengths, case.scale,
                                           num_splits=splits, stage2=stage2)
-            assert torch.equal(got, want), (splits, stage2)
+            if stage2[0] == 4:
+                assert torch.equal(got, want), (splits, stage2)
+            assert _rel_err(got[:6], gold[:6]) <= 1e-5, (splits, stage2)
 
 
 @pytest.mark.parametrize("page", PAGES)
