@@ -285,7 +285,7 @@ def test_decode_attention_other_tile_widths(block_n):
 def test_decode_attention_merge_launches_give_the_same_bits():
     # The probe's --pair-sweep times stage 2 at other launches (warps, query heads a program, taken in turn). Heads
     # taken in turn are the same tile each, so they give the default's bits, the heads past Hq (7 a program over 9)
-    # left alone; the H100 run agreed (bench/results/splits-2026-12-06). Other warp counts lay the tile out
+    # left alone; the H100 run agreed (bench/results/splits-h100-2026-12-06). Other warp counts lay the tile out
     # otherwise: on that GPU they changed the last bits (the interpreter has no warps), so they are held to the
     # attention itself.
     from kvtransfer.kernels.triton_attention import decode_attention_triton

@@ -59,7 +59,7 @@ def choose_num_splits(batch: int, kv_heads: int, head_blocks: int, max_seq: int,
 
     Aim for PROGRAMS_PER_SM * SMs stage-1 programs in all when the rows are full (programs per split = B * Hkv *
     head_blocks), capped so that a full-length row's chunk is >= BLOCK_N positions, and at MAX_SPLITS. Measured
-    (bench/results/splits-2026-12-06: `python -m bench.probes.chunk_attention --split-sweep`, one H100, Qwen2.5-7B's
+    (bench/results/splits-h100-2026-12-06: `python -m bench.probes.chunk_attention --split-sweep`, one H100, Qwen2.5-7B's
     heads): fewer, longer programs read faster than ~1.2 waves of them (5 resident per SM), as each program's fixed
     cost (its query, its partial output, the merge) is paid once per split. 132 SMs, 4 kv heads: B=1 -> 66 splits
     (chunks of 512 at 32k); B=8 -> 9; B=32 -> 3; B=64 -> 2 (chunks of 512 at 1k); B >= 66 -> 1 (no merge work

@@ -5,7 +5,7 @@
 #     layers in one graph): which kernel takes the side stream, the decode kernel's merge launch, its splits;
 #  2. the fastest variant at the default split count becomes arm "best" (runner.SIDE_KERNEL and
 #     triton_attention_split.STAGE2_WARPS / STAGE2_HEADS set before the server or the probe starts, bench/results/
-#     splits-2026-12-06/patched.py); arm "base" is this tree's defaults;
+#     splits-h100-2026-12-06/patched.py); arm "base" is this tree's defaults;
 #  3. the 512-row mixed step's profile, base then best;
 #  4. the README serve workload (c64, c128) against a colocated server with default flags, base then best;
 #  5. the decode kernel's split counts at 8-256 rows (--split-sweep), with what time is left.
@@ -33,7 +33,7 @@ echo "best: side kernel, stage-2 warps, heads = $BEST"; echo "$BEST" > $R/best.t
 export KVT_PATCH="$BEST"
 pack
 for arm in base best; do
-  P=""; [ $arm = best ] && P="bench/results/splits-2026-12-06/patched.py"
+  P=""; [ $arm = best ] && P="bench/results/splits-h100-2026-12-06/patched.py"
   timeout -k 5 80 python3 ${P:-"-m"} ${P:+"-m"} bench.probes.profile_mixed --model qwen2.5-7b --mixed 512 --batch 64 \
     --context 1024 > $R/profile-$arm.log 2>&1
   echo "profile $arm rc $? at $(at)"; grep -E "^step" $R/profile-$arm.log | head -1
@@ -42,7 +42,7 @@ done
 pack
 serve() {  # $1: arm
   [ $(left) -lt 130 ] && { echo "$1: no time left"; return; }
-  P=""; [ $1 = best ] && P="bench/results/splits-2026-12-06/patched.py"
+  P=""; [ $1 = best ] && P="bench/results/splits-h100-2026-12-06/patched.py"
   (exec python3 ${P:-"-m"} ${P:+"-m"} decode_server --colocated --model qwen2.5-7b --listen 127.0.0.1:50051 \
      --metrics-port 9101 > $R/decode-$1.log 2>&1) & DPID=$!
   python3 -c "from bench.measure.launch import wait_serving; wait_serving('127.0.0.1:50051', [], timeout=200)" \
