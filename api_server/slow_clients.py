@@ -10,7 +10,9 @@ read from the headers, which never end. So:
     while no request is being parsed; uvicorn's own keep-alive timer still closes idle connections sooner);
   - the body: once the headers are in, the whole body must be in within --body-timeout-s (`BodyDeadline`, an
     ASGI middleware around the app's reads).
-Either answers 408 with OpenAI's error body, code request_timeout, and the connection is closed.
+Either answers 408 with OpenAI's error body, code request_timeout, and the connection is closed. A request h11
+cannot parse (a malformed line; over 16 KiB of headers not yet ended) gets OpenAI's body too, 400 code
+invalid_request, where uvicorn answered text/plain.
 """
 
 from __future__ import annotations
@@ -27,11 +29,16 @@ def _message(what: str, seconds: float, flag: str) -> str:
             "or start kvtransfer-api with a larger " + flag)
 
 
-def _raw_408(message: str) -> bytes:
+def _raw_error(status: bytes, message: str, code: str) -> bytes:
+    """A whole HTTP/1.1 response with OpenAI's error body, for the protocol to write before it closes."""
     body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                 "code": "request_timeout"}}).encode()
-    return (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
+                                 "code": code}}).encode()
+    return (b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\nconnection: close\r\n"
             b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
+UNPARSED = ("the request is not valid HTTP/1.1: a malformed request line or header, or over 16 KiB of request line "
+            "and headers still without their end (h11's limit); send a well-formed request, the prompt in its body")
 
 
 def guarded_h11(header_timeout_s: float) -> type[H11Protocol]:
@@ -61,6 +68,11 @@ def guarded_h11(header_timeout_s: float) -> type[H11Protocol]:
             self._disarm()
             super().connection_lost(exc)
 
+        def send_400_response(self, msg: str) -> None:  # h11 could not parse it: OpenAI's body, not uvicorn's text
+            self._disarm()
+            self.transport.write(_raw_error(b"400 Bad Request", UNPARSED, "invalid_request"))
+            self.transport.close()
+
         def _waiting_for_headers(self) -> bool:
             # no request yet on this connection, or the last one answered: the next one's headers are awaited
             return self.cycle is None or self.cycle.response_complete
@@ -80,7 +92,8 @@ def guarded_h11(header_timeout_s: float) -> type[H11Protocol]:
                 return
             self.logger.info("closed a connection whose request headers did not arrive within %g s "
                              "(--header-timeout-s)", header_timeout_s)
-            self.transport.write(_raw_408(_message("line and headers", header_timeout_s, "--header-timeout-s")))
+            self.transport.write(_raw_error(b"408 Request Timeout", _message("line and headers", header_timeout_s,
+                                                                            "--header-timeout-s"), "request_timeout"))
             self.transport.close()
 
     return GuardedH11

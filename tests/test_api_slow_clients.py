@@ -119,3 +119,26 @@ def test_the_next_request_on_a_kept_alive_connection_has_the_same_deadline(addr)
 def test_a_whole_request_is_still_answered(addr):
     status, body = request("GET", f"http://{addr[0]}:{addr[1]}/v1/no-such-path")
     assert status == 404 and body["error"]["code"] == "not_found", body
+
+
+@pytest.mark.parametrize("pieces", [
+    [b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"] + [b"X-Big-%d: " % i + b"a" * 8000 + b"\r\n" for i in range(12)],
+    [b"NOT HTTP AT ALL\r\n\r\n"],
+], ids=["headers_over_16k_unended", "garbage"])
+def test_a_request_h11_cannot_parse_gets_openai_error_body(addr, pieces):
+    """uvicorn answered these text/plain "Invalid HTTP request received."; a client of an OpenAI API reads JSON.
+    h11 refuses headers once over 16 KiB of them is buffered without their end, so they go in pieces."""
+    with socket.create_connection(addr, timeout=60) as sock:
+        try:
+            for piece in pieces:
+                sock.sendall(piece)
+                time.sleep(0.02)
+        except OSError:  # closed under us once h11 gave up: the 400 is in the socket's buffer
+            pass
+        data = _read_all(sock)
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 "), data[:300]
+    assert b"application/json" in head.lower(), head
+    err = json.loads(body)["error"]
+    assert set(err) == SHAPE and err["code"] == "invalid_request" and "HTTP/1.1" in err["message"], err
+    assert request("GET", f"http://{addr[0]}:{addr[1]}/health")[0] in (200, 503)  # the front serves on
