@@ -13,7 +13,7 @@ import time
 
 import grpc
 
-from kvtransfer.rpc.configargs import Parser
+from kvtransfer.rpc.configargs import DefaultsHelp, Parser
 from kvtransfer.rpc.flagchecks import check_address
 from kvtransfer.rpc.modes import Mode
 from kvtransfer.rpc.security import ClientSecurity, check_tls_flags, check_token_flags, resolve_token
@@ -73,7 +73,8 @@ def _timing(timing: pb.Timing) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = Parser(prog="kvtransfer-client", description="Send a prompt to a kvtransfer decode server")
+    p = Parser(prog="kvtransfer-client", description="Send a prompt to a kvtransfer decode server",
+               formatter_class=DefaultsHelp)
     p.add_argument("--addr", default="127.0.0.1:50051", help="the decode server's front door, HOST:PORT")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--ids", help="comma-separated token ids")
@@ -81,10 +82,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokenizer", help="local tokenizer directory (no downloads)")
     p.add_argument("--max-new-tokens", type=int, default=16, help="tokens to generate, 1..2**32-1 (the server's "
                    "--max-new-tokens caps it)")
-    p.add_argument("--mode", choices=sorted(MODES), default="auto")
+    p.add_argument("--mode", choices=sorted(MODES), default="auto",
+                   help="how the prompt's cache reaches the decode server: auto (the server chooses), layerwise or "
+                        "bulk (from its prefill worker), colocated (prefilled on the decode server itself)")
     p.add_argument("--digest", action="store_true", help="ask for per-step logits digests")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); > 0: sample")
-    p.add_argument("--top-p", type=float, default=None, help="nucleus, (0, 1] (default: unset, 1)")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus, (0, 1] (default: unset, which is 1)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens (0: all)")
     p.add_argument("--seed", type=int, default=None, help="the draw's seed, 0..2**64-1 (default: the server draws)")
     p.add_argument("--stop-token-ids", default="", help="comma-separated ids that end the answer early")

@@ -30,6 +30,17 @@ def flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """Each flag's default in --help (a client's: the servers show every default), except where there is none to say (None, an empty string, an option that is
+    off) or its help already says it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default is None or action.default is False or action.default == "" or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
 class Parser(argparse.ArgumentParser):
     """argparse with defaults in --help and errors as one line: `prog: error: ... (see --help)`."""
 
