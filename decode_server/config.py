@@ -131,8 +131,9 @@ class DecodeConfig:
     def unused_when_colocated(self) -> list[str]:
         """The peer's flags given beside --colocated, which has no peer (the server warns at start, and serves)."""
         peer_only = ("prefill_addr", "transport", "data_listen", "dist_init", "ipc_slots", "on_failure",
-                     "peer_timeout_s", "handshake_timeout_s", "prefill_tls_ca", "prefill_auth_token",
-                     "prefill_auth_token_file")
+                     "peer_timeout_s", "peer_keepalive_s", "handshake_timeout_s", "dist_timeout_s",
+                     "dist_op_timeout_s", "local_suffix_max_tokens", "prefill_tls_ca", "prefill_tls_cert",
+                     "prefill_tls_key", "prefill_auth_token", "prefill_auth_token_file")
         defaults = {f.name: f.default for f in fields(self)}
         return [flag_name(f) for f in peer_only if self.colocated and getattr(self, f) != defaults[f]]
 

@@ -30,31 +30,15 @@ import asyncio
 import logging
 import secrets
 import threading
-from dataclasses import dataclass, field
-
 import grpc
 
 from kvtransfer.transport import Cause, TransferError
 from kvtransfer.transport.registry import Rendezvous
+from prefill_server.pair import Pair, needs_place
 from prefill_server.peer_health import PeerHealth
 from proto import kvtransfer_pb2 as pb
 
 log = logging.getLogger("kvtransfer.prefill")
-
-
-@dataclass
-class Pair:
-    """One decode peer: its instance, its current pairing's epoch, its link (None until joined) and group."""
-
-    instance: int
-    epoch: int = 0
-    link: object = None
-    group: object = None  # nccl/gloo: the pair's own process group
-    up: bool = False
-    settled: asyncio.Event = field(default_factory=asyncio.Event)  # clear while a process-group pairing is joined
-
-    def __post_init__(self):
-        self.settled.set()
 
 
 class PrefillPairing:
@@ -78,7 +62,7 @@ class PrefillPairing:
         return sum(p.up for p in self.pairs.values())
 
     def pending(self) -> int:  # pairings whose process group is being joined: a thread each
-        return sum(not p.settled.is_set() for p in self.pairs.values())
+        return sum(p.pending() for p in self.pairs.values())
 
     async def handshake(self, request, context) -> pb.HandshakeResponse:
         """A compatible decode peer asks to pair: a new pairing of its pair (epoch + 1) that supersedes the old."""
@@ -89,20 +73,27 @@ class PrefillPairing:
         who = request.instance_id
         if not who:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the handshake names no decode instance_id")
-        if self.process_group and who not in self.pairs and self.pending() >= self.config.max_pending_pairings:
+        cap = self.config.max_pending_pairings
+        if self.process_group and needs_place(self.pairs.get(who)) and self.pending() >= cap:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.pending()} pairings are being joined "
                                 "here (--max-pending-pairings); retry once one ends (--dist-timeout-s at most)")
         pair = self.pairs.setdefault(who, Pair(who))
         self.epoch += 1
         pair.epoch = epoch = self.epoch
+        if self.process_group:  # its place taken before any await: until the join ends (_set_up, pair.settle)
+            pair.settled.clear()
         gone = [p for i, p in self.pairs.items() if i != who and not self.alive(i)]
         log.info("handshake from decode instance %x: pairing epoch %d (%s; %d other pairs, %d gone)", who, epoch,
                  self.transport, len(self.pairs) - 1 - len(gone), len(gone))
-        await self._set_up(pair, False)
+        try:
+            await self._set_up(pair, False)
+        except asyncio.CancelledError:  # the caller went before its join was started: nothing else settles it
+            pair.settle(epoch)
+            raise
         resp = pb.HandshakeResponse(instance_id=self.instance_id, epoch=epoch)
         if self.process_group:
-            pair.settled.clear()  # until this epoch's join ends: paired (_set_up), failed or given up (_settle)
-            self.loop.run_in_executor(self.gpu, self._rejoin, pair, epoch, gone).add_done_callback(_log_failure)
+            self.loop.run_in_executor(self.gpu, self._rejoin, pair, epoch, gone).add_done_callback(
+                self._on_failure(pair, epoch))
             return resp
         try:
             await self.loop.run_in_executor(self.gpu, self._reconnect, pair, request.data_address, epoch, gone)
@@ -184,7 +175,7 @@ class PrefillPairing:
             self._from_thread(self._settle(pair, epoch))
             return
         try:
-            self.gpu.submit(self._joined, pair, epoch, group).add_done_callback(_log_failure)
+            self.gpu.submit(self._joined, pair, epoch, group).add_done_callback(self._on_failure(pair, epoch))
         except RuntimeError:  # the device thread was shut down: the server stopped
             from kvtransfer.transport.rendezvous import leave_pair
             leave_pair(group)
@@ -276,16 +267,23 @@ class PrefillPairing:
     async def _set_up(self, pair: Pair, up: bool) -> None:
         pair.up = up
         if up:
+            pair.was_up = True
             pair.settled.set()
         if self.health is not None:
             await self.health.set_pair(pair.instance, up)
         await self._publish_any()
 
     async def _settle(self, pair: Pair, epoch: int) -> None:
-        """A pairing that ended without a pair up: requests waiting for it go on (and find no data plane), unless a
-        newer epoch of the pair is under way (it settles them)."""
-        if pair.epoch == epoch:
-            pair.settled.set()
+        pair.settle(epoch)
+
+    def _on_failure(self, pair: Pair, epoch: int):
+        """A done-callback (any thread) for the device thread's part of a pairing: if it raised, logged, and the
+        pairing settled (else nothing would, and its place under --max-pending-pairings stayed taken)."""
+        def done(job) -> None:
+            _log_failure(job)
+            if job.cancelled() or job.exception() is not None:
+                self._from_thread(self._settle(pair, epoch))
+        return done
 
     async def _publish_any(self) -> None:
         """"" and the peer_up gauge: SERVING while any pair is up (the gauge counts them)."""

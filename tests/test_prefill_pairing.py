@@ -92,3 +92,126 @@ def test_a_request_during_a_join_that_fails_fails_once_it_has_failed(held_join):
             with pytest.raises(TransferError, match="no data plane paired here"):
                 await asyncio.wait_for(task, GUARD_S)
         asyncio.run(scenario())
+
+
+class Refused(Exception):
+    def __init__(self, code, details):
+        super().__init__(code, details)
+        self.code, self.details = code, details
+
+
+class Context:
+    async def abort(self, code, details):
+        raise Refused(code, details)
+
+
+class Health:
+    """Every decode instance watching; setting a pair's health yields to the loop, as grpc's health service does
+    while a Watch of it is being written to."""
+
+    def watched(self, who):
+        return True
+
+    def left(self, who):
+        return False
+
+    def forget(self, who):
+        pass
+
+    async def set_pair(self, who, up):
+        await asyncio.sleep(0)
+
+    async def set_any(self, up):
+        await asyncio.sleep(0)
+
+
+@pytest.fixture
+def gated_join(monkeypatch):
+    """Joins that wait at a gate (`gate.set()` lets every waiting join return its group)."""
+    gate = SimpleNamespace(event=threading.Event())
+    monkeypatch.setattr(rendezvous, "open_store", lambda *a: "store")
+    monkeypatch.setattr(rendezvous, "store_address", lambda init: ("127.0.0.1", 1))
+    monkeypatch.setattr(rendezvous, "pairing_prefix", lambda instance, epoch: f"{instance:x}/{epoch}")
+    monkeypatch.setattr(rendezvous, "join_pair", lambda rank, store, prefix, *a: gate.event.wait(GUARD_S) and prefix)
+    monkeypatch.setattr(rendezvous, "leave_pair", lambda group: None)
+    yield gate
+    gate.event.set()  # no join thread outlives the test
+
+
+def capped(gpu, cap: int) -> PrefillPairing:
+    p = pairing(gpu)
+    p.config.max_pending_pairings, p.health = cap, Health()
+    return p
+
+
+async def handshake(p: PrefillPairing, who: int):
+    return await p.handshake(SimpleNamespace(instance_id=who, data_address=""), context=Context())
+
+
+async def joined(p: PrefillPairing, gate) -> None:
+    """The gate opened and every pending pairing ended (no join thread left to call into a closed loop)."""
+    gate.event.set()
+    for _ in range(int(GUARD_S / 0.01)):
+        if not p.pending():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("pairings still pending")
+
+
+def test_handshakes_at_once_take_at_most_the_cap(gated_join):
+    """Each takes its place before it yields: handshakes arriving together (while the health service is busy) could
+    all pass the check before any took a place (8 of 8 past a cap of 2 in a review)."""
+    with ThreadPoolExecutor(1) as gpu:
+        async def scenario():
+            p = capped(gpu, 2)
+            got = await asyncio.gather(*(handshake(p, who) for who in (11, 12, 13, 14)), return_exceptions=True)
+            pending = p.pending()
+            await joined(p, gated_join)
+            return pending, got
+        pending, got = asyncio.run(scenario())
+    refused = [g for g in got if isinstance(g, Refused)]
+    assert len(refused) == 2 and pending == 2, got
+    assert all("--max-pending-pairings" in r.details and r.code.name == "RESOURCE_EXHAUSTED" for r in refused)
+
+
+def test_a_handshake_cancelled_before_its_join_started_frees_its_place(gated_join):
+    """A caller gone while its handshake waits on the health service: no join runs for that epoch, so nothing else
+    would settle it, and its place stayed taken until that instance came back."""
+    with ThreadPoolExecutor(1) as gpu:
+        async def scenario():
+            p = capped(gpu, 1)
+            task = asyncio.ensure_future(handshake(p, 11))
+            await asyncio.sleep(0)  # inside its await on the health service
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert p.pending() == 0
+            await handshake(p, 12)  # the place is free
+            with pytest.raises(Refused):  # 11 is known here but never paired: it needs a place like a new one
+                await handshake(p, 11)
+            assert p.pending() == 1
+            await joined(p, gated_join)
+        asyncio.run(scenario())
+
+
+def test_only_a_pair_pending_or_once_up_skips_the_cap(gated_join):
+    """A pending pair may handshake again (its new epoch supersedes its join), and so may one that paired before (a
+    decode worker after a failure); a pair that never paired takes a place like a new one, or callers without the
+    token could collect pairs and start all their joins at once."""
+    with ThreadPoolExecutor(1) as gpu:
+        async def scenario():
+            p = capped(gpu, 1)
+            await handshake(p, 11)
+            with pytest.raises(Refused):
+                await handshake(p, 12)
+            await handshake(p, 11)  # pending: supersedes, no new place
+            await joined(p, gated_join)
+            assert p.pairs[11].up
+            gated_join.event = threading.Event()  # joins wait again
+            await handshake(p, 12)  # the one place
+            with pytest.raises(Refused):
+                await handshake(p, 13)
+            await handshake(p, 11)  # paired before: in, though the place is taken
+            assert p.pending() == 2
+            await joined(p, gated_join)
+        asyncio.run(scenario())

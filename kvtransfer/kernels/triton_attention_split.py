@@ -28,9 +28,9 @@ import triton.language as tl
 # The mode's default split size, in positions. A constant of the mode (the same on every server, so neither the
 # pool size nor the SM count may choose it), a multiple of BLOCK_N (64): 4 stage-1 tiles per split, so the
 # program's fixed cost (its query load, its partial's D + 1 fp32 per query head) stays ~3% of the K/V it reads
-# (Qwen2.5-7B, G = 7: 28 D bytes written per 1,024 D read). It is also about the chunk `choose_num_splits` picks
-# where decode attention matters most: 192 at batch 1 over 32k positions (128 splits here), 256 at batch 64 over
-# 1k (4 here). A short row at batch 1 gets fewer programs than today (cdiv(L, 256) splits): the mode's cost.
+# (Qwen2.5-7B, G = 7: 28 D bytes written per 1,024 D read). `choose_num_splits` cuts longer chunks where decode
+# attention matters most (512 at batch 1 over 32k: 66 splits, 128 here; 512 at batch 64 over 1k: 2 splits, 4 here),
+# so the mode makes more programs there; a short row at batch 1 gets fewer (cdiv(L, 256) splits).
 INVARIANT_SPLIT_SIZE = 256
 MERGE_TILE = 16  # splits per stage-2 step (BLOCK_S): a constant; rows of more splits fold tiles in order
 _MERGE_ELEMS = 4096  # fp32 partial-output elements per stage-2 step (both modes)
