@@ -12,8 +12,8 @@ import os
 from dataclasses import dataclass
 
 from kvtransfer.rpc.configargs import LOG_LEVELS, check_choices, flag, one_line
-from kvtransfer.rpc.flagchecks import check_address, check_positive
-from kvtransfer.rpc.limits import CONTROL_MESSAGE_LIMIT
+from kvtransfer.rpc.flagchecks import check_address, check_positive, check_seconds
+from kvtransfer.rpc.limits import CONTROL_MESSAGE_LIMIT, check_message_limit
 from kvtransfer.rpc.metrics import check_metrics_flags
 from kvtransfer.rpc.security import check_tls_flags, check_token_flags
 
@@ -71,6 +71,8 @@ class ApiConfig:
                        "max_prompts_per_request", "header_timeout_s", "body_timeout_s")
         if self.max_message_bytes < 1 or self.shutdown_grace_s < 0:
             raise ValueError("--max-message-bytes must be >= 1 and --shutdown-grace-s >= 0")
+        check_seconds(self, "shutdown_grace_s")
+        check_message_limit(self.max_message_bytes, 0)
         if self.tokenizer and not os.path.isdir(self.tokenizer):
             raise ValueError(f"--tokenizer {self.tokenizer!r}: no such directory (a local tokenizer directory; "
                              "nothing is downloaded)")

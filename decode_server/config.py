@@ -14,7 +14,7 @@ from kvtransfer.engine.runner import GEMV_CHOICES
 from kvtransfer.model.loaded import resolve_dtype
 from kvtransfer.model.spec import ModelSpec
 from kvtransfer.rpc.configargs import LOG_LEVELS, check_choices, flag, flag_name, one_line
-from kvtransfer.rpc.flagchecks import check_address, check_device, check_dist_init, check_positive
+from kvtransfer.rpc.flagchecks import check_address, check_device, check_dist_init, check_positive, check_seconds
 from kvtransfer.rpc.limits import CONTROL_MESSAGE_LIMIT, MAX_WAITING, check_message_limit
 from kvtransfer.rpc.metrics import check_metrics_flags
 from kvtransfer.rpc.security import check_tls_flags, check_token_flags
@@ -185,6 +185,7 @@ class DecodeConfig:
                        "dist_timeout_s")
         if self.dist_op_timeout_s < 0 or self.shutdown_grace_s < 0:
             raise ValueError("--dist-op-timeout-s and --shutdown-grace-s must be >= 0")
+        check_seconds(self, "dist_op_timeout_s", "shutdown_grace_s", "admission_wait_s")
         if self.on_failure not in ON_FAILURE:
             raise ValueError(f"--on-failure {self.on_failure!r}: choose fail (end the request with UNAVAILABLE) or "
                              "recompute (prefill on this worker instead)")

@@ -61,7 +61,17 @@ class Refused(Exception):
 
 
 class Parser(argparse.ArgumentParser):
-    """A bad flag: one line naming it, exit 2 (as the servers do), not the whole usage."""
+    """A bad flag: one line naming it, exit 2 (as the servers do), not the whole usage. The --*-args strings may be
+    a lone flag (`--router-args "--no-prefix-affinity"`), which argparse would take for an option of its own."""
+
+    PASSED = ("--prefill-args", "--decode-args", "--router-args")
+
+    def parse_known_args(self, args=None, namespace=None):
+        given, out = list(sys.argv[1:] if args is None else args), []
+        while given:
+            a = given.pop(0)
+            out.append(f"{a}={given.pop(0)}" if a in self.PASSED and given else a)  # its value, whatever it is
+        return super().parse_known_args(out, namespace)
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from kvtransfer.model.loaded import resolve_dtype
 from kvtransfer.model.spec import ModelSpec
 from kvtransfer.rpc.configargs import LOG_LEVELS, check_choices, flag, one_line
-from kvtransfer.rpc.flagchecks import check_address, check_device, check_dist_init, check_positive
+from kvtransfer.rpc.flagchecks import check_address, check_device, check_dist_init, check_positive, check_seconds
 from kvtransfer.rpc.limits import CONTROL_MESSAGE_LIMIT, MAX_WAITING, check_message_limit
 from kvtransfer.rpc.metrics import check_metrics_flags
 from kvtransfer.rpc.security import check_tls_flags, check_token_flags
@@ -91,6 +91,7 @@ class PrefillConfig:
         check_positive(self, "send_timeout_s", "dist_timeout_s")
         if self.dist_op_timeout_s < 0 or self.shutdown_grace_s < 0:
             raise ValueError("--dist-op-timeout-s and --shutdown-grace-s must be >= 0")
+        check_seconds(self, "dist_op_timeout_s", "shutdown_grace_s", "fail_stall_s")
         check_choices(self)
         check_device("--device", self.device)
         check_metrics_flags(self.metrics_port, self.metrics_addr)

@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvtransfer.rpc.configargs import LOG_LEVELS, Parser, add_arguments, check_choices, flag, one_line
-from kvtransfer.rpc.flagchecks import check_address, check_positive
-from kvtransfer.rpc.limits import CONTROL_MESSAGE_LIMIT
+from kvtransfer.rpc.flagchecks import check_address, check_positive, check_seconds
+from kvtransfer.rpc.limits import CONTROL_MESSAGE_LIMIT, check_message_limit
 from kvtransfer.rpc.metrics import check_metrics_flags
 from kvtransfer.rpc.security import check_tls_flags, check_token_flags
 
@@ -75,6 +75,8 @@ class RouterConfig:
                        "max_message_bytes")
         if self.affinity_slack_tokens < 0 or self.shutdown_grace_s < 0:
             raise ValueError("--affinity-slack-tokens and --shutdown-grace-s must be >= 0")
+        check_seconds(self, "shutdown_grace_s")
+        check_message_limit(self.max_message_bytes, 0)
         check_choices(self)
         check_metrics_flags(self.metrics_port, self.metrics_addr)
         check_token_flags("auth", self.auth_token, self.auth_token_file)

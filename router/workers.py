@@ -85,7 +85,7 @@ class Worker:
     def own_as_reported(self) -> int:
         """This router's requests in flight here, as a report asked for now counts them: a running one (its first
         token came) by prompt + max_new_tokens (context so far + remaining), a waiting one by its prompt."""
-        return sum(t.prompt + t.new if t.first is not None else t.prompt for t in self.tickets)
+        return sum(t.prompt + t.new if t.first else t.prompt for t in self.tickets)
 
     def own_tokens(self) -> int:
         """This router's requests in flight here, each by the most KV it will hold: prompt + max_new_tokens."""

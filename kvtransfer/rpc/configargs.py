@@ -42,10 +42,11 @@ class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse with defaults in --help and errors as one line: `prog: error: ... (see --help)`."""
+    """argparse with defaults in --help, errors as one line (`prog: error: ... (see --help)`), no abbreviations."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        kwargs.setdefault("allow_abbrev", False)  # `--lis` is not --listen: a launcher refusing --listen sees it all
         super().__init__(*args, **kwargs)
 
     def error(self, message: str):

@@ -56,9 +56,24 @@ def check_device(flag: str, value: str) -> None:
     raise ValueError(f"{flag} {value!r}: use auto, cpu, cuda or cuda:N")
 
 
+MAX_SECONDS = 1e7  # ~116 days: the longest time a flag may give; gRPC's deadlines overflow past ~1e9 s (a request
+# then failed DEADLINE_EXCEEDED at once), and nothing here needs to wait longer
+
+
 def check_positive(config, *names: str) -> None:
-    """Each named field must be > 0; the message names the flag."""
+    """Each named field must be > 0, and a time (a name ending in _s) at most MAX_SECONDS; the message names the
+    flag."""
     for name in names:
         v = getattr(config, name)
         if not v > 0:
             raise ValueError(f"--{name.replace('_', '-')} {v}: must be > 0")
+        check_seconds(config, name)
+
+
+def check_seconds(config, *names: str) -> None:
+    """Each named time (s) is a number at most MAX_SECONDS: not nan, not inf (a flag's 0 is its own meaning, and
+    its sign is checked where that is said)."""
+    for name in names:
+        v = getattr(config, name)
+        if name.endswith("_s") and not v <= MAX_SECONDS:
+            raise ValueError(f"--{name.replace('_', '-')} {v}: give a number of seconds, at most {MAX_SECONDS:g}")

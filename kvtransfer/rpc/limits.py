@@ -56,8 +56,14 @@ def request_id_problem(rid: int, reserved: int) -> str | None:
     return None
 
 
+GRPC_MESSAGE_MAX = 2 ** 31 - 1  # gRPC's message limits are C ints: a larger one failed as a Python traceback
+
+
 def check_message_limit(max_message_bytes: int, max_prompt_tokens: int) -> None:
-    """A prompt the server accepts must also fit in one message; refuse a config where it would not."""
+    """A prompt the server accepts must also fit in one message (0: no prompts here), and gRPC must take the limit;
+    refuse a config where either fails."""
+    if max_message_bytes > GRPC_MESSAGE_MAX:
+        raise ValueError(f"--max-message-bytes {max_message_bytes}: at most {GRPC_MESSAGE_MAX} (gRPC's limit)")
     need = max_prompt_tokens * BYTES_PER_TOKEN_ID + 1024
     if max_message_bytes < need:
         raise ValueError(f"--max-message-bytes {max_message_bytes} is too small for --max-prompt-tokens "
