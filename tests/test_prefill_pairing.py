@@ -55,7 +55,15 @@ def pairing(gpu) -> PrefillPairing:
                              run=lambda link, *args: (link, args))
     backend = SimpleNamespace(name="gloo", rendezvous=Rendezvous.PROCESS_GROUP)
     metrics = SimpleNamespace(pairings=SimpleNamespace(inc=lambda: None), peer_up=SimpleNamespace(set=lambda n: None))
-    return PrefillPairing(config, worker, backend, lambda address="", group=None: f"link over {group}", gpu, metrics)
+    return PrefillPairing(config, worker, backend, lambda address="", group=None: Link(f"link over {group}"), gpu,
+                          metrics)
+
+
+class Link(str):
+    """A sender link as the pairing handles it: closed when its pair is dropped."""
+
+    def close(self) -> None:
+        pass
 
 
 async def request_during_the_join(p: PrefillPairing, gpu, held) -> asyncio.Future:
@@ -213,5 +221,31 @@ def test_only_a_pair_pending_or_once_up_skips_the_cap(gated_join):
                 await handshake(p, 13)
             await handshake(p, 11)  # paired before: in, though the place is taken
             assert p.pending() == 2
+            await joined(p, gated_join)
+        asyncio.run(scenario())
+
+
+class BrokenLink(str):
+    def close(self) -> None:
+        raise RuntimeError("the old link would not close")
+
+
+def test_a_rejoin_that_raises_on_the_device_thread_frees_its_place(gated_join):
+    """Anything the device thread's part of a pairing raises (here the old link's close) ends that pairing: logged,
+    and settled, or its place under --max-pending-pairings stayed taken with no join to free it."""
+    with ThreadPoolExecutor(1) as gpu:
+        async def scenario():
+            p = capped(gpu, 1)
+            await handshake(p, 11)
+            await joined(p, gated_join)
+            gated_join.event = threading.Event()  # joins wait again
+            p.pairs[11].link = BrokenLink("old link")
+            await handshake(p, 11)  # paired before: in; its _rejoin raises dropping the old link
+            for _ in range(int(GUARD_S / 0.01)):
+                if not p.pending():
+                    break
+                await asyncio.sleep(0.01)
+            assert not p.pending()
+            await handshake(p, 12)  # the one place is free
             await joined(p, gated_join)
         asyncio.run(scenario())
