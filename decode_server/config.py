@@ -130,7 +130,8 @@ class DecodeConfig:
 
     def unused_when_colocated(self) -> list[str]:
         """The peer's flags given beside --colocated, which has no peer (the server warns at start, and serves)."""
-        peer_only = ("prefill_addr", "transport", "data_listen", "dist_init", "ipc_slots", "on_failure",
+        peer_only = ("prefill_addr", "transport", "data_listen", "data_tls_cert", "data_tls_key", "data_tls_ca",
+                     "grpc_listener_workers", "dist_init", "ipc_slots", "on_failure",
                      "peer_timeout_s", "peer_keepalive_s", "handshake_timeout_s", "dist_timeout_s",
                      "dist_op_timeout_s", "local_suffix_max_tokens", "prefill_tls_ca", "prefill_tls_cert",
                      "prefill_tls_key", "prefill_auth_token", "prefill_auth_token_file")

@@ -425,7 +425,7 @@ def test_a_body_of_exactly_the_limit_is_served_and_one_byte_more_is_413():
 
 def test_every_peer_flag_beside_colocated_is_named(tmp_path):
     """Each flag that only configures the prefill peer, given beside --colocated, is named in the start warning
-    (kills any one dropped from the list: only three of seventeen were checked)."""
+    (kills any one dropped from the list: only three of seventeen were checked; now twenty-one)."""
     from decode_server.config import DecodeConfig
     from kvtransfer.rpc.configargs import flag_name
     pem = tmp_path / "x.pem"
@@ -436,6 +436,8 @@ def test_every_peer_flag_beside_colocated_is_named(tmp_path):
                   {"handshake_timeout_s": 5.0}, {"dist_timeout_s": 5.0}, {"dist_op_timeout_s": 5.0},
                   {"local_suffix_max_tokens": 0},
                   {"prefill_tls_ca": str(pem), "prefill_tls_cert": str(pem), "prefill_tls_key": str(pem)},
-                  {"prefill_auth_token": "token"}, {"prefill_auth_token_file": str(pem)}):
+                  {"prefill_auth_token": "token"}, {"prefill_auth_token_file": str(pem)},
+                  {"transport": "grpc", "grpc_listener_workers": 8},
+                  {"transport": "grpc", "data_tls_cert": str(pem), "data_tls_key": str(pem), "data_tls_ca": str(pem)}):
         named = DecodeConfig(colocated=True, **given).unused_when_colocated()
         assert sorted(named) == sorted(flag_name(f) for f in given), (given, named)
