@@ -32,9 +32,8 @@ async def serve(config: DecodeConfig) -> None:
     peer = ClientSecurity(config.prefill_tls_ca, config.prefill_tls_cert, config.prefill_tls_key,
                           resolve_token(config.prefill_auth_token, config.prefill_auth_token_file,
                                         "--prefill-auth-token-file"))
-    if config.unused_when_colocated():
-        log.warning("%s: no effect with --colocated (this worker prefills itself; no prefill peer)",
-                    ", ".join(config.unused_when_colocated()))
+    if unused := config.unused_when_colocated():
+        log.warning("%s: no effect with --colocated (this worker prefills itself; no prefill peer)", ", ".join(unused))
     device = pick_device(config.device)
     loaded = load(config.spec(device), device, config.deterministic)
     metrics = start_metrics("decode", config.metrics_port, config.metrics_addr)

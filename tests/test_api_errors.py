@@ -23,8 +23,8 @@ import urllib.request
 
 import pytest
 
-from bench.measure.launch import spawn, stop
-from support.apifront import api_front, request
+from bench.measure.launch import stop
+from support.apifront import api_front, request, start_api
 from support.faultkit import scrape, value
 from support.servers import ROOT, colocated_server, free_port
 from support.textmodel import build_text_model
@@ -334,18 +334,9 @@ def test_a_start_that_cannot_work_exits_2_in_one_line(case, tmp_path):
 
 
 def test_sigterm_stops_it_gracefully_with_exit_0(tmp_path):
-    addr = f"127.0.0.1:{free_port()}"
-    proc = spawn("api_server", ["--served-model-name", "m", "--backend", f"127.0.0.1:{free_port()}",
-                                "--listen", addr], str(tmp_path / "api.log"))
+    proc, _ = start_api(str(tmp_path / "api.log"), f"127.0.0.1:{free_port()}", ["--served-model-name", "m"],
+                        ready=(503,))
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if request("GET", f"http://{addr}/health", timeout=5)[0] == 503:
-                    break
-            except OSError:
-                assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "api.log").read_text()
-                time.sleep(0.2)
         proc.terminate()
         assert proc.wait(timeout=60) == 0, (tmp_path / "api.log").read_text()
     finally:

@@ -17,10 +17,10 @@ import time
 
 import grpc
 
-from bench.measure.launch import free_port, spawn, stop
+from bench.measure.launch import stop
 from proto import kvtransfer_pb2 as pb
 from proto import kvtransfer_pb2_grpc as pbg
-from support.apifront import request, sse_events
+from support.apifront import sse_events, start_api
 from support.servers import colocated_server
 
 LONG = {"prompt": [1, 2, 3], "max_tokens": 4000, "ignore_eos": True}
@@ -41,20 +41,12 @@ def _post(addr: str, body: dict, out: dict, key: str) -> None:
 
 def test_requests_still_running_when_the_grace_ends_get_openai_errors_and_it_exits_0(tmp_path):
     with colocated_server(tmp_path / "decode") as decode:
-        addr = f"127.0.0.1:{free_port()}"
         log = tmp_path / "api.log"
-        proc = spawn("api_server", ["--served-model-name", "m", "--backend", decode.addr, "--listen", addr,
-                                    "--shutdown-grace-s", "1"], str(log))
+        proc, url = start_api(str(log), decode.addr, ["--served-model-name", "m", "--shutdown-grace-s", "1"],
+                              ready=(200,))
+        addr = url.removeprefix("http://")
         try:
             deadline = time.monotonic() + 240
-            while True:
-                try:
-                    if request("GET", f"http://{addr}/health", timeout=5)[0] == 200:
-                        break
-                except OSError:
-                    pass
-                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-                time.sleep(0.2)
             got: dict = {}
             threads = [threading.Thread(target=_post, args=(addr, LONG, got, "whole")),
                        threading.Thread(target=_post, args=(addr, {**LONG, "stream": True}, got, "stream"))]

@@ -46,10 +46,10 @@ def request(method: str, url: str, body=None, token: str = "", raw: bytes | None
         return status, text
 
 
-@contextmanager
-def api_front(log_path: str, backend: str, args=(), ready=(200, 503), context: ssl.SSLContext | None = None):
-    """`python -m api_server --backend BACKEND ARGS` on a free loopback port; yields its base URL once /health
-    answers with a status in `ready` (503: up, its backend not serving); `context`: over HTTPS."""
+def start_api(log_path: str, backend: str, args=(), ready=(200, 503), context: ssl.SSLContext | None = None):
+    """`python -m api_server --backend BACKEND ARGS` on a free loopback port, once /health answers with a status in
+    `ready` (503: up, its backend not serving) -> (its process, its base URL); `context`: over HTTPS. The caller
+    stops the process (a test of the stop itself signals it)."""
     addr = f"127.0.0.1:{free_port()}"
     proc = spawn("api_server", ["--backend", backend, "--listen", addr, *args], log_path)
     url = f"{'https' if context else 'http'}://{addr}"
@@ -60,12 +60,22 @@ def api_front(log_path: str, backend: str, args=(), ready=(200, 503), context: s
                 raise RuntimeError(f"kvtransfer-api exited {proc.returncode} during start-up:\n{_tail(log_path)}")
             try:
                 if request("GET", f"{url}/health", timeout=5, context=context)[0] in ready:
-                    break
+                    return proc, url
             except OSError:
                 pass
             if time.monotonic() > deadline:
                 raise TimeoutError(f"kvtransfer-api not up after {START_S} s:\n{_tail(log_path)}")
             time.sleep(0.3)
+    except BaseException:
+        stop([proc])
+        raise
+
+
+@contextmanager
+def api_front(log_path: str, backend: str, args=(), ready=(200, 503), context: ssl.SSLContext | None = None):
+    """`start_api`, yielding its base URL, and the process stopped at the end."""
+    proc, url = start_api(log_path, backend, args, ready, context)
+    try:
         yield url
     finally:
         stop([proc])
