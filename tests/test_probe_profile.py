@@ -115,3 +115,14 @@ def test_gemms_unnamed_by_the_ranges_are_named_by_their_place_in_the_step():
     assert gemms_by_position(step[:-2] * 2, layers=2, replays=2) == step[:-2] * 2  # 8 GEMMs a replay, not 9
     partly = ["qkv" if i == 1 else lab for i, lab in enumerate(step)]
     assert gemms_by_position(partly, layers=2, replays=1) == partly
+
+
+def test_covered_counts_overlapping_kernels_once():
+    """The step's kernel time as a union: two streams' overlapping kernels count once, a gap not at all (kills
+    `max(start, reach)` -> `start`: the side stream's overlap counted twice, and `end > reach`: a kernel inside
+    another one added)."""
+    from bench.probes.profile_mixed import covered_us
+    assert covered_us([]) == 0
+    assert covered_us([(0, 10), (5, 15), (20, 30)]) == 25  # overlap counted once, gap 15..20 left out
+    assert covered_us([(0, 10), (2, 4), (12, 13)]) == 11  # one inside another
+    assert covered_us([(20, 30), (0, 10)]) == 20  # in any order

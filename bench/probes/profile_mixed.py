@@ -99,8 +99,19 @@ def timed(body, dev: torch.device, n: int) -> tuple[float, float]:
     return summarize(step, 1e3)["median"], summarize(host, 1e3)["median"]
 
 
+def covered_us(spans) -> float:
+    """How long at least one of the (start, end) spans runs (us): the union's length, overlaps counted once."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
 def gpu_kernels(st: Step, body, rows: int, b: int, replays: int, seen: dict) -> tuple[list, int]:
-    """[(label, kernel name, us)] over `replays` profiled steps, and how many labels came from the alignment."""
+    """[(label, kernel name, us, (start, end))] over `replays` profiled steps, and how many labels came from the
+    alignment."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
             body()
@@ -118,7 +129,8 @@ def gpu_kernels(st: Step, body, rows: int, b: int, replays: int, seen: dict) -> 
             st.mixed_graphs[rows, b] = graph
     labels, matched = align(kern, reference_labels(lp.events()), replays)
     labels = gemms_by_position(labels, len(st.runner.layers), replays)  # when no range named them (torch 2.11)
-    return [(lab, e.name, e.time_range.end - e.time_range.start) for e, lab in zip(kern, labels)], matched
+    return [(lab, e.name, e.time_range.end - e.time_range.start, (e.time_range.start, e.time_range.end))
+            for e, lab in zip(kern, labels)], matched
 
 
 def reference_labels(events) -> list[tuple[str, str]]:
@@ -169,9 +181,13 @@ def profile_mixed(a) -> dict:
     if dev.type == "cuda":
         items, matched = gpu_kernels(st, body, rows, b, a.replays, seen)
     else:
-        items, matched = cpu_ops(st, body, a.replays, seen), 0
+        items, matched = [(*op, None) for op in cpu_ops(st, body, a.replays, seen)], 0
     per, kernels = defaultdict(float), defaultdict(float)
-    for lab, name, us in items:
+    # kernels run (any stream) and the attention's wall, per step: what the side stream overlaps, and the gaps
+    covered = covered_us([span for *_, span in items]) / a.replays if dev.type == "cuda" else None
+    attention = covered_us([span for lab, *_, span in items if CATEGORY.get(lab) == "attention"]) / a.replays \
+        if dev.type == "cuda" else None
+    for lab, name, us, _ in items:
         per[lab] += us / a.replays
         kernels[lab, name[:80]] += us / a.replays
     busy, layers = sum(per.values()), len(st.runner.layers)
@@ -195,6 +211,11 @@ def profile_mixed(a) -> dict:
         "step_ms": step_ms, "host_ms": host_ms, "decode_only_ms": decode_ms,
         "us_per_prompt_token": (step_ms - decode_ms) * 1e3 / prompt_tokens, "us_per_row": step_ms * 1e3 / rows,
         "busy_ms": busy / 1e3, "idle_ms": step_ms - busy / 1e3 if dev.type == "cuda" else None,
+        # busy sums every kernel; covered counts a moment once however many streams run then: step - covered is
+        # the time no kernel runs (launch gaps, the side stream's joins), busy - covered what the streams overlap
+        "covered_ms": covered / 1e3 if covered is not None else None,
+        "gaps_ms": step_ms - covered / 1e3 if covered is not None else None,
+        "attention_wall_ms": attention / 1e3 if attention is not None else None,
         "categories": {c: {"ms": us / 1e3, "share": share(us)} for c, us in cats.items()},
         "labels": {lab: {"ms": us / 1e3, "share": share(us), "category": CATEGORY.get(lab, "other")}
                    for lab, us in sorted(per.items(), key=lambda kv: -kv[1])},
@@ -210,6 +231,9 @@ def report(r: dict) -> None:
           f"{'graph replay' if r['graphed'] else 'eager'} on {r['device']}")
     print(f"step {r['step_ms']:.3f} ms (decode-only {r['decode_only_ms']:.3f} ms; host returns in "
           f"{r['host_ms']:.3f} ms); {r['us_per_prompt_token']:.1f} us per prompt token; busy {r['busy_ms']:.3f} ms")
+    if r.get("covered_ms") is not None:
+        print(f"kernels run {r['covered_ms']:.3f} ms of the step (no kernel: {r['gaps_ms']:.3f} ms; the streams "
+              f"overlap {r['busy_ms'] - r['covered_ms']:.3f} ms; attention's wall {r['attention_wall_ms']:.3f} ms)")
     for c, v in r["categories"].items():
         print(f"  {c:24s} {v['ms']:8.3f} ms {100 * v['share']:5.1f}%")
     for lab, v in r["labels"].items():
