@@ -35,7 +35,7 @@ import grpc
 from kvtransfer.transport import Cause, TransferError
 from kvtransfer.transport.registry import Rendezvous
 from prefill_server.pair import Pair, needs_place
-from prefill_server.peer_health import PeerHealth
+from prefill_server.peer_health import PeerHealth, watch_token
 from proto import kvtransfer_pb2 as pb
 
 log = logging.getLogger("kvtransfer.prefill")
@@ -77,14 +77,16 @@ class PrefillPairing:
         if self.process_group and needs_place(self.pairs.get(who)) and self.pending() >= cap:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.pending()} pairings are being joined "
                                 "here (--max-pending-pairings); retry once one ends (--dist-timeout-s at most)")
+        watch = "" if self.health is None else self.health.handshake(  # the liveness watch it goes by, before any await
+            who, watch_token(dict(context.invocation_metadata() or ())))
         pair = self.pairs.setdefault(who, Pair(who))
         self.epoch += 1
         pair.epoch = epoch = self.epoch
         if self.process_group:  # its place taken before any await: until the join ends (_set_up, pair.settle)
             pair.settled.clear()
         gone = [p for i, p in self.pairs.items() if i != who and not self.alive(i)]
-        log.info("handshake from decode instance %x: pairing epoch %d (%s; %d other pairs, %d gone)", who, epoch,
-                 self.transport, len(self.pairs) - 1 - len(gone), len(gone))
+        log.info("handshake from decode instance %x: pairing epoch %d (%s; %d other pairs, %d gone; %s)", who, epoch,
+                 self.transport, len(self.pairs) - 1 - len(gone), len(gone), watch)
         try:
             await self._set_up(pair, False)
         except asyncio.CancelledError:  # the caller went before its join was started: nothing else settles it

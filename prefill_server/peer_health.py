@@ -10,6 +10,12 @@ Health, per pair: the service `pair_service(decode instance)` is SERVING while t
 decode worker watches its own (so one pair's handshake or failure never ends another's); "" is SERVING
 while any pair is up. A decode worker's liveness watch is a health Watch carrying its instance id
 (DECODE_INSTANCE_KEY), opened before its handshake; one that watched and no longer does is gone.
+
+Which watch counts: each carries a token of its own (WATCH_KEY) and the handshake names the one opened for it. After
+a link went down and came back, the old watch's stream on the dead connection may close here before or after the new
+watch opens: only the named watch, once open, makes its decode worker "seen", so an old stream's late close never
+reads as the worker gone (it did once: a pairing abandoned while its decode worker joined it). A decode worker that
+names no watch (an older one) is seen at any watch, as before.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import collections
 from grpc_health.v1 import health_pb2
 from grpc_health.v1.health import aio as health_aio
 
-from kvtransfer.rpc.server import DECODE_INSTANCE_KEY, pair_service
+from kvtransfer.rpc.server import DECODE_INSTANCE_KEY, MAX_WATCH_TOKEN, WATCH_KEY, pair_service
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -29,8 +35,10 @@ class PeerHealth(health_aio.HealthServicer):
 
     def __init__(self):
         super().__init__()
-        self.watching: collections.Counter[int] = collections.Counter()
-        self.seen: set[int] = set()  # every instance that opened a watch
+        self.watching: collections.Counter[int] = collections.Counter()  # open watches, by instance
+        self.open: collections.Counter[tuple[int, str]] = collections.Counter()  # open watches, by (instance, token)
+        self.named: dict[int, str] = {}  # the watch each instance's latest handshake named
+        self.seen: set[int] = set()  # instances whose current watch opened (the named one, or any if none named)
 
     def watched(self, who: int) -> bool:
         """Whether `who` has a liveness watch open now."""
@@ -43,16 +51,43 @@ class PeerHealth(health_aio.HealthServicer):
     def forget(self, who: int) -> None:
         """`who`'s pair was dropped: a later watch of the same instance starts afresh."""
         self.seen.discard(who)
+        self.named.pop(who, None)
+
+    def handshake(self, who: int, token: str) -> str:
+        """`who` handshakes, naming its liveness watch `token` ("": none, an older decode worker): from now on only
+        that watch makes it seen, open already or once it opens; until then it is not "left". Says which, for the
+        log."""
+        if not token:
+            return "no liveness watch named"
+        self.named[who] = token
+        if self.open[who, token] > 0:
+            self.seen.add(who)
+            return "its liveness watch open"
+        self.seen.discard(who)
+        return "its liveness watch not open yet"
+
+    def opened(self, who: int, token: str) -> None:
+        self.watching[who] += 1
+        self.open[who, token] += 1
+        if self.named.get(who, token) == token:
+            self.seen.add(who)
+
+    def closed(self, who: int, token: str) -> None:
+        self.watching[who] -= 1
+        self.open[who, token] -= 1
+        if self.open[who, token] <= 0:
+            del self.open[who, token]
 
     async def Watch(self, request, context):
-        raw = dict(context.invocation_metadata() or ()).get(DECODE_INSTANCE_KEY, "")
+        meta = dict(context.invocation_metadata() or ())
+        raw = meta.get(DECODE_INSTANCE_KEY, "")
         who = int(raw, 16) if raw and all(c in "0123456789abcdef" for c in raw) else 0
-        self.watching[who] += 1
-        self.seen.add(who)
+        token = watch_token(meta)
+        self.opened(who, token)
         try:
             await super().Watch(request, context)
         finally:
-            self.watching[who] -= 1
+            self.closed(who, token)
 
     async def set_pair(self, who: int, up: bool) -> None:
         """The pair of decode instance `who` is up (SERVING) or not, on its own service."""
@@ -61,3 +96,9 @@ class PeerHealth(health_aio.HealthServicer):
     async def set_any(self, up: bool) -> None:
         """"" : SERVING while any pair is up."""
         await self.set("", SERVING if up else NOT_SERVING)
+
+
+def watch_token(metadata: dict) -> str:
+    """The liveness watch's token in a call's metadata ("" when none, or one over MAX_WATCH_TOKEN characters)."""
+    token = metadata.get(WATCH_KEY, "")
+    return token if isinstance(token, str) and len(token) <= MAX_WATCH_TOKEN else ""

@@ -175,7 +175,7 @@ def test_pending_pairings_are_capped_and_a_decode_worker_gone_frees_its_place(tm
     caller without the token held ~1,000 threads (docs/security.md)."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from kvtransfer.rpc.server import DECODE_INSTANCE_KEY
+    from kvtransfer.rpc.server import DECODE_INSTANCE_KEY, WATCH_KEY
 
     with Pair(tmp_path, prefill_args=["--max-pending-pairings", "2", "--dist-timeout-s", "60"]) as pair:
         pair.prefill.start()
@@ -185,13 +185,15 @@ def test_pending_pairings_are_capped_and_a_decode_worker_gone_frees_its_place(tm
             async with grpc.aio.insecure_channel(pair.prefill_addr) as ch:
                 stub, health = pbg.PrefillStub(ch), health_pb2_grpc.HealthStub(ch)
                 watches = {i: health.Watch(health_pb2.HealthCheckRequest(service=""),
-                                           metadata=((DECODE_INSTANCE_KEY, f"{i:x}"),)) for i in (11, 12, 13)}
+                                           metadata=((DECODE_INSTANCE_KEY, f"{i:x}"), (WATCH_KEY, f"w{i}")))
+                           for i in (11, 12, 13)}  # each handshake names its watch, as a decode worker's does
                 for w in watches.values():
                     await w.read()  # open: the worker counts it
 
                 def handshake(i):
                     return stub.Handshake(pb.HandshakeRequest(compat=compat, transport=pb.TRANSPORT_GLOO,
-                                                              instance_id=i), timeout=30)
+                                                              instance_id=i), timeout=30,
+                                          metadata=((WATCH_KEY, f"w{i}"),))
                 await handshake(11)
                 await handshake(12)
                 with pytest.raises(grpc.aio.AioRpcError) as refused:
@@ -247,7 +249,10 @@ def test_a_second_decode_worker_pairs_too_and_the_first_is_undisturbed(tmp_path,
         assert out["tokens"] == first and out["timing"]["mode"] in ("layerwise", "bulk"), out
         assert serves(pair) == first and pair.health() == SERVING
     assert serves(pair) == first and pair.health() == SERVING
-    assert "paired with decode instance" in pair.prefill.log_text()
+    log = pair.prefill.log_text()
+    assert "paired with decode instance" in log
+    # each decode worker named its liveness watch (peer_health.py: an old stream's close is not it leaving)
+    assert "its liveness watch" in log and "no liveness watch named" not in log
 
 
 def _free() -> int:

@@ -70,7 +70,7 @@ async def request_during_the_join(p: PrefillPairing, gpu, held) -> asyncio.Futur
     """A handshake, then a request while the join is held; once whatever the request queued on the device thread
     has run, the join goes on. The request's future."""
     loop = asyncio.get_running_loop()
-    await p.handshake(SimpleNamespace(instance_id=DECODE, data_address=""), context=None)
+    await p.handshake(SimpleNamespace(instance_id=DECODE, data_address=""), context=Context())
     assert await asyncio.to_thread(held.joining.wait, GUARD_S)
     task = asyncio.ensure_future(p.request(DECODE, "request 1"))
     for _ in range(5):
@@ -109,6 +109,9 @@ class Refused(Exception):
 
 
 class Context:
+    def invocation_metadata(self):
+        return ()
+
     async def abort(self, code, details):
         raise Refused(code, details)
 
@@ -125,6 +128,9 @@ class Health:
 
     def forget(self, who):
         pass
+
+    def handshake(self, who, token):
+        return "no liveness watch named"
 
     async def set_pair(self, who, up):
         await asyncio.sleep(0)
@@ -249,3 +255,103 @@ def test_a_rejoin_that_raises_on_the_device_thread_frees_its_place(gated_join):
             await handshake(p, 12)  # the one place is free
             await joined(p, gated_join)
         asyncio.run(scenario())
+
+
+# --- which liveness watch says a decode worker is gone (prefill_server/peer_health.py) ---
+
+
+def test_an_old_watch_closing_after_the_new_handshake_is_not_the_decode_worker_leaving():
+    """The link went down and came back: the old watch's stream closes here only after the new handshake, and before
+    the watch it names opens. The decode worker is not gone (counted as gone, its new pairing was abandoned while it
+    joined: the first request after it was back was recomputed, test_faults' link-down test, CI run 34). Kills the
+    handshake keeping `seen` when its watch is not open yet."""
+    from prefill_server.peer_health import PeerHealth
+    h = PeerHealth()
+    h.opened(11, "a")
+    assert h.handshake(11, "a") == "its liveness watch open" and not h.left(11)
+    assert h.handshake(11, "b") == "its liveness watch not open yet"  # pairing 2, its watch on its way
+    h.closed(11, "a")  # the old connection's stream ends now
+    assert not h.left(11) and not h.watched(11)
+    h.opened(11, "b")
+    assert not h.left(11) and h.watched(11)
+    h.closed(11, "b")  # the named watch ends: the decode worker is gone
+    assert h.left(11)
+
+
+def test_only_the_named_watch_makes_its_decode_worker_seen():
+    """A stream of the old pairing opening late (a retransmission) and closing does not count (kills `opened` making
+    any watch count once one is named); the new one, already open at the handshake, does (kills the handshake
+    clearing `seen` whatever the watch's state); a decode worker naming none goes by any watch, as before."""
+    from prefill_server.peer_health import PeerHealth
+    h = PeerHealth()
+    h.handshake(11, "b")
+    h.opened(11, "a")
+    h.closed(11, "a")
+    assert not h.left(11)
+    h.handshake(12, "a")  # pairing 1, then pairing 2's watch opens before its handshake (the usual order)
+    h.opened(12, "c")
+    assert h.handshake(12, "c") == "its liveness watch open"
+    h.closed(12, "c")
+    assert h.left(12)
+    h.opened(13, "")
+    assert h.handshake(13, "") == "no liveness watch named"
+    h.closed(13, "")
+    assert h.left(13)
+    h.forget(13)  # its pair dropped: a later watch starts afresh
+    assert not h.left(13) and not h.open
+
+
+def test_a_watch_token_over_the_limit_is_read_as_none():
+    from kvtransfer.rpc.server import MAX_WATCH_TOKEN, WATCH_KEY
+    from prefill_server.peer_health import watch_token
+    assert watch_token({WATCH_KEY: "ab12"}) == "ab12"
+    assert watch_token({WATCH_KEY: "x" * (MAX_WATCH_TOKEN + 1)}) == "" and watch_token({}) == ""
+
+
+def test_the_decode_side_names_the_watch_it_has_open_in_its_handshake():
+    """decode_server/peer/pairing.py: each watch it opens carries a token of its own, and the handshake carries the
+    token of the watch open then (kills either metadata losing the token, and a watch reopened under the old one)."""
+    from decode_server.peer.pairing import DecodePairing
+    from kvtransfer.rpc.server import DECODE_INSTANCE_KEY, WATCH_KEY
+
+    class Stub:
+        def __init__(self):
+            self.calls, self.end = [], None
+
+        def Watch(self, request, metadata, wait_for_ready):
+            self.calls.append(dict(metadata))
+            return self
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            await self.end.wait()
+            raise StopAsyncIteration
+
+        def cancel(self):
+            pass
+
+    async def scenario():
+        p = DecodePairing.__new__(DecodePairing)
+        p.metadata, p.instance_id, p._watch, p._watch_token = (("authorization", "x"),), 0xab, None, ""
+        p._armed, p.health_stub = asyncio.Event(), Stub()
+        p.health_stub.end = asyncio.Event()
+        p._open_watch()
+        await asyncio.sleep(0)
+        first = dict(p._handshake_metadata())
+        assert first[WATCH_KEY] and first["authorization"] == "x"
+        assert p.health_stub.calls[-1][WATCH_KEY] == first[WATCH_KEY]
+        assert p.health_stub.calls[-1][DECODE_INSTANCE_KEY] == "ab"
+        p._open_watch()  # still open: the same watch, the same token
+        await asyncio.sleep(0)
+        assert len(p.health_stub.calls) == 1 and dict(p._handshake_metadata())[WATCH_KEY] == first[WATCH_KEY]
+        p.health_stub.end.set()
+        await p._watch
+        p.health_stub.end = asyncio.Event()
+        p._open_watch()  # that one ended: a new watch, a new token, and the handshake names it
+        await asyncio.sleep(0)
+        second = dict(p._handshake_metadata())[WATCH_KEY]
+        assert second != first[WATCH_KEY] and p.health_stub.calls[-1][WATCH_KEY] == second
+        p._watch.cancel()
+    asyncio.run(scenario())

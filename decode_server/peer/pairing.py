@@ -31,7 +31,7 @@ from grpc_health.v1 import health_pb2_grpc
 from decode_server.peer.dataplane import DataPlane
 from decode_server.peer.handshake import HandshakeRefused, HandshakeTimedOut, handshake
 from decode_server.peer.liveness import STOPPING, until_down, watch_peer
-from kvtransfer.rpc.server import DECODE_INSTANCE_KEY, pair_service
+from kvtransfer.rpc.server import DECODE_INSTANCE_KEY, WATCH_KEY, pair_service
 from proto import kvtransfer_pb2 as pb
 from proto import kvtransfer_pb2_grpc as pbg
 
@@ -55,6 +55,7 @@ class DecodePairing:
         self.max_prompt_tokens = 0  # the peer's --max-prompt-tokens, from its last handshake (0: not known yet)
         self._task = None
         self._watch: asyncio.Future | None = None  # the liveness watch; opened before each handshake
+        self._watch_token = ""  # its token (WATCH_KEY): the handshake names it (prefill_server/peer_health.py)
         self._armed = asyncio.Event()  # set once a pairing is up: the watch's NOT_SERVING counts from then
         self.on_fatal = None  # called if the supervising task dies: the server must stop, not look paired
         self._unreachable_since: float | None = None  # when the peer's rendezvous stopped answering (monotonic)
@@ -136,7 +137,7 @@ class DecodePairing:
         self._armed.clear()
         self._open_watch()  # before the handshake: the peer sees us alive
         resp = await handshake(self.stub, self.compat, self.transport, self.config.handshake_timeout_s,
-                               self.data.receive_limit(), self.metadata, address, self.instance_id,
+                               self.data.receive_limit(), self._handshake_metadata(), address, self.instance_id,
                                self.addr, quiet=self._unreachable_since is not None)
         if self.prefill_instance and resp.instance_id != self.prefill_instance:
             log.warning("the prefill worker restarted (instance %x -> %x)", self.prefill_instance, resp.instance_id)
@@ -158,11 +159,16 @@ class DecodePairing:
     def _open_watch(self) -> None:
         """A liveness watch, unless one is open (it waits for the peer to be up: wait_for_ready)."""
         if self._watch is None or self._watch.done():
+            self._watch_token = secrets.token_hex(8)
             self._watch = asyncio.ensure_future(watch_peer(self.health_stub, self._watch_metadata(), self._armed,
                                                            pair_service(self.instance_id)))
 
+    def _handshake_metadata(self):
+        """The handshake names the liveness watch open for it (its token): only that one's close says we are gone."""
+        return (*(self.metadata or ()), (WATCH_KEY, self._watch_token))
+
     def _watch_metadata(self):
-        return (*(self.metadata or ()), (DECODE_INSTANCE_KEY, f"{self.instance_id:x}"))
+        return (*(self.metadata or ()), (DECODE_INSTANCE_KEY, f"{self.instance_id:x}"), (WATCH_KEY, self._watch_token))
 
     async def close(self) -> None:
         """At the stop: no more pairing; a join in progress gives up, the liveness watch ends."""

@@ -17,6 +17,8 @@ from kvtransfer.rpc.security import bind, server_interceptors
 log = logging.getLogger("kvtransfer")
 
 DECODE_INSTANCE_KEY = "kvt-decode-instance"  # the decode side's liveness watch names its instance (hex) to the prefill
+WATCH_KEY = "kvt-watch"  # each liveness watch carries a token of its own; a handshake names the watch open for it
+MAX_WATCH_TOKEN = 64  # characters; a longer one is read as none
 
 
 def pair_service(decode_instance: int) -> str:
