@@ -73,10 +73,11 @@ class PeerHealth(health_aio.HealthServicer):
             self.seen.add(who)
 
     def closed(self, who: int, token: str) -> None:
-        self.watching[who] -= 1
-        self.open[who, token] -= 1
-        if self.open[who, token] <= 0:
-            del self.open[who, token]
+        """A watch ended; counts at 0 are dropped (a caller opening watches under ever new ids keeps none)."""
+        for counts, key in ((self.watching, who), (self.open, (who, token))):
+            counts[key] -= 1
+            if counts[key] <= 0:
+                del counts[key]
 
     async def Watch(self, request, context):
         meta = dict(context.invocation_metadata() or ())
