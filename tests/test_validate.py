@@ -95,3 +95,31 @@ def test_relayed_dtype_refusal_names_the_decode_side_as_its_own(tmp_path):
     assert rc == 2 and len(lines) == 1, log[-3000:]
     assert "dtype: this decode worker 'bfloat16', prefill worker 'float32'" in lines[0], lines[0]
     assert "here" not in lines[0], lines[0]
+    assert "the same --dtype" in lines[0] and "--seed" not in lines[0], lines[0]  # the one fix, not every flag
+
+
+def _compat(**changed):
+    from proto import kvtransfer_pb2 as pb
+    base = dict(model="tiny", dtype="float32", weights_fingerprint="w1", geometry_digest="g1", num_layers=4,
+                kv_heads=2, head_dim=16, layout="l2bhsd", protocol_version=2)
+    return pb.Compat(**{**base, **changed})
+
+
+def test_a_refusal_names_each_root_difference_and_only_its_fix():
+    """kvtransfer/rpc/compat.mismatch: another dtype changes both fingerprints too; the refusal shows the dtype's
+    values, folds the fingerprints into "differ with it", and asks for --dtype only (it listed every compat value
+    and every flag that could be the cause). A fingerprint differing alone is shown with its own fix."""
+    from kvtransfer.rpc.compat import mismatch
+    a = _compat()
+    assert mismatch(a, _compat()) is None
+    text = mismatch(a, _compat(dtype="bfloat16", weights_fingerprint="w2", geometry_digest="g2"))
+    assert "dtype: here 'float32', peer 'bfloat16'" in text and "'w1'" not in text and "'g1'" not in text, text
+    assert "weights_fingerprint, geometry_digest differ with it" in text, text
+    assert "the same --dtype" in text and "--seed" not in text and "--model" not in text, text
+    text = mismatch(a, _compat(weights_fingerprint="w2"))
+    assert "weights_fingerprint: here 'w1', peer 'w2'" in text and "--seed" in text and "--dtype" not in text, text
+    text = mismatch(a, _compat(model="other", num_layers=8, weights_fingerprint="w2", geometry_digest="g2"))
+    assert "model: here 'tiny'" in text and "num_layers: here 4, peer 8" in text and "'w2'" not in text, text
+    assert text.count("the same --model") == 1, text  # one fix however many of its fields differ
+    text = mismatch(a, _compat(geometry_digest="g9"))  # nothing it covers differs: another version's digest
+    assert "geometry_digest: here 'g1', peer 'g9'" in text and "the same kvtransfer version" in text, text

@@ -32,20 +32,36 @@ def local_compat(spec: ModelSpec, model, geometry: CacheGeometry, deterministic:
         layout=LAYOUT, protocol_version=PROTOCOL_VERSION, deterministic=deterministic)
 
 
+# Each field the handshake compares, and the fix it needs when the peers differ in it. Listed in that order.
+FIXES = {
+    "protocol_version": "the same kvtransfer version",
+    "layout": "the same kvtransfer version",
+    "model": "the same --model (preset name or local model directory)",
+    "num_layers": "the same --model (preset name or local model directory)",
+    "kv_heads": "the same --model (preset name or local model directory)",
+    "head_dim": "the same --model (preset name or local model directory)",
+    "dtype": "the same --dtype",
+    "weights_fingerprint": "the same weights: the same --seed for a preset's random weights, the same files for a "
+                           "local model directory",
+    "batch_invariant": "--batch-invariant on both or neither",
+}
+# Fingerprints of other fields: listed only when none of those differs (else they differ because it does).
+DERIVED = {"geometry_digest": ("num_layers", "kv_heads", "head_dim", "dtype", "layout"),
+           "weights_fingerprint": ("model", "num_layers", "kv_heads", "head_dim", "dtype")}
+
+
 def mismatch(mine: pb.Compat, theirs: pb.Compat, here: str = "here", peer: str = "peer") -> str | None:
     """None when the peers can exchange caches, else what differs (`mine` as `here`, `theirs` as `peer`) and how
-    to fix it."""
-    problems = []
-    for field in ("protocol_version", "layout", "dtype", "num_layers", "kv_heads", "head_dim",
-                  "geometry_digest", "model", "weights_fingerprint", "batch_invariant"):
-        a, b = getattr(mine, field), getattr(theirs, field)
-        if a != b:
-            problems.append(f"{field}: {here} {a!r}, {peer} {b!r}")
-    if not problems:
+    to fix it: each root difference (a fingerprint only when nothing it covers differs) and the flags for it."""
+    differ = [f for f in (*FIXES, "geometry_digest") if getattr(mine, f) != getattr(theirs, f)]
+    if not differ:
         return None
-    return (f"{peer} is incompatible (" + "; ".join(problems) + "). Start both workers with the same "
-            "--model, --dtype and --seed (or the same local model directory), --batch-invariant on both or "
-            "neither, and the same kvtransfer version.")
+    shown = [f for f in differ if not set(DERIVED.get(f, ())) & set(differ)]
+    problems = [f"{f}: {here} {getattr(mine, f)!r}, {peer} {getattr(theirs, f)!r}" for f in shown]
+    fixes = list(dict.fromkeys(FIXES.get(f, "the same kvtransfer version") for f in shown))
+    hidden = [f for f in differ if f not in shown]
+    also = f"; {', '.join(hidden)} differ with it" if hidden else ""
+    return f"{peer} is incompatible ({'; '.join(problems)}{also}). Start both workers with {'; '.join(fixes)}."
 
 
 # One difference as a worker words it with the default labels: `field: here VALUE, peer VALUE` (VALUE a repr:
