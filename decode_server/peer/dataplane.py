@@ -25,8 +25,8 @@ from proto import kvtransfer_pb2 as pb
 
 log = logging.getLogger("kvtransfer.decode")
 S = grpc.StatusCode
-QUIESCE_POLL_S = 0.05
-REPORT_FRESH_S = 1.0  # a peer's queue report counts this long (an idle peer sends none: a stale one would stick)  # a stopping peer: how often to look whether its transfers in flight arrived
+QUIESCE_POLL_S = 0.05  # a stopping peer: how often to look whether its transfers in flight arrived
+REPORT_FRESH_S = 1.0  # a peer's queue report counts this long (an idle peer sends none: a stale one would stick)
 
 
 class DataPlane:
