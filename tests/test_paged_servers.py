@@ -87,9 +87,11 @@ def test_every_block_comes_back_after_requests_end_every_way(tmp_path, tiny):
     after each, Load says every block of the pool is free again (the prefix cache off: nothing is kept). Then the
     gloo pair decodes what the slot layout does."""
     ids = random_prompt(tiny.config.vocab_size, 40, seed=3).view(-1).tolist()
+    # --peer-timeout-s bounds every remote prefill of this pair, the last part's too: at 2 s, under a CI load of
+    # ~2.5x its usual, one of them did not answer in time (CI run 36). 6 s, and a stall well past it.
     with server_pair(tmp_path, prefill_args=["--transport", "gloo", "--fail-after-layers", "1", "--fail-requests",
-                                             "1", "--fail-stall-s", "8"],
-                     decode_args=["--transport", "gloo", *PAGE, "--peer-timeout-s", "2"]) as run:
+                                             "1", "--fail-stall-s", "14"],
+                     decode_args=["--transport", "gloo", *PAGE, "--peer-timeout-s", "6"]) as run:
         about = info(run.addr)
         assert about.kv_block_tokens == 8 and about.kv_blocks > 0 and about.max_batch > 0
         blocks = about.kv_blocks
