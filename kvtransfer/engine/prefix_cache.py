@@ -174,8 +174,8 @@ class PrefixCache:
         return ev
 
     def _store(self, slot: int, tokens: np.ndarray) -> torch.cuda.Event | None:
-        if self.host is None or len(tokens) < self.block:
-            return None
+        if self.host is None or len(tokens) < self.block or self.host.pages_for(len(tokens)) > self.host.pages:
+            return None  # longer than the whole tier: checked before any entry is dropped for room
         while (entry := self.host.take(len(tokens))) is None:
             old = self.index.oldest(lambda e: e.where[0] == HOST)
             if old is None:  # longer than the whole tier
