@@ -39,7 +39,8 @@ LAYER_SHAPES = ("qkv", "o", "gate_up", "down")
 COUNTED = ("per request of P prompt and O output tokens, N = P + O - 1 tokens fed: 2 x (q,k,v,o,gate,up,down "
            "weights) x layers x N, + attention QK^T and PV 4 x heads x head_dim x layers x N (N + 1) / 2 (N tokens at "
            "the mean context), + lm_head 2 x hidden x vocab x O; biases, norms, RoPE, SiLU, embedding and sampling "
-           "not counted; attention priced at the layer GEMMs' rate (bench/measure/roofline.py)")
+           "not counted; attention priced at the layer GEMMs' rate; each completed request at the P and O it ran "
+           "(bench/measure/roofline.py)")
 
 
 def cuda_visible() -> bool:
@@ -122,14 +123,19 @@ def measure_gemm(dims: Dims, device: str = "cuda", rows: int = ROWS) -> dict:
             "shapes": shapes, "layer_tflops": layer_tflops, "lm_head_tflops": shapes["lm_head"]["tflops"]}
 
 
-def run_figures(measured: dict, dims: Dims, prompt_lens: Sequence[int], output_len: int,
+def run_figures(measured: dict, dims: Dims, prompt_lens: Sequence[int], output_len: int | Sequence[int],
                 output_throughput: float | None) -> dict:
-    """One run's roofline from the measured rates and its prompts: roofline_output_tok_s, gemm_tflops (the rate its
-    FLOPs get), of_roofline (None without output), and the FLOPs per request by part."""
-    flops = mean_request_flops(dims, prompt_lens, output_len)
+    """One run's roofline from the measured rates and its requests: roofline_output_tok_s, gemm_tflops (the rate its
+    FLOPs get), of_roofline (None without output), and the mean FLOPs per request by part. `output_len`: every
+    request's, or each one's (beside `prompt_lens`: the tokens the requests made, e.g. under --stop-after)."""
+    outs = [output_len] * len(prompt_lens) if isinstance(output_len, int) else list(output_len)
+    if len(outs) != len(prompt_lens) or not outs:
+        raise ValueError(f"{len(prompt_lens)} prompt lengths for {len(outs)} output lengths")
+    each = [request_flops(dims, p, o) for p, o in zip(prompt_lens, outs)]
+    flops = {k: sum(f[k] for f in each) / len(each) for k in each[0]}
     seconds = ((flops["layers"] + flops["attention"]) / (measured["layer_tflops"] * 1e12)
                + flops["lm_head"] / (measured["lm_head_tflops"] * 1e12))
-    roof = output_len / seconds
+    roof = sum(outs) / len(outs) / seconds  # the mean request's output tokens in the mean request's time
     return {"roofline_output_tok_s": roof, "gemm_tflops": flops["total"] / seconds / 1e12,
             "of_roofline": output_throughput / roof if output_throughput is not None else None,
             "roofline_flops_per_request": flops}

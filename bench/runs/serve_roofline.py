@@ -67,8 +67,11 @@ def with_roofline(r: dict, cfg: ServeConfig, plan: RooflinePlan, roof: dict) -> 
     """A run's result with its roofline figures (None where the roofline is off) and the `roofline` record."""
     figures = dict.fromkeys(("roofline_output_tok_s", "gemm_tflops", "of_roofline"))
     if roof["on"]:
-        figures = roofline.run_figures(roof, plan.dims, [len(p) for p in make_prompts(cfg)], cfg.output_len,
-                                       r["output_throughput"])
+        # priced as the requests that completed ran (a --stop-after or EOS ends one sooner), else as planned
+        done = list(zip(r.get("input_lens") or (), r.get("output_lens") or ()))
+        prompts, outs = ([p for p, _ in done], [o for _, o in done]) if done else \
+            ([len(p) for p in make_prompts(cfg)], cfg.output_len)
+        figures = roofline.run_figures(roof, plan.dims, prompts, outs, r["output_throughput"])
     r |= figures | {"roofline": roof}
     if failed := roofline_failure(plan, roof):
         r["failures"] = [*r["failures"], *failed]
