@@ -22,7 +22,7 @@ timeout -k 10 60 python3 -m bench.probes.chunk_attention \
 echo "split probe rc=$?"; grep -E "^splits" "$OUT/probe-splits.log" | cut -c1-160 | head -80
 timeout -k 10 80 python3 -m bench.probes.profile_mixed --model qwen2.5-7b --mixed 512 --batch 64 --context 1024 \
     > "$OUT/profile-mixed.log" 2>&1
-echo "profile rc=$?"; grep -E "^step" "$OUT/profile-mixed.log" | head -1
+echo "profile rc=$?"; grep -E "^(step|kernels)" "$OUT/profile-mixed.log" | head -2
 (exec python3 -m decode_server --colocated --model qwen2.5-7b --listen 127.0.0.1:50051 --metrics-port 9101 \
    > "$OUT/decode-server.log" 2>&1) & DPID=$!
 python3 -c "from bench.measure.launch import wait_serving; wait_serving('127.0.0.1:50051', [], timeout=150)"
