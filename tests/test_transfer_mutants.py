@@ -89,6 +89,23 @@ def sent_in_thread(s_link, h):
 
 # --- the sender's checks (kvtransfer/transport/sender.py) ---
 
+def finish_times_out(sender) -> None:
+    """`sender.finish(timeout=0.5)`, on a thread of its own (a mutant may hang it): it ends within GUARD_S, raising
+    TransferError(cause "timeout")."""
+    ended: list[BaseException | None] = []
+
+    def finish():
+        try:
+            sender.finish(timeout=0.5)
+            ended.append(None)
+        except BaseException as e:  # checked below
+            ended.append(e)
+    t = threading.Thread(target=finish, daemon=True)
+    t.start()
+    t.join(GUARD_S)
+    assert ended, f"finish(timeout=0.5) still waiting after {GUARD_S} s"
+    assert isinstance(ended[0], TransferError) and ended[0].cause == "timeout", ended
+
 
 def test_a_value_of_another_shape_than_its_key_is_refused_and_the_request_stays_open():
     """send_layer checks V's shape as well as K's (kills check_layer looking at the key only: a V of the wrong
@@ -232,24 +249,13 @@ def test_a_grpc_sender_whose_receiver_never_acknowledges_fails_finish_at_its_tim
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     s_link = SenderLink(f"127.0.0.1:{port}", channels=1)
-    ended: list[BaseException | None] = []
     try:
         h = contract.header(12, 3)
         s = s_link.open(h)
         for i, (k, v) in enumerate(layers(h)):
             s.send_layer(i, k, v)
 
-        def finish():
-            try:
-                s.finish(timeout=0.5)
-                ended.append(None)
-            except BaseException as e:  # checked below
-                ended.append(e)
-        t = threading.Thread(target=finish, daemon=True)
-        t.start()
-        t.join(GUARD_S)
-        assert ended, f"finish(timeout=0.5) still waiting after {GUARD_S} s"
-        assert isinstance(ended[0], TransferError) and ended[0].cause == "timeout", ended
+        finish_times_out(s)
     finally:
         release.set()
         s_link.close()
@@ -381,19 +387,7 @@ def test_a_gloo_sender_whose_receiver_takes_nothing_fails_finish_at_its_timeout(
     s = s_link.open(h)
     for i, (k, v) in enumerate(layers(h)):
         s.send_layer(i, k, v)
-    ended: list[BaseException | None] = []
-
-    def finish():
-        try:
-            s.finish(timeout=0.5)
-            ended.append(None)
-        except BaseException as e:  # checked below
-            ended.append(e)
-    t = threading.Thread(target=finish, daemon=True)
-    t.start()
-    t.join(GUARD_S)
-    assert ended, f"finish(timeout=0.5) still waiting after {GUARD_S} s"
-    assert isinstance(ended[0], TransferError) and ended[0].cause == "timeout", ended
+    finish_times_out(s)
     assert s.status() == TransferState.FAILED
 
 
