@@ -24,7 +24,7 @@ from types import SimpleNamespace
 import pytest
 
 from kvtransfer.transport import TransferError, rendezvous
-from test_prefill_pairing import Context, Refused, pairing
+from test_prefill_pairing import Refused, handshake, pairing
 
 GUARD_S = 60  # a wait still not over after this long is a hang
 SOON_S = 10  # what the code under test does at once, here within this (ms when it works; a mutant waits it out)
@@ -102,10 +102,6 @@ def place(gpu, cap: int, health: Health, warmup=lambda n, link: None):
         settled.put_nowait((pair.instance, epoch))
     p._settle = spy
     return p, settled
-
-
-async def handshake(p, who: int):
-    return await p.handshake(SimpleNamespace(instance_id=who, data_address=""), context=Context())
 
 
 async def entered(event: threading.Event) -> None:
