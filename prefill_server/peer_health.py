@@ -35,18 +35,17 @@ class PeerHealth(health_aio.HealthServicer):
 
     def __init__(self):
         super().__init__()
-        self.watching: collections.Counter[int] = collections.Counter()  # open watches, by instance
-        self.open: collections.Counter[tuple[int, str]] = collections.Counter()  # open watches, by (instance, token)
+        self.open: dict[int, collections.Counter[str]] = {}  # open watches: by instance, by token (none at 0)
         self.named: dict[int, str] = {}  # the watch each instance's latest handshake named
         self.seen: set[int] = set()  # instances whose current watch opened (the named one, or any if none named)
 
     def watched(self, who: int) -> bool:
         """Whether `who` has a liveness watch open now."""
-        return self.watching[who] > 0
+        return who in self.open
 
     def left(self, who: int) -> bool:
         """Whether `who` watched and no longer does (its process is gone): not merely "not watching yet"."""
-        return who in self.seen and self.watching[who] <= 0
+        return who in self.seen and who not in self.open
 
     def forget(self, who: int) -> None:
         """`who`'s pair was dropped: a later watch of the same instance starts afresh."""
@@ -60,24 +59,25 @@ class PeerHealth(health_aio.HealthServicer):
         if not token:
             return "no liveness watch named"
         self.named[who] = token
-        if self.open[who, token] > 0:
+        if self.open.get(who, {}).get(token):
             self.seen.add(who)
             return "its liveness watch open"
         self.seen.discard(who)
         return "its liveness watch not open yet"
 
     def opened(self, who: int, token: str) -> None:
-        self.watching[who] += 1
-        self.open[who, token] += 1
+        self.open.setdefault(who, collections.Counter())[token] += 1
         if self.named.get(who, token) == token:
             self.seen.add(who)
 
     def closed(self, who: int, token: str) -> None:
         """A watch ended; counts at 0 are dropped (a caller opening watches under ever new ids keeps none)."""
-        for counts, key in ((self.watching, who), (self.open, (who, token))):
-            counts[key] -= 1
-            if counts[key] <= 0:
-                del counts[key]
+        tokens = self.open[who]
+        tokens[token] -= 1
+        if tokens[token] <= 0:
+            del tokens[token]
+            if not tokens:
+                del self.open[who]
 
     async def Watch(self, request, context):
         meta = dict(context.invocation_metadata() or ())

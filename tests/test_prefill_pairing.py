@@ -298,7 +298,7 @@ def test_only_the_named_watch_makes_its_decode_worker_seen():
     h.closed(13, "")
     assert h.left(13)
     h.forget(13)  # its pair dropped: a later watch starts afresh
-    assert not h.left(13) and not h.open and not h.watching  # nothing kept for watches that ended
+    assert not h.left(13) and not h.open  # nothing kept for watches that ended
 
 
 def test_a_watch_token_over_the_limit_is_read_as_none():
