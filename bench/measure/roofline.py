@@ -88,9 +88,17 @@ def request_flops(dims: Dims, prompt_len: int, output_len: int) -> dict:
     return {"layers": layers, "attention": attention, "lm_head": lm_head, "total": layers + attention + lm_head}
 
 
-def mean_request_flops(dims: Dims, prompt_lens: Sequence[int], output_len: int) -> dict:
-    """The mean over a run's prompts of `request_flops`, by part."""
-    each = [request_flops(dims, p, output_len) for p in prompt_lens]
+def output_lens(prompt_lens: Sequence[int], output_len: int | Sequence[int]) -> list[int]:
+    """Each request's output tokens: `output_len` for every one, or each one's (paired with `prompt_lens`)."""
+    outs = [output_len] * len(prompt_lens) if isinstance(output_len, int) else list(output_len)
+    if len(outs) != len(prompt_lens) or not outs:
+        raise ValueError(f"{len(prompt_lens)} prompt lengths for {len(outs)} output lengths")
+    return outs
+
+
+def mean_request_flops(dims: Dims, prompt_lens: Sequence[int], output_len: int | Sequence[int]) -> dict:
+    """The mean over a run's requests of `request_flops`, by part (`output_len` as `output_lens` takes it)."""
+    each = [request_flops(dims, p, o) for p, o in zip(prompt_lens, output_lens(prompt_lens, output_len))]
     return {k: sum(f[k] for f in each) / len(each) for k in each[0]}
 
 
@@ -128,11 +136,8 @@ def run_figures(measured: dict, dims: Dims, prompt_lens: Sequence[int], output_l
     """One run's roofline from the measured rates and its requests: roofline_output_tok_s, gemm_tflops (the rate its
     FLOPs get), of_roofline (None without output), and the mean FLOPs per request by part. `output_len`: every
     request's, or each one's (beside `prompt_lens`: the tokens the requests made, e.g. under --stop-after)."""
-    outs = [output_len] * len(prompt_lens) if isinstance(output_len, int) else list(output_len)
-    if len(outs) != len(prompt_lens) or not outs:
-        raise ValueError(f"{len(prompt_lens)} prompt lengths for {len(outs)} output lengths")
-    each = [request_flops(dims, p, o) for p, o in zip(prompt_lens, outs)]
-    flops = {k: sum(f[k] for f in each) / len(each) for k in each[0]}
+    outs = output_lens(prompt_lens, output_len)
+    flops = mean_request_flops(dims, prompt_lens, outs)
     seconds = ((flops["layers"] + flops["attention"]) / (measured["layer_tflops"] * 1e12)
                + flops["lm_head"] / (measured["lm_head_tflops"] * 1e12))
     roof = sum(outs) / len(outs) / seconds  # the mean request's output tokens in the mean request's time

@@ -33,13 +33,11 @@ def local_compat(spec: ModelSpec, model, geometry: CacheGeometry, deterministic:
 
 
 # Each field the handshake compares, and the fix it needs when the peers differ in it. Listed in that order.
+_VERSION = "the same kvtransfer version"
+_MODEL = "the same --model (preset name or local model directory)"
 FIXES = {
-    "protocol_version": "the same kvtransfer version",
-    "layout": "the same kvtransfer version",
-    "model": "the same --model (preset name or local model directory)",
-    "num_layers": "the same --model (preset name or local model directory)",
-    "kv_heads": "the same --model (preset name or local model directory)",
-    "head_dim": "the same --model (preset name or local model directory)",
+    "protocol_version": _VERSION, "layout": _VERSION,
+    "model": _MODEL, "num_layers": _MODEL, "kv_heads": _MODEL, "head_dim": _MODEL,
     "dtype": "the same --dtype",
     "weights_fingerprint": "the same weights: the same --seed for a preset's random weights, the same files for a "
                            "local model directory",
