@@ -299,3 +299,38 @@ def test_paged_kernels_equal_the_slot_layout_bit_for_bit(page):
     assert torch.equal(got_q, want_q)
     for want, got in zip(slot_pools, (kp, vp)):
         assert torch.equal(paged_copy(want, page, seed=page)[0].nan_to_num(7.0), got.nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("page", [0, 64], ids=["slots", "paged"])
+def test_mixed_attention_is_both_kernels_in_one_launch_qwen(page):
+    """The fused mixed-step kernel on Qwen shapes, bf16, in a graph (64 decode rows over ragged 1k-4k contexts +
+    448 prompt rows, as a 512-row step): its decode rows are the decode kernel's at one split and its prompt rows
+    the chunk kernel's, bit for bit (the same programs: whatever runs beside them on the SMs moves no bit), and
+    within the decode kernel's fp64-gold tolerance."""
+    from bench.measure.kernel_inputs import paged_copy
+    from kvtransfer.kernels.triton_attention import decode_attention_triton
+
+    lengths = ragged_lengths(64, 4096, seed=8)
+    case = decode_case(lengths, *QWEN, max_seq=4096, dtype=torch.bfloat16, device="cuda", seed=8, garbage=None)
+    kp, vp, table = case.k_pool, case.v_pool, None
+    if page:
+        kp, table = paged_copy(case.k_pool, page, seed=page)
+        vp, _ = paged_copy(case.v_pool, page, seed=page)
+    g = torch.Generator(device="cuda").manual_seed(9)
+    q = torch.cat([case.q, torch.randn(448, *QWEN[0::2], device="cuda", generator=g).to(torch.bfloat16)])
+    pieces = torch.tensor([[0, 400, 1, 512], [400, 40, 2, 0], [440, 8, -1, 0], [0, 0, 0, 0]], dtype=torch.int32,
+                          device="cuda")
+    out = torch.empty_like(q)
+    K.mixed_attention(q, kp, vp, 64, case.slots, case.lengths, pieces, case.scale, block_table=table, out=out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        K.mixed_attention(q, kp, vp, 64, case.slots, case.lengths, pieces, case.scale, block_table=table, out=out)
+    out.zero_()
+    graph.replay()
+    want_decode = decode_attention_triton(q[:64], kp, vp, case.slots, case.lengths, case.scale, num_splits=1,
+                                          block_table=table)
+    want_prompt = K.chunk_attention(q[64:], kp, vp, pieces, case.scale, block_table=table)
+    assert torch.equal(out[:64], want_decode)
+    assert torch.equal(out[64:], want_prompt)
+    assert row_rel_err(out[:64], attention_gold(case)) <= ATT_TOL[torch.bfloat16]

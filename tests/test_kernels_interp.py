@@ -344,3 +344,112 @@ def test_rope_store_paged_skips_positions_past_the_table():
     for before, after in zip(paged, got):
         changed = (before[0] != after).flatten(1).any(1).nonzero().flatten().tolist()
         assert changed == [int(table[slots[1], 0])], changed
+
+
+def _mixed_case(dtype, page=0):
+    """A mixed step's attention inputs: 5 decode rows (+2 padding rows on the scratch slot) over a pool of 6 slots,
+    then 96 prompt rows in pieces over the same pool: a chunk after a long past, one from 0 longer than a 64-row
+    block, a one-row chunk, an unused piece, padding rows (slot -1); prompt rows 78..79 are in no piece."""
+    hq, hkv, d = 8, 2, 16
+    case = decode_case([150, 1, 64, 65, 200], hq, hkv, d, max_seq=256, dtype=dtype, seed=5, pad_rows=2,
+                       garbage=None, q_scale=2.0)
+    g = torch.Generator().manual_seed(17)
+    q = torch.cat([case.q, (torch.randn(96, hq, d, generator=g) * 2).to(dtype)])  # (103, Hq, D)
+    pieces = torch.tensor([[0, 5, 1, 130], [5, 73, 0, 0], [80, 1, 3, 17], [0, 0, 0, 0], [81, 15, -1, 0]],
+                          dtype=torch.int32)
+    k_pool, v_pool, table = case.k_pool, case.v_pool, None
+    if page:
+        k_pool, table = paged_copy(case.k_pool, page, seed=page)
+        v_pool, _ = paged_copy(case.v_pool, page, seed=page)
+    return q, k_pool, v_pool, table, case, pieces
+
+
+@pytest.mark.parametrize("page", [0, 16], ids=["slots", "paged"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixed_attention_is_both_kernels_in_one_launch(dtype, page):
+    """The fused mixed-step kernel (triton_mixed_attention.py): its decode rows are the decode kernel's at one split
+    and its prompt rows the chunk kernel's, bit for bit; the reference path is the two references; rows in no piece
+    keep what `out` held."""
+    q, kp, vp, table, case, pieces = _mixed_case(dtype, page)
+    d, scale = case.q.shape[0], case.scale
+    out = torch.full_like(q, 7.0)
+    got = K.mixed_attention(q, kp, vp, d, case.slots, case.lengths, pieces, scale, use_triton=True,
+                            block_table=table, out=out)
+    assert got is out
+    from kvtransfer.kernels.triton_attention import decode_attention_triton
+
+    one_split = decode_attention_triton(q[:d], kp, vp, case.slots, case.lengths, scale, num_splits=1,
+                                        block_table=table)
+    assert torch.equal(got[:d], one_split)
+    chunk = torch.full_like(q[d:], 7.0)
+    K.chunk_attention(q[d:], kp, vp, pieces, scale, use_triton=True, block_table=table, out=chunk)
+    assert torch.equal(got[d:], chunk)
+    assert (got[d + 78:d + 80] == 7.0).all() and (got[d + 81:] == 0).all()
+    ref = K.mixed_attention(q, kp, vp, d, case.slots, case.lengths, pieces, scale, use_triton=False, block_table=table)
+    covered = list(range(d + 78)) + [d + 80]
+    assert _rel_err(got[covered], ref[covered].float()) <= ATT_TOL[dtype]
+    assert torch.equal(ref[:d], K.decode_attention(q[:d], kp, vp, case.slots, case.lengths, scale, use_triton=False,
+                                                   block_table=table))
+    assert (ref[d + 78:d + 80] == 0).all()  # a new output: zero outside the pieces
+
+
+def test_mixed_attention_with_no_rows_of_one_kind():
+    """All decode rows (no prompt rows) or all prompt rows (no decode rows): the same as the one kernel alone."""
+    q, kp, vp, table, case, pieces = _mixed_case(torch.float32)
+    d, scale = case.q.shape[0], case.scale
+    from kvtransfer.kernels.triton_attention import decode_attention_triton
+
+    only_decode = K.mixed_attention(q[:d], kp, vp, d, case.slots, case.lengths, pieces[:0], scale, use_triton=True)
+    assert torch.equal(only_decode, decode_attention_triton(q[:d], kp, vp, case.slots, case.lengths, scale,
+                                                            num_splits=1))
+    none = case.slots[:0]
+    only_prompt = K.mixed_attention(q[d:], kp, vp, 0, none, none, pieces, scale, use_triton=True)
+    assert torch.equal(only_prompt, K.chunk_attention(q[d:], kp, vp, pieces, scale, use_triton=True))
+
+
+def test_mixed_attention_fuses_where_one_split_fills_the_sms():
+    from kvtransfer.kernels.triton_mixed_attention import fuses
+
+    assert fuses(64, 4, 1, 132) and fuses(33, 4, 1, 132)  # Qwen2.5-7B on an H100: 256 and 132 programs
+    assert not fuses(32, 4, 1, 132) and not fuses(0, 4, 1, 132)
+    assert fuses(2, 2, 2, 8) and not fuses(1, 2, 2, 8)
+    assert K.mixed_attention_fuses(4, 8, 2, torch.device("cpu"), use_triton=True)  # 8 SMs assumed off CUDA
+    assert not K.mixed_attention_fuses(4, 8, 2, torch.device("cpu"), use_triton=False)
+    assert not K.mixed_attention_fuses(3, 8, 2, torch.device("cpu"), use_triton=True)
+
+
+@pytest.mark.parametrize("mode", ["fused", "two"])
+def test_a_mixed_step_takes_the_fused_launch_where_it_fuses(mode, monkeypatch):
+    """The runner's mixed step under the interpreter (tiny: 2 kv heads, 8 SMs assumed): with 4 decode rows it fuses
+    (4 x 2 programs) by default and runs the two kernels under MIXED_ATTENTION "two"; either way its decode rows
+    match the plain step and its prompt's last row the whole prefill, within the mixed step's fp32 tolerance."""
+    from kvtransfer.engine import runner as runner_module
+    from kvtransfer.engine.mixed import Chunk, mixed_forward
+    from kvtransfer.engine.pool import KVPool
+    from kvtransfer.geometry import CacheGeometry
+    from kvtransfer.kernels import triton_mixed_attention as tm
+    from kvtransfer.model.prefill import prefill, random_prompt
+    from kvtransfer.model.spec import ModelSpec, load_model
+    from kvtransfer.model.streaming import cache_layers
+
+    tiny = load_model(ModelSpec("tiny", "float32", 0))
+    pool = KVPool(CacheGeometry.from_config(tiny.config, torch.float32), torch.device("cpu"), slots=6, max_seq=128)
+    r = runner_module.StepRunner(tiny, pool, use_triton=True, gemv="off")
+    decoding = [random_prompt(tiny.config.vocab_size, n, seed=n)[0] for n in (20, 33, 9, 40)]
+    for slot, p in enumerate(decoding):
+        cache, _ = prefill(tiny, p[None])
+        for i, (k, v) in enumerate(cache_layers(cache)):
+            pool.layer(i)[0][slot, :, :len(p)] = k[0]
+            pool.layer(i)[1][slot, :, :len(p)] = v[0]
+    tokens, positions, slots = torch.tensor([5, 9, 11, 13]), torch.tensor([20, 33, 9, 40]), torch.arange(4)
+    plain = r.forward(tokens, positions, slots)
+    calls = []
+    launch = tm.mixed_attention_triton
+    monkeypatch.setattr(tm, "mixed_attention_triton", lambda *a, **kw: calls.append(a[3]) or launch(*a, **kw))
+    monkeypatch.setattr(runner_module, "MIXED_ATTENTION", mode)
+    prompt = random_prompt(tiny.config.vocab_size, 30, seed=7)[0]
+    _, whole_logits = prefill(tiny, prompt[None])
+    dec, lasts = mixed_forward(r, tokens, positions, slots, [Chunk(prompt, 4, 0, True)])
+    assert (dec - plain).abs().max().item() <= 1e-4
+    assert (lasts[0] - whole_logits).abs().max().item() <= 1e-4
+    assert calls == ([4] * 4 if mode == "fused" else [])  # 4 layers, 4 decode rows each

@@ -22,15 +22,16 @@ from kvtransfer.engine.runner import StepRunner
 from kvtransfer.kernels import ops
 
 CATEGORY = {"qkv": "gemm", "o": "gemm", "gate_up": "gemm", "down": "gemm", "lm_head": "gemm", "gemm": "gemm",
-            "attn_decode": "attention", "attn_chunk": "attention", "norm": "norm_rope_elementwise",
+            "attn_decode": "attention", "attn_chunk": "attention", "attn_mixed": "attention",
+            "norm": "norm_rope_elementwise",
             "rope": "norm_rope_elementwise", "silu": "norm_rope_elementwise", "sample": "sampling"}
 CATEGORIES = ("gemm", "attention", "norm_rope_elementwise", "sampling", "other")
 # a kernel the alignment left unmatched: labeled by its name (cuBLAS: nvjet/xmma/cutlass; Triton: the kernels' names)
 NAME_RULES = ((r"gemm|nvjet|xmma|cutlass|matmul|cublas|splitk", "gemm"), (r"decode_stage", "attn_decode"),
-              (r"chunk_attention", "attn_chunk"), (r"rope", "rope"), (r"norm", "norm"), (r"silu", "silu"),
+              (r"chunk_attention", "attn_chunk"), (r"mixed_attention", "attn_mixed"), (r"rope", "rope"), (r"norm", "norm"), (r"silu", "silu"),
               (r"argmax", "sample"))
 WRAPPED = {"rms_norm": "norm", "add_rms_norm": "norm", "rope_store": "rope", "decode_attention": "attn_decode",
-           "chunk_attention": "attn_chunk", "silu_mul": "silu", "gate_up_silu": "gate_up", "linear": None}
+           "chunk_attention": "attn_chunk", "mixed_attention": "attn_mixed", "silu_mul": "silu", "gate_up_silu": "gate_up", "linear": None}
 
 
 def by_name(name: str) -> str:
@@ -53,8 +54,11 @@ def labeled(runner: StepRunner, seen: dict):
             info = {"rows": int(x.shape[0])}
             if label in CATEGORY and CATEGORY[label] == "gemm":
                 info |= {"n": int(args[1].shape[0]), "k": int(args[1].shape[1])}
-            if label == "attn_chunk":  # the chunks this call attends for (its table: rows > 0)
-                info["pieces"] = int(((args[3][:, 1] > 0) & (args[3][:, 2] >= 0)).sum())  # not the padding piece
+            if label in ("attn_chunk", "attn_mixed"):  # the chunks this call attends for (its table: rows > 0)
+                table = args[3] if label == "attn_chunk" else args[6]
+                info["pieces"] = int(((table[:, 1] > 0) & (table[:, 2] >= 0)).sum())  # not the padding piece
+            if label == "attn_mixed":  # one launch for both: its decode rows first
+                info["decode"] = int(args[3])
             seen.setdefault(label, info)
             with record_function(f"kvt:{label}"):
                 return fn(*args, **kw)

@@ -34,8 +34,9 @@ from bench.probes.kernel_labels import (CATEGORIES, CATEGORY, EagerGraph, align,
                                         label_of, labeled)
 from kvtransfer.engine.graphs import Step, buckets
 from kvtransfer.engine.mixed import MAX_PIECES, Chunk
+from kvtransfer.engine import runner as runner_module
 from kvtransfer.engine.pool import KVPool
-from kvtransfer.engine.runner import StepRunner
+from kvtransfer.engine.runner import MIXED_ATTENTIONS, StepRunner
 from kvtransfer.engine.side_stream import SideStream
 from kvtransfer.engine.sampler import first_token, next_tokens
 from kvtransfer.geometry import CacheGeometry
@@ -43,7 +44,7 @@ from kvtransfer.model.spec import DTYPES, ModelSpec, load_model
 
 
 def runner_side(st) -> bool:
-    """Whether the step's prompt rows attend on a side stream beside its decode rows."""
+    """Whether the step's prompt rows attend on a side stream beside its decode rows (when it runs two kernels)."""
     return st.runner.side.stream is not None
 
 
@@ -201,9 +202,12 @@ def profile_mixed(a) -> dict:
         "batch": n, "bucket": b, "context": a.context, "pieces": len(chunks), "prompt_start": a.prompt_start,
         "prompt_len": a.prompt_len, "prompt_tokens": prompt_tokens, "step_rows": rows,
         "padding_rows": rows - n - prompt_tokens,
-        "decode_rows": seen.get("attn_decode", {}).get("rows", 0),  # rows through the decode kernel
-        "prompt_rows": seen.get("attn_chunk", {}).get("rows", 0),  # rows through the chunk kernel
-        "prompt_pieces": seen.get("attn_chunk", {}).get("pieces", 0),
+        "attention": "fused" if "attn_mixed" in seen else "two",  # one launch, or the decode and chunk kernels
+        # rows through the decode kernel and the chunk kernel (or the fused kernel's decode and prompt programs)
+        "decode_rows": seen.get("attn_decode", {}).get("rows", 0) or seen.get("attn_mixed", {}).get("decode", 0),
+        "prompt_rows": seen.get("attn_chunk", {}).get("rows", 0)
+        or seen.get("attn_mixed", {}).get("rows", 0) - seen.get("attn_mixed", {}).get("decode", 0),
+        "prompt_pieces": seen.get("attn_chunk", seen.get("attn_mixed", {})).get("pieces", 0),
         "lm_head_rows": seen.get("lm_head", {}).get("rows", 0),
         "gemm_shapes": {k: [v["rows"], v["n"], v["k"]] for k, v in seen.items() if "n" in v},  # M, N, K
         "gemm_tflops": {k: 2 * v["rows"] * v["n"] * v["k"] * (1 if k == "lm_head" else layers) / per[k] / 1e6
@@ -256,8 +260,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=256, help="the engine's --max-batch: its buckets")
     p.add_argument("--page", type=int, default=64, help="the pool's --kv-block-tokens (0: slots)")
     p.add_argument("--eager", action="store_true", help="no CUDA graph (the engine's --no-cuda-graphs)")
+    p.add_argument("--attention", choices=MIXED_ATTENTIONS, default="fused",
+                   help="the step's attention: one fused launch where it fuses (the engine's default), or the two "
+                        "kernels (runner.MIXED_ATTENTION)")
     p.add_argument("--no-side-stream", action="store_true",
-                   help="the prompt rows' attention after the decode rows' on one stream (to price the side stream)")
+                   help="with --attention two: the prompt rows' attention after the decode rows' on one stream (to "
+                        "price the side stream)")
     p.add_argument("--runs", type=int, default=10, help="timed steps (median)")
     p.add_argument("--replays", type=int, default=5, help="profiled steps")
     p.add_argument("--top", type=int, default=12)
@@ -266,8 +274,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> dict:
     a = build_parser().parse_args(argv)
-    with torch.inference_mode():
-        r = profile_mixed(a)
+    saved, runner_module.MIXED_ATTENTION = runner_module.MIXED_ATTENTION, a.attention  # read at each forward
+    try:
+        with torch.inference_mode():
+            r = profile_mixed(a)
+    finally:
+        runner_module.MIXED_ATTENTION = saved
     report(r)
     print(json.dumps(r))
     return r

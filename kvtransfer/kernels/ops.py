@@ -54,6 +54,8 @@ __all__ = [
     "triton_available",
     "decode_attention",
     "chunk_attention",
+    "mixed_attention",
+    "mixed_attention_fuses",
     "rope_store",
     "rms_norm",
     "add_rms_norm",
@@ -157,6 +159,68 @@ def chunk_attention(
     from kvtransfer.kernels.triton_chunk_attention import chunk_attention_triton
 
     return chunk_attention_triton(last_dim_unit(q), k_pool, v_pool, pieces, scale, block_table, out)
+
+
+def mixed_attention_fuses(decode_rows: int, q_heads: int, kv_heads: int, device: torch.device, *,
+                          use_triton: bool | None = None) -> bool:
+    """Whether a mixed step of `decode_rows` decode rows (its bucket) on `device` takes `mixed_attention`'s one
+    launch: Triton there, and enough decode rows that one split each fills the SMs
+    (kvtransfer/kernels/triton_mixed_attention.py, `fuses`). Static shapes only: one answer per CUDA graph."""
+    if not _use_triton(use_triton, device):
+        return False
+    from kvtransfer.kernels.triton_mixed_attention import fuses_on
+
+    return fuses_on(decode_rows, q_heads, kv_heads, device)
+
+
+def mixed_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    decode_rows: int,
+    slots: torch.Tensor,
+    lengths: torch.Tensor,
+    pieces: torch.Tensor,
+    scale: float,
+    *,
+    use_triton: bool | None = None,
+    block_table: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A mixed step's attention in one call: rows :decode_rows as `decode_attention` over `slots`, `lengths`
+    (decode_rows,), the rows after them as `chunk_attention` over `pieces` (first rows counted from decode_rows).
+
+    q: (B, Hq, D); pools, block_table as there. Returns a new (B, Hq, D) tensor in q.dtype (zero on prompt rows
+    outside every piece), or `out`, written in place on the decode rows and the pieces' rows. Triton: one launch
+    (triton_mixed_attention.py), each decode row at one split: its bits are `decode_attention`'s with num_splits=1,
+    a prompt row's are `chunk_attention`'s. The reference: the two references.
+    """
+    check_float("q", q, 3)
+    rows, q_heads, head_dim = q.shape
+    require(isinstance(decode_rows, int) and 0 <= decode_rows <= rows,
+            f"decode_rows {decode_rows!r} must be an int in 0..{rows} (q's rows)")
+    check_pools(k_pool, v_pool, head_dim, q.dtype)
+    check_groups(q_heads, k_pool.shape[1])
+    require(q.device == k_pool.device, f"q is on {q.device}, pools on {k_pool.device}")
+    check_index("slots", slots, decode_rows, q.device)
+    check_index("lengths", lengths, decode_rows, q.device)
+    require(isinstance(pieces, torch.Tensor) and pieces.dtype == torch.int32 and pieces.dim() == 2
+            and pieces.shape[1] == 4, "pieces must be a (P, 4) int32 tensor: first row, rows, slot, start")
+    require(pieces.device == q.device, f"pieces is on {pieces.device}, expected {q.device}")
+    check_table(block_table, q.device)
+    check_out(out, q)
+    if not _use_triton(use_triton, q.device):
+        out = torch.zeros_like(q) if out is None else out
+        if decode_rows:
+            out[:decode_rows].copy_(decode_attention_ref(q[:decode_rows], k_pool, v_pool, slots, lengths, scale,
+                                                         block_table))
+        if decode_rows < rows:
+            chunk_attention_ref(q[decode_rows:], k_pool, v_pool, pieces, scale, block_table, out[decode_rows:])
+        return out
+    from kvtransfer.kernels.triton_mixed_attention import mixed_attention_triton
+
+    return mixed_attention_triton(last_dim_unit(q), k_pool, v_pool, decode_rows, slots, lengths, pieces, scale,
+                                  block_table, out)
 
 
 def rope_store(

@@ -106,22 +106,23 @@ def online_softmax_step(acc, l_i, m_i, s, v, UPCAST_DOT: tl.constexpr):
 
 
 @triton.jit
-def _decode_stage1(
-    Q, K, V, Slots, Table, Lengths, MidO, MidLse,
+def decode_program(
+    Q, K, V, Slots, Table, Lengths, MidO, MidLse, Out, b, pid_h, split,
     qk_scale_log2,
     stride_qb, stride_qh,
     stride_ks, stride_kh, stride_kt, stride_tr,
+    stride_ob, stride_oh,
     max_seq, num_splits,
     Q_HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    PAGE: tl.constexpr, PAGED: tl.constexpr, SPLIT_SIZE: tl.constexpr,
+    PAGE: tl.constexpr, PAGED: tl.constexpr, SPLIT_SIZE: tl.constexpr, FINAL: tl.constexpr,
 ):
-    # grid (B, Hkv * HEAD_BLOCKS, NUM_SPLITS); MidO (B, Hq, S, D), MidLse (B, Hq, S) fp32. K and V share strides.
-    # SPLIT_SIZE 0: S chunks of ceil(L / S); > 0: split j covers [j * SPLIT_SIZE, (j + 1) * SPLIT_SIZE) of every row.
-    b = tl.program_id(0)
-    pid_h = tl.program_id(1)
-    split = tl.program_id(2)
+    """Stage 1's program (b, pid_h, split): one split of row b for the query heads of one kv head's head block.
+    SPLIT_SIZE 0: S chunks of ceil(L / S); > 0: split j covers [j * SPLIT_SIZE, (j + 1) * SPLIT_SIZE) of every row.
+    FINAL (one split, no merge: the fused mixed kernel, triton_mixed_attention.py): the program writes the row's
+    output into Out (strides stride_ob, stride_oh; its dtype) instead of its partial into MidO / MidLse. The merge
+    of one split is exact (weight 1, the other 0), so both give the same bits."""
     kv_head = pid_h // HEAD_BLOCKS
     head_block = pid_h % HEAD_BLOCKS
 
@@ -163,13 +164,39 @@ def _decode_stage1(
             )  # (BLOCK_N, BLOCK_D)
             acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, v, UPCAST_DOT)
 
-        row = (b64 * Q_HEADS + heads) * num_splits + split  # (BLOCK_H,) index into (B, Hq, S)
-        tl.store(
-            MidO + row[:, None] * HEAD_DIM + offs_d[None, :],
-            acc / l_i[:, None],
-            mask=mask_h[:, None] & mask_d[None, :],
-        )
-        tl.store(MidLse + row, m_i + tl.math.log2(l_i), mask=mask_h)
+        if FINAL:
+            tl.store(
+                Out + b64 * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                (acc / l_i[:, None]).to(Out.dtype.element_ty),
+                mask=mask_h[:, None] & mask_d[None, :],
+            )
+        else:
+            row = (b64 * Q_HEADS + heads) * num_splits + split  # (BLOCK_H,) index into (B, Hq, S)
+            tl.store(
+                MidO + row[:, None] * HEAD_DIM + offs_d[None, :],
+                acc / l_i[:, None],
+                mask=mask_h[:, None] & mask_d[None, :],
+            )
+            tl.store(MidLse + row, m_i + tl.math.log2(l_i), mask=mask_h)
+
+
+@triton.jit
+def _decode_stage1(
+    Q, K, V, Slots, Table, Lengths, MidO, MidLse,
+    qk_scale_log2,
+    stride_qb, stride_qh,
+    stride_ks, stride_kh, stride_kt, stride_tr,
+    max_seq, num_splits,
+    Q_HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    PAGE: tl.constexpr, PAGED: tl.constexpr, SPLIT_SIZE: tl.constexpr,
+):
+    # grid (B, Hkv * HEAD_BLOCKS, NUM_SPLITS); MidO (B, Hq, S, D), MidLse (B, Hq, S) fp32. K and V share strides.
+    decode_program(Q, K, V, Slots, Table, Lengths, MidO, MidLse, MidO, tl.program_id(0), tl.program_id(1),
+                   tl.program_id(2), qk_scale_log2, stride_qb, stride_qh, stride_ks, stride_kh, stride_kt, stride_tr,
+                   0, 0, max_seq, num_splits, Q_HEADS, GROUPS, HEAD_BLOCKS, HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_H,
+                   UPCAST_DOT, PAGE, PAGED, SPLIT_SIZE, False)
 
 
 def _upcast_dots(q: torch.Tensor) -> bool:

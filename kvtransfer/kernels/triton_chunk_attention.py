@@ -65,9 +65,9 @@ def _tile(q, k_base, v_base, Table, slot, stride_tr, n0, end, pos, offs_d, mask_
     return triton_attention.online_softmax_step(acc, l_i, m_i, s, v, UPCAST_DOT)
 
 
-@triton.jit(do_not_specialize=["blocks_per_piece"])  # one compile for every graph size and bucket
-def _chunk_attention(
-    Q, K, V, Pieces, Table, Out,
+@triton.jit
+def chunk_program(
+    Q, K, V, Pieces, Table, Out, pid, h,
     qk_scale_log2,
     stride_qr, stride_qh,
     stride_ks, stride_kh, stride_kt, stride_tr,
@@ -77,10 +77,9 @@ def _chunk_attention(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST_DOT: tl.constexpr,
     PAGE: tl.constexpr, PAGED: tl.constexpr,
 ):
-    # grid (P * blocks_per_piece, Hq); Pieces (P, 4) int32: first row, rows, slot (table row when PAGED; < 0: rows
-    # to zero), start position. K and V share strides.
-    pid = tl.program_id(0)
-    h = tl.program_id(1)
+    """The program (pid, h): BLOCK_M rows (block pid % blocks_per_piece of piece pid // blocks_per_piece) of query
+    head h. Pieces (P, 4) int32: first row, rows, slot (table row when PAGED; < 0: rows to zero), start position.
+    K and V share strides. Its own kernel's program, and the fused mixed kernel's (triton_mixed_attention.py)."""
     piece = pid // blocks_per_piece
     block = pid % blocks_per_piece
     row0 = tl.load(Pieces + piece * 4)
@@ -119,6 +118,24 @@ def _chunk_attention(
                                       acc, l_i, m_i, qk_scale_log2, stride_ks, stride_kt, BLOCK_N, UPCAST_DOT,
                                       PAGE, PAGED, True, BLOCK_D == HEAD_DIM)
             tl.store(out_ptrs, (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit(do_not_specialize=["blocks_per_piece"])  # one compile for every graph size and bucket
+def _chunk_attention(
+    Q, K, V, Pieces, Table, Out,
+    qk_scale_log2,
+    stride_qr, stride_qh,
+    stride_ks, stride_kh, stride_kt, stride_tr,
+    stride_or, stride_oh,
+    blocks_per_piece,
+    GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    PAGE: tl.constexpr, PAGED: tl.constexpr,
+):
+    # grid (P * blocks_per_piece, Hq)
+    chunk_program(Q, K, V, Pieces, Table, Out, tl.program_id(0), tl.program_id(1), qk_scale_log2, stride_qr,
+                  stride_qh, stride_ks, stride_kh, stride_kt, stride_tr, stride_or, stride_oh, blocks_per_piece,
+                  GROUPS, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, UPCAST_DOT, PAGE, PAGED)
 
 
 def chunk_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, pieces: torch.Tensor,

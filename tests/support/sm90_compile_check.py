@@ -163,6 +163,11 @@ def main() -> int:
     q, k = torch.empty(64, 28, 128, dtype=bf16), torch.empty(64, 4, 128, dtype=bf16)
     cs, pos = torch.empty(64, 128), torch.zeros(64, dtype=torch.int32)
     _run(lambda: tr.rope_store_triton(q, k, k, cs, cs, pool, pool, idx, pos, block_table=table))
+    from kvtransfer.kernels import triton_mixed_attention as tm
+    for page, tbl in ((0, None), (16, table)):  # the fused mixed step (64 decode rows + 448 prompt rows), slots / paged
+        pool = torch.empty(4096, 4, page, 128, dtype=bf16) if page else torch.empty(65, 4, 1024, 128, dtype=bf16)
+        _run(lambda: tm.mixed_attention_triton(torch.empty(512, 28, 128, dtype=bf16), pool, pool, 64, idx, idx,
+                                               torch.zeros(4, 4, dtype=torch.int32), 0.1, block_table=tbl))
     x, w = torch.empty(64, 3584, dtype=bf16), torch.empty(3584, dtype=bf16)
     _run(lambda: tn.rms_norm_triton(x, w, 1e-6))
     _run(lambda: tn.rms_norm_triton(x, w, 1e-6, residual=x))
@@ -171,8 +176,8 @@ def main() -> int:
     sampled = _sample(ts, bf16, 64, 152064) + _sample(ts, torch.float32, 1, 152064)  # P 4 and Q 4; P 32 and Q 4
     if sampled != 12:
         print(f"the draw: {sampled} of 12 launches ran to a compile")
-    expected = 3 * 10 + 2 + 3 + 3 + 12 + 4 + 2 * 4  # 3 * 10: stage 1, its merge and the probe's merge launch
-    # + 4: the paged decode (two pages), chunk and rope+store
+    expected = 3 * 10 + 2 + 3 + 3 + 12 + 4 + 2 * 4 + 2  # 3 * 10: stage 1, its merge and the probe's merge launch
+    # + 4: the paged decode (two pages), chunk and rope+store; + 2: the fused mixed kernel (slots, paged)
     # + 2 * 4: the fixed-split mode's stage 1 and merge (bf16, fp32, D 16, paged)
     print(f"compiled {len(done)} of {expected} kernels for sm_90")
     return 0 if len(done) == expected else 1
