@@ -1,0 +1,27 @@
+#!/bin/bash
+# Call C, one GPU, carry [".whl"]: the README serve workload against the colocated decode server, default flags, in
+# two arms on one warm card: the fused mixed attention (this tree's default) and the two kernels on the side stream
+# (runner.MIXED_ATTENTION = "two", the previous default, set in the server's process before it starts); then the
+# decode-only step at 64 and 128 rows (the ITL bound's denominator).
+set -u
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:.
+R=/tmp/callC; mkdir -p $R $OUT
+start=$(date +%s); t() { echo "$1 rc $2 at $(( $(date +%s) - start )) s"; }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > $R/gpu.txt 2>&1; cat $R/gpu.txt
+for arm in fused two; do
+  (exec python3 -c 'import runpy, sys; import kvtransfer.engine.runner as r; r.MIXED_ATTENTION = sys.argv.pop(1); runpy.run_module("decode_server", run_name="__main__", alter_sys=True)' \
+     $arm --colocated --model qwen2.5-7b --listen 127.0.0.1:50051 --metrics-port 9101 > $R/decode-server-$arm.log 2>&1) & DPID=$!
+  python3 -c "from bench.measure.launch import wait_serving; wait_serving('127.0.0.1:50051', [], timeout=150)"
+  t "server $arm" $?
+  timeout -k 10 170 python3 -m bench.cli serve --addr 127.0.0.1:50051 --model qwen2.5-7b --num-prompts 1 \
+      --prompts-per-concurrency 8 --concurrency 64,128 --input-len 1024 --input-len-range 0.5 --output-len 128 \
+      --warmup 4 --timeout 300 --max-duration 100 --server-metrics http://127.0.0.1:9101/metrics \
+      --out $R/serve-$arm > $R/serve-$arm.log 2>&1; t "serve $arm" $?
+  grep -E "^\| (64|128) " $R/serve-$arm/report.md 2>/dev/null | head -4
+  kill -TERM $DPID 2>/dev/null; wait $DPID 2>/dev/null
+done
+timeout -k 10 80 python3 -m bench.cli decode --model qwen2.5-7b --batches 64,128 --contexts 1024 --hf none \
+    --runs 20 --warmup 3 --out $R/decode > $R/decode.log 2>&1; t decode $?
+grep -E "^\| (64|128) " $R/decode/report.md 2>/dev/null | head -4
+tar -C /tmp -czf $OUT/callC.tgz callC
