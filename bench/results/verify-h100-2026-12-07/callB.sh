@@ -18,6 +18,7 @@ for arm in fused two; do
     --attention $arm > $R/profile-$arm.log 2>&1; t "profile $arm" $?
   grep -E "^step|^kernels|^    attn" $R/profile-$arm.log
 done
+tar -C /tmp -czf $OUT/callB.tgz callB  # what ran so far comes back if the call's limit cuts the rest
 for arm in fused two; do
   (exec python3 -c 'import runpy, sys; import kvtransfer.engine.runner as r; r.MIXED_ATTENTION = sys.argv.pop(1); runpy.run_module("decode_server", run_name="__main__", alter_sys=True)' \
      $arm --colocated --model qwen2.5-7b --listen 127.0.0.1:50051 --metrics-port 9101 > $R/decode-server-$arm.log 2>&1) & DPID=$!
@@ -29,8 +30,8 @@ for arm in fused two; do
       --out $R/serve-$arm > $R/serve-$arm.log 2>&1; t "serve $arm" $?
   grep -E "^\| (64|128) " $R/serve-$arm/report.md 2>/dev/null | head -4
   kill -TERM $DPID 2>/dev/null; wait $DPID 2>/dev/null
+  tar -C /tmp -czf $OUT/callB.tgz callB
 done
-tar -C /tmp -czf $OUT/callB.tgz callB
 timeout -k 5 $(( 545 - $(date +%s) + start )) python3 -m pytest -m gpu -q -p no:cacheprovider -rfE tests/test_engine_gpu.py \
   > $R/gpu-tests-engine.log 2>&1; t "gpu tests engine" $?; tail -2 $R/gpu-tests-engine.log
 tar -C /tmp -czf $OUT/callB.tgz callB
