@@ -65,7 +65,7 @@ def resolve_token(token: str, token_file: str, flag: str = "--auth-token-file") 
     text = _read(token_file, flag).decode().strip()
     if not text:
         raise ValueError(f"{flag} {token_file!r} is empty")
-    return text
+    return text.splitlines()[0].strip()
 
 
 def server_credentials(cert: str, key: str, ca: str) -> grpc.ServerCredentials | None:
