@@ -260,9 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=256, help="the engine's --max-batch: its buckets")
     p.add_argument("--page", type=int, default=64, help="the pool's --kv-block-tokens (0: slots)")
     p.add_argument("--eager", action="store_true", help="no CUDA graph (the engine's --no-cuda-graphs)")
-    p.add_argument("--attention", choices=MIXED_ATTENTIONS, default="fused",
-                   help="the step's attention: one fused launch where it fuses (the engine's default), or the two "
-                        "kernels (runner.MIXED_ATTENTION)")
+    p.add_argument("--attention", choices=MIXED_ATTENTIONS, default=None,
+                   help="the step's attention: one fused launch where it fuses, or the two kernels (default: the "
+                        "engine's, runner.MIXED_ATTENTION)")
     p.add_argument("--no-side-stream", action="store_true",
                    help="with --attention two: the prompt rows' attention after the decode rows' on one stream (to "
                         "price the side stream)")
@@ -274,7 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> dict:
     a = build_parser().parse_args(argv)
-    saved, runner_module.MIXED_ATTENTION = runner_module.MIXED_ATTENTION, a.attention  # read at each forward
+    saved = runner_module.MIXED_ATTENTION
+    runner_module.MIXED_ATTENTION = a.attention or saved  # read at each forward
     try:
         with torch.inference_mode():
             r = profile_mixed(a)
