@@ -24,6 +24,7 @@ import json
 import random
 import re
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import grpc
@@ -31,7 +32,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.measure.launch import free_port, stop, wait_serving
-from bench.measure.router_skew import run_skew, skew_requests, until_idle
+from bench.measure.router_skew import SHORT_NEW, run_skew, skew_requests, until_idle
 from proto import kvtransfer_pb2 as pb
 from proto import kvtransfer_pb2_grpc as pbg
 from support.apifront import api_front, request
@@ -245,7 +246,8 @@ def test_a_skewed_load_is_placed_by_load_with_least_loaded_where_round_robin_sta
     first token (run_skew in_order), so both routers see the same arrival order. Round robin takes the workers in
     turn: the 4 long requests (arrival positions 0, 2, 4, 6) all land on one worker. least_loaded (its own router
     here, at DEBUG, which logs every placement with the loads it compared) sends every request to the worker with
-    the least load it saw, and so splits the long ones 2/2. The imbalance sampled over time (bench/measure/
+    the least load it saw (on an idle machine that splits the long ones 2/2; how they split depends on how fast
+    each worker drains, so it is printed, not asserted). The imbalance sampled over time (bench/measure/
     router_skew.py's figures: they depend on each worker's speed, which a busy machine makes unequal) is printed
     and written as JSON, not asserted; bench/results/router-skew-cpu-2026-12-02 measures it on an idle machine."""
     rr, rr_addr, _ = router(tmp_path, fleet.addrs, "--policy", "round_robin")
@@ -279,7 +281,11 @@ def test_a_skewed_load_is_placed_by_load_with_least_loaded_where_round_robin_sta
     not_least = [p for p in seen if p["reason"] != "load" or set(p["loads"]) != set(fleet.addrs)
                  or p["loads"][p["to"]] > min(p["loads"].values())]
     assert not not_least, not_least
-    assert sorted(p["long"] for p in runs["least_loaded"]["placed"].values()) == [2, 2], figures
+    # How the longs split follows from those loads, which depend on each worker's speed (2/2 on an idle machine, 3/1
+    # seen in a fresh-clone CI run: a worker drained its long one before the next arrived): printed, not asserted.
+    # The bench's count of where each long went must be the router's own placements.
+    longs = Counter(p["to"] for p in seen if p["new"] > SHORT_NEW)
+    assert {w: p["long"] for w, p in runs["least_loaded"]["placed"].items() if p["long"]} == dict(longs), figures
 
 
 def test_a_killed_worker_fails_only_its_own_streams_nothing_hangs_and_it_rejoins(fleet, pool):

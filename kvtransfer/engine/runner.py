@@ -32,10 +32,9 @@ log = logging.getLogger("kvtransfer.decode.runner")
 GEMV_CHOICES = ("auto", "on", "off")  # --gemv: timed at start, every projection, none
 SIDE_KERNEL = "chunk"  # a mixed step's attention kernel launched on the side stream: "chunk" (the prompt rows') or
 # "decode" (bench/probes/chunk_attention.py --pair-sweep times both; the same kernels, so the same bits)
-MIXED_ATTENTION = "two"  # a mixed step's attention: "two" (the decode and the chunk kernel, on the side stream unless
-# it is off), or "fused" (one launch where ops.mixed_attention_fuses says so, else as "two"; not yet timed on a GPU:
-# bench/results/verify-h100-2026-12-07/COMMAND.md); read at each forward, so a capture takes the value of its time
-# (bench/probes/profile_mixed.py --attention prices both)
+MIXED_ATTENTION = "fused"  # a mixed step's attention: "fused" (one launch where ops.mixed_attention_fuses says so,
+# else as "two"), or "two" (the decode and the chunk kernel, on the side stream unless it is off); read at each
+# forward, so a capture takes the value of its time (bench/probes/profile_mixed.py --attention prices both)
 MIXED_ATTENTIONS = ("fused", "two")
 class StepRunner:
     def __init__(self, model, pool: KVPool, use_triton: bool | None = None, gemv_rows: int | None = None,
