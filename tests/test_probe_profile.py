@@ -126,3 +126,25 @@ def test_covered_counts_overlapping_kernels_once():
     assert covered_us([(0, 10), (5, 15), (20, 30)]) == 25  # overlap counted once, gap 15..20 left out
     assert covered_us([(0, 10), (2, 4), (12, 13)]) == 11  # one inside another
     assert covered_us([(20, 30), (0, 10)]) == 20  # in any order
+
+
+def test_the_side_streams_price_is_of_the_two_kernels():
+    """--no-side-stream prices the two kernels' side stream: beside --attention fused it is refused, never silently a
+    no-op; alone it runs the two kernels, and the engine's own choice (runner.MIXED_ATTENTION) is back after the run
+    (on CPU neither fuses: the reference ops)."""
+    import pytest
+
+    from bench.probes import profile_mixed
+    from kvtransfer.engine import runner
+
+    with pytest.raises(SystemExit) as refused, contextlib.redirect_stderr(io.StringIO()):
+        profile_mixed.main(["--model", "tiny", "--device", "cpu", "--attention", "fused", "--no-side-stream"])
+    assert refused.value.code == 2
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        profile_mixed.main(["--model", "tiny", "--device", "cpu", "--mixed", "16", "--batch", "4", "--context", "32",
+                            "--prompt-start", "8", "--prompt-len", "24", "--runs", "5", "--replays", "1",
+                            "--no-side-stream"])
+    r = json.loads(out.getvalue().strip().splitlines()[-1])
+    assert r["attention"] == "two" and r["side_stream"] is False
+    assert runner.MIXED_ATTENTION == "fused"

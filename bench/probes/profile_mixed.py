@@ -264,8 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the step's attention: one fused launch where it fuses, or the two kernels (default: the "
                         "engine's, runner.MIXED_ATTENTION)")
     p.add_argument("--no-side-stream", action="store_true",
-                   help="with --attention two: the prompt rows' attention after the decode rows' on one stream (to "
-                        "price the side stream)")
+                   help="the two kernels (--attention two), the prompt rows' attention after the decode rows' on one "
+                        "stream (to price the side stream)")
     p.add_argument("--runs", type=int, default=10, help="timed steps (median)")
     p.add_argument("--replays", type=int, default=5, help="profiled steps")
     p.add_argument("--top", type=int, default=12)
@@ -273,7 +273,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    a = build_parser().parse_args(argv)
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    if a.no_side_stream:  # a price of the two kernels' side stream: the fused launch has none
+        if a.attention == "fused":
+            parser.error("--no-side-stream prices the two kernels' side stream: use it with --attention two")
+        a.attention = "two"
     saved = runner_module.MIXED_ATTENTION
     runner_module.MIXED_ATTENTION = a.attention or saved  # read at each forward
     try:
