@@ -36,6 +36,8 @@ MIXED_ATTENTION = "fused"  # a mixed step's attention: "fused" (one launch where
 # else as "two"), or "two" (the decode and the chunk kernel, on the side stream unless it is off); read at each
 # forward, so a capture takes the value of its time (bench/probes/profile_mixed.py --attention prices both)
 MIXED_ATTENTIONS = ("fused", "two")
+
+
 class StepRunner:
     def __init__(self, model, pool: KVPool, use_triton: bool | None = None, gemv_rows: int | None = None,
                  gemv: str = "auto", invariant: bool = False):
