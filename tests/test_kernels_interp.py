@@ -395,7 +395,7 @@ def test_mixed_attention_is_both_kernels_in_one_launch(dtype, page):
 
 def test_mixed_attention_with_no_rows_of_one_kind():
     """All decode rows (no prompt rows) or all prompt rows (no decode rows): the same as the one kernel alone."""
-    q, kp, vp, table, case, pieces = _mixed_case(torch.float32)
+    q, kp, vp, _, case, pieces = _mixed_case(torch.float32)
     d, scale = case.q.shape[0], case.scale
     from kvtransfer.kernels.triton_attention import decode_attention_triton
 
