@@ -68,3 +68,21 @@ def check_out(out: torch.Tensor | None, like: torch.Tensor) -> None:
 def last_dim_unit(t: torch.Tensor) -> torch.Tensor:
     """The tensor itself if its last dim has unit stride (and dims > 0), else a contiguous copy."""
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def check_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> tuple[int, int, int]:
+    """An attention op's q (rows, Hq, D) and pools (S, Hkv, T, D) in q's dtype, on q's device, Hq a multiple of
+    Hkv -> q's shape."""
+    check_float("q", q, 3)
+    rows, q_heads, head_dim = q.shape
+    check_pools(k_pool, v_pool, head_dim, q.dtype)
+    check_groups(q_heads, k_pool.shape[1])
+    require(q.device == k_pool.device, f"q is on {q.device}, pools on {k_pool.device}")
+    return rows, q_heads, head_dim
+
+
+def check_pieces(pieces: torch.Tensor, device: torch.device) -> None:
+    """A mixed step's prompt pieces: (P, 4) int32 on the device (first row, rows, slot, start)."""
+    require(isinstance(pieces, torch.Tensor) and pieces.dtype == torch.int32 and pieces.dim() == 2
+            and pieces.shape[1] == 4, "pieces must be a (P, 4) int32 tensor: first row, rows, slot, start")
+    require(pieces.device == device, f"pieces is on {pieces.device}, expected {device}")

@@ -26,10 +26,12 @@ from __future__ import annotations
 import torch
 
 from kvtransfer.kernels._checks import (
+    check_attention,
     check_float,
     check_groups,
     check_index,
     check_out,
+    check_pieces,
     check_pools,
     check_table,
     last_dim_unit,
@@ -99,11 +101,7 @@ def decode_attention(
     cuts every row at the same positions instead, so a row's output does not depend on its batch; the reference then
     computes that split and merge in the kernel's order (`decode_attention_split_ref`).
     """
-    check_float("q", q, 3)
-    batch, q_heads, head_dim = q.shape
-    check_pools(k_pool, v_pool, head_dim, q.dtype)
-    check_groups(q_heads, k_pool.shape[1])
-    require(q.device == k_pool.device, f"q is on {q.device}, pools on {k_pool.device}")
+    batch, q_heads, head_dim = check_attention(q, k_pool, v_pool)
     check_index("slots", slots, batch, q.device)
     check_index("lengths", lengths, batch, q.device)
     check_table(block_table, q.device)
@@ -144,14 +142,8 @@ def chunk_attention(
     outside every chunk; or `out` (R, Hq, D) in q.dtype, unit stride on D, written in place on the pieces' rows
     only (its other rows left as they are). Pieces must not overlap or run past R.
     """
-    check_float("q", q, 3)
-    rows, q_heads, head_dim = q.shape
-    check_pools(k_pool, v_pool, head_dim, q.dtype)
-    check_groups(q_heads, k_pool.shape[1])
-    require(q.device == k_pool.device, f"q is on {q.device}, pools on {k_pool.device}")
-    require(isinstance(pieces, torch.Tensor) and pieces.dtype == torch.int32 and pieces.dim() == 2
-            and pieces.shape[1] == 4, "pieces must be a (P, 4) int32 tensor: first row, rows, slot, start")
-    require(pieces.device == q.device, f"pieces is on {pieces.device}, expected {q.device}")
+    check_attention(q, k_pool, v_pool)
+    check_pieces(pieces, q.device)
     check_table(block_table, q.device)
     check_out(out, q)
     if not _use_triton(use_triton, q.device):
@@ -195,18 +187,12 @@ def mixed_attention(
     (triton_mixed_attention.py), each decode row at one split: its bits are `decode_attention`'s with num_splits=1,
     a prompt row's are `chunk_attention`'s. The reference: the two references.
     """
-    check_float("q", q, 3)
-    rows, q_heads, head_dim = q.shape
+    rows = check_attention(q, k_pool, v_pool)[0]
     require(isinstance(decode_rows, int) and 0 <= decode_rows <= rows,
             f"decode_rows {decode_rows!r} must be an int in 0..{rows} (q's rows)")
-    check_pools(k_pool, v_pool, head_dim, q.dtype)
-    check_groups(q_heads, k_pool.shape[1])
-    require(q.device == k_pool.device, f"q is on {q.device}, pools on {k_pool.device}")
     check_index("slots", slots, decode_rows, q.device)
     check_index("lengths", lengths, decode_rows, q.device)
-    require(isinstance(pieces, torch.Tensor) and pieces.dtype == torch.int32 and pieces.dim() == 2
-            and pieces.shape[1] == 4, "pieces must be a (P, 4) int32 tensor: first row, rows, slot, start")
-    require(pieces.device == q.device, f"pieces is on {pieces.device}, expected {q.device}")
+    check_pieces(pieces, q.device)
     check_table(block_table, q.device)
     check_out(out, q)
     if not _use_triton(use_triton, q.device):
