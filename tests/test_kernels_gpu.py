@@ -302,6 +302,30 @@ def test_paged_kernels_equal_the_slot_layout_bit_for_bit(page):
 
 
 @pytest.mark.parametrize("page", [0, 64], ids=["slots", "paged"])
+def test_one_split_writes_the_merges_bits_qwen(page):
+    """A decode step of >= 66 rows on 132 SMs takes one split a row, and stage 1 writes the output (no merge
+    launch): the bits of stage 1 + the merge of that split, bf16 on Qwen shapes, a row of length 0 zeros."""
+    from bench.measure.kernel_inputs import paged_copy
+    from kvtransfer.kernels import triton_attention as TA
+    from kvtransfer.kernels.triton_attention_split import STAGE2_HEADS, STAGE2_WARPS
+
+    lengths = ragged_lengths(96, 2048, seed=12)
+    lengths[5] = 0
+    case = decode_case(lengths, *QWEN, max_seq=2048, dtype=torch.bfloat16, device="cuda", seed=12, garbage=None)
+    kp, vp, table = case.k_pool, case.v_pool, None
+    if page:
+        kp, table = paged_copy(case.k_pool, page, seed=page)
+        vp, _ = paged_copy(case.v_pool, page, seed=page)
+    args = (case.q, kp, vp, case.slots, case.lengths, case.scale)
+    merged = TA.decode_attention_triton(*args, num_splits=1, block_table=table,
+                                        stage2=(STAGE2_WARPS, STAGE2_HEADS))
+    got = TA.decode_attention_triton(*args, block_table=table)  # the default count: 1 at 96 rows on 132 SMs
+    torch.cuda.synchronize()
+    assert torch.equal(got, merged)
+    assert torch.equal(got[5], torch.zeros_like(got[5]))
+
+
+@pytest.mark.parametrize("page", [0, 64], ids=["slots", "paged"])
 def test_mixed_attention_is_both_kernels_in_one_launch_qwen(page):
     """The fused mixed-step kernel on Qwen shapes, bf16, in a graph (64 decode rows over ragged 1k-4k contexts +
     448 prompt rows, as a 512-row step): its decode rows are the decode kernel's at one split and its prompt rows

@@ -304,6 +304,31 @@ def test_decode_attention_merge_launches_give_the_same_bits():
             assert _rel_err(got[:6], gold[:6]) <= 1e-5, (splits, stage2)
 
 
+@pytest.mark.parametrize("page", [0, 16], ids=["slots", "paged"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_split_writes_the_output_without_a_merge(dtype, page, monkeypatch):
+    # At one split by count stage 1 writes the rows' output itself: the bits of stage 1 + the merge of that split
+    # (a merge sweep's launch forces the merge), a row of length 0 zeros as the merge writes, and no merge launch.
+    from kvtransfer.kernels import triton_attention as TA
+
+    case = decode_case([150, 0, 64, 65, 200], 9, 3, 64, max_seq=256, dtype=dtype, seed=29, pad_rows=2)
+    table = None
+    kp, vp = case.k_pool, case.v_pool
+    if page:
+        kp, table = paged_copy(case.k_pool, page)
+        vp, _ = paged_copy(case.v_pool, page)
+    args = (case.q, kp, vp, case.slots, case.lengths, case.scale)
+    merged = TA.decode_attention_triton(*args, num_splits=1, block_table=table, stage2=(4, 1))  # the merge's own
+    out = torch.full_like(case.q, float("nan"))
+    monkeypatch.setattr(TA, "merge_splits", lambda *a, **k: pytest.fail("one split launched a merge"))
+    got = TA.decode_attention_triton(*args, num_splits=1, block_table=table, out=out)
+    assert got is out
+    assert torch.equal(got, merged)
+    assert torch.equal(got[1], torch.zeros_like(got[1]))
+    gold = attention_gold(case)
+    assert _rel_err(got[:5], gold[:5]) <= ATT_TOL[dtype]
+
+
 @pytest.mark.parametrize("page", PAGES)
 def test_chunk_attention_paged_equals_slots(page):
     g = torch.Generator().manual_seed(12)

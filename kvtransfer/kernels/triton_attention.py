@@ -12,7 +12,9 @@ table). As there, one program takes all G query heads of one kv head (padded to 
 K/V are read once per group and never repeated in memory; and a row's valid length is cut
 into num_splits equal chunks (rounded up to BLOCK_N), so every split of a long row does
 work. Splits whose chunk starts at or past the length (short rows, padded rows of length 1)
-exit at once and stage 2 (triton_attention_split.py) skips them. The batch-invariant mode passes `split_size` instead: every row cut at
+exit at once and stage 2 (triton_attention_split.py) skips them. At one split by count (a batch that fills
+the SMs by itself) stage 1 writes the output and no merge runs: the merge of one split is exact, so the bits are
+the same, and a layer pays one launch, not two. The batch-invariant mode passes `split_size` instead: every row cut at
 multiples of it, so a row's splits depend on its own length only, merged by triton_attention_split.py.
 
 num_splits is a Python int from static shapes only (B, kv heads, max_seq, SM count), so one
@@ -62,8 +64,8 @@ def choose_num_splits(batch: int, kv_heads: int, head_blocks: int, max_seq: int,
     (bench/results/splits-h100-2026-12-06: `python -m bench.probes.chunk_attention --split-sweep`, one H100, Qwen2.5-7B's
     heads): fewer, longer programs read faster than ~1.2 waves of them (5 resident per SM), as each program's fixed
     cost (its query, its partial output, the merge) is paid once per split. 132 SMs, 4 kv heads: B=1 -> 66 splits
-    (chunks of 512 at 32k); B=8 -> 9; B=32 -> 3; B=64 -> 2 (chunks of 512 at 1k); B >= 66 -> 1 (no merge work
-    beyond one split's).
+    (chunks of 512 at 32k); B=8 -> 9; B=32 -> 3; B=64 -> 2 (chunks of 512 at 1k); B >= 66 -> 1 (stage 1 writes the
+    output itself: no merge launch).
     """
     per_split = max(1, batch * kv_heads * head_blocks)
     want = triton.cdiv(PROGRAMS_PER_SM * sm_count, per_split)
@@ -129,13 +131,13 @@ def decode_program(
     length, chunk = row_length_and_chunk(Lengths, b, max_seq, num_splits, BLOCK_N, SPLIT_SIZE)
     start = split * chunk
     end = tl.minimum(start + chunk, length)
+    offs_g = head_block * BLOCK_H + tl.arange(0, BLOCK_H)  # head index inside the group
+    mask_h = offs_g < GROUPS
+    heads = kv_head * GROUPS + offs_g  # (BLOCK_H,) query heads of this kv head
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    b64 = b.to(tl.int64)
     if start < end:
-        offs_g = head_block * BLOCK_H + tl.arange(0, BLOCK_H)  # head index inside the group
-        mask_h = offs_g < GROUPS
-        heads = kv_head * GROUPS + offs_g  # (BLOCK_H,) query heads of this kv head
-        offs_d = tl.arange(0, BLOCK_D)
-        mask_d = offs_d < HEAD_DIM
-        b64 = b.to(tl.int64)
         q = tl.load(
             Q + b64 * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
             mask=mask_h[:, None] & mask_d[None, :], other=0.0,
@@ -178,25 +180,30 @@ def decode_program(
                 mask=mask_h[:, None] & mask_d[None, :],
             )
             tl.store(MidLse + row, m_i + tl.math.log2(l_i), mask=mask_h)
+    elif FINAL:  # a row of length 0: zeros, as the merge writes for a row with no split active
+        tl.store(Out + b64 * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                 tl.zeros([BLOCK_H, BLOCK_D], dtype=Out.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
 
 
 @triton.jit
 def _decode_stage1(
-    Q, K, V, Slots, Table, Lengths, MidO, MidLse,
+    Q, K, V, Slots, Table, Lengths, MidO, MidLse, Out,
     qk_scale_log2,
     stride_qb, stride_qh,
     stride_ks, stride_kh, stride_kt, stride_tr,
+    stride_ob, stride_oh,
     max_seq, num_splits,
     Q_HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    PAGE: tl.constexpr, PAGED: tl.constexpr, SPLIT_SIZE: tl.constexpr,
+    PAGE: tl.constexpr, PAGED: tl.constexpr, SPLIT_SIZE: tl.constexpr, FINAL: tl.constexpr,
 ):
     # grid (B, Hkv * HEAD_BLOCKS, NUM_SPLITS); MidO (B, Hq, S, D), MidLse (B, Hq, S) fp32. K and V share strides.
-    decode_program(Q, K, V, Slots, Table, Lengths, MidO, MidLse, MidO, tl.program_id(0), tl.program_id(1),
+    # FINAL (one split by count, no merge): each program writes its rows' output into Out (B, Hq, D) instead.
+    decode_program(Q, K, V, Slots, Table, Lengths, MidO, MidLse, Out, tl.program_id(0), tl.program_id(1),
                    tl.program_id(2), qk_scale_log2, stride_qb, stride_qh, stride_ks, stride_kh, stride_kt, stride_tr,
-                   0, 0, max_seq, num_splits, Q_HEADS, GROUPS, HEAD_BLOCKS, HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_H,
-                   UPCAST_DOT, PAGE, PAGED, SPLIT_SIZE, False)
+                   stride_ob, stride_oh, max_seq, num_splits, Q_HEADS, GROUPS, HEAD_BLOCKS, HEAD_DIM, BLOCK_D,
+                   BLOCK_N, BLOCK_H, UPCAST_DOT, PAGE, PAGED, SPLIT_SIZE, FINAL)
 
 
 def _upcast_dots(q: torch.Tensor) -> bool:
@@ -235,6 +242,8 @@ def decode_attention_triton(
     never on the paging. num_splits: None picks `choose_num_splits` (static shapes only); an int overrides (bench).
     split_size: None as above; a positive multiple of BLOCK_N (the batch-invariant mode, INVARIANT_SPLIT_SIZE
     there) cuts every row at multiples of it, cdiv(max_seq, split_size) splits, merged by triton_attention_split.
+    One split by count and no stage2: stage 1 writes `out` itself (FINAL), the merge's bits, zeros on a row of
+    length 0.
     """
     batch, q_heads, head_dim = q.shape
     kv_heads = k_pool.shape[1]
@@ -255,20 +264,29 @@ def decode_attention_triton(
             num_splits = default_num_splits(batch, q_heads, kv_heads, max_seq, q.device)
         num_splits = max(1, min(int(num_splits), MAX_SPLITS))
     block_d = max(16, triton.next_power_of_2(head_dim))
-    mid_o = torch.empty((batch, q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
-    mid_lse = torch.empty((batch, q_heads, num_splits), dtype=torch.float32, device=q.device)
     out = torch.empty((batch, q_heads, head_dim), dtype=q.dtype, device=q.device) if out is None else out
+    # One split by count and no merge sweep: stage 1 writes the output itself (the merge of one split is exact,
+    # so the bits are the merge's; one launch a layer instead of two). The fixed-size mode always merges.
+    final = split_size is None and num_splits == 1 and stage2 is None
+    if final:
+        mid_o = mid_lse = out  # never read or written
+    else:
+        mid_o = torch.empty((batch, q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty((batch, q_heads, num_splits), dtype=torch.float32, device=q.device)
     _decode_stage1[(batch, kv_heads * head_blocks, num_splits)](
-        q, k_pool, v_pool, slots, table, lengths, mid_o, mid_lse,
+        q, k_pool, v_pool, slots, table, lengths, mid_o, mid_lse, out,
         float(scale) * _LOG2E,
         q.stride(0), q.stride(1),
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), stride_tr,
+        out.stride(0), out.stride(1),
         max_seq, num_splits,
         Q_HEADS=q_heads, GROUPS=groups, HEAD_BLOCKS=head_blocks, HEAD_DIM=head_dim,
         BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_H=BLOCK_H,
-        UPCAST_DOT=_upcast_dots(q), PAGE=page, PAGED=paged, SPLIT_SIZE=split_size or 0,
+        UPCAST_DOT=_upcast_dots(q), PAGE=page, PAGED=paged, SPLIT_SIZE=split_size or 0, FINAL=final,
         num_warps=num_warps or STAGE1_WARPS, num_stages=num_stages or STAGE1_STAGES,
     )
+    if final:
+        return out
     if split_size is not None:
         merge_fixed_splits(mid_o, mid_lse, lengths, out, max_seq, split_size)
         return out
