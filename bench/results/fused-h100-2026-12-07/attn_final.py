@@ -13,6 +13,12 @@ from bench.measure.kernel_inputs import decode_case, paged_copy
 from kvtransfer.kernels import triton_attention as TA
 from kvtransfer.kernels.triton_attention_split import STAGE2_HEADS, STAGE2_WARPS
 
+
+def run(args, table, out, stage2):
+    for _ in range(28):
+        TA.decode_attention_triton(*args, num_splits=1, block_table=table, out=out, stage2=stage2)
+
+
 for batch, context in ((72, 1024), (128, 1024), (256, 1024), (128, 4096)):
     case = decode_case([context] * batch, 28, 4, 128, max_seq=context, dtype=torch.bfloat16, device="cuda", seed=1,
                        garbage=None)
@@ -22,16 +28,13 @@ for batch, context in ((72, 1024), (128, 1024), (256, 1024), (128, 4096)):
     out = torch.empty_like(case.q)
     row = {"batch": batch, "context": context, "num_splits": splits}
     outs = {}
+    args = (case.q, kp, vp, case.slots, case.lengths, case.scale)
     for arm, stage2 in (("final", None), ("merge", (STAGE2_WARPS, STAGE2_HEADS))):
-        def run():
-            for _ in range(28):
-                TA.decode_attention_triton(case.q, kp, vp, case.slots, case.lengths, case.scale, num_splits=1,
-                                           block_table=table, out=out, stage2=stage2)
-        run()
+        run(args, table, out, stage2)
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            run()
+            run(args, table, out, stage2)
         times = []
         for i in range(23):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
