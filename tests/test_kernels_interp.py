@@ -418,6 +418,20 @@ def test_mixed_attention_is_both_kernels_in_one_launch(dtype, page):
     assert (ref[d + 78:d + 80] == 0).all()  # a new output: zero outside the pieces
 
 
+def test_mixed_attention_grid_order_moves_no_bit():
+    """The sweep's DECODE_FIRST (the decode programs take the grid's first ids): every program does the same work,
+    so the output is the default order's bit for bit, both kinds of rows written."""
+    from kvtransfer.kernels.triton_mixed_attention import mixed_attention_triton
+
+    q, kp, vp, table, case, pieces = _mixed_case(torch.bfloat16, 16)
+    d = case.q.shape[0]
+    args = (q, kp, vp, d, case.slots, case.lengths, pieces, case.scale, table)
+    want = mixed_attention_triton(*args, out=torch.full_like(q, 7.0))
+    got = mixed_attention_triton(*args, out=torch.full_like(q, 7.0), decode_first=True)
+    assert torch.equal(got, want)
+    assert not (want[:d] == 7.0).any() and not (want[d:d + 78] == 7.0).any()
+
+
 def test_mixed_attention_with_no_rows_of_one_kind():
     """All decode rows (no prompt rows) or all prompt rows (no decode rows): the same as the one kernel alone."""
     q, kp, vp, _, case, pieces = _mixed_case(torch.float32)

@@ -32,6 +32,7 @@ from kvtransfer.kernels.triton_paging import table_args
 
 NUM_WARPS = 4  # both kernels' own launch
 NUM_STAGES = 2  # the decode kernel's (the chunk kernel's 3 buys it ~2%: bench/probes/chunk_attention.py); a sweep's
+DECODE_FIRST = False  # the grid's order: the chunk programs first (the longer ones start first); a sweep's
 
 
 def fuses(decode_rows: int, kv_heads: int, head_blocks: int, sm_count: int) -> bool:
@@ -61,12 +62,17 @@ def _mixed_attention(
     Q_HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_BLOCKS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK_BLOCK_N: tl.constexpr, DECODE_BLOCK_N: tl.constexpr,
     BLOCK_H: tl.constexpr, UPCAST_DOT: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr,
+    DECODE_FIRST: tl.constexpr,
 ):
     # grid (chunk_programs + decode_rows * Hkv * HEAD_BLOCKS,): program p < chunk_programs is the chunk kernel's
     # (p % (P * blocks_per_piece), p // (P * blocks_per_piece)); the rest the decode kernel's (b, pid_h, split 0)
     # with b fastest, as their own grids order them. Qd/Od: the decode rows (decode_rows, Hq, D); Qc/Oc: the prompt
-    # rows (pieces' first rows count from there). Both share q's and out's strides.
+    # rows (pieces' first rows count from there). Both share q's and out's strides. DECODE_FIRST (a sweep's): the
+    # decode programs take the grid's first ids instead; each program does the same work either way.
     pid = tl.program_id(0)
+    if DECODE_FIRST:
+        decode_programs = tl.num_programs(0) - chunk_programs
+        pid = (pid + chunk_programs) % (chunk_programs + decode_programs)
     if pid < chunk_programs:
         piece_blocks = chunk_programs // Q_HEADS
         TC.chunk_program(Qc, K, V, Pieces, Table, Oc, pid % piece_blocks, pid // piece_blocks, qk_scale_log2,
@@ -84,11 +90,12 @@ def _mixed_attention(
 def mixed_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, decode_rows: int,
                            slots: torch.Tensor, lengths: torch.Tensor, pieces: torch.Tensor, scale: float,
                            block_table: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                           num_stages: int | None = None) -> torch.Tensor:
+                           num_stages: int | None = None, num_warps: int | None = None,
+                           decode_first: bool | None = None) -> torch.Tensor:
     """Shapes as `kvtransfer.kernels.ops.mixed_attention` (checked there): q (B, Hq, D) unit stride on D, rows
     :decode_rows decode rows (slots, lengths (decode_rows,)), the rest the pieces' (P, 4) prompt rows -> `out`
-    (B, Hq, D) (None: a new tensor, zero on prompt rows outside every piece). num_stages: a sweep's (None:
-    NUM_STAGES, read at the call)."""
+    (B, Hq, D) (None: a new tensor, zero on prompt rows outside every piece). num_stages, num_warps, decode_first:
+    a sweep's (None: NUM_STAGES, NUM_WARPS, DECODE_FIRST, read at the call)."""
     rows, q_heads, head_dim = q.shape
     kv_heads = k_pool.shape[1]
     table, stride_tr, width, page, paged = table_args(block_table, k_pool)
@@ -115,6 +122,7 @@ def mixed_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         Q_HEADS=q_heads, GROUPS=groups, HEAD_BLOCKS=head_blocks, HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=TC.BLOCK_M, CHUNK_BLOCK_N=TC.BLOCK_N,
         DECODE_BLOCK_N=TA.BLOCK_N, BLOCK_H=TA.BLOCK_H, UPCAST_DOT=TA._upcast_dots(q), PAGE=page, PAGED=paged,
-        num_warps=NUM_WARPS, num_stages=num_stages or NUM_STAGES,
+        DECODE_FIRST=DECODE_FIRST if decode_first is None else bool(decode_first),
+        num_warps=num_warps or NUM_WARPS, num_stages=num_stages or NUM_STAGES,
     )
     return out
