@@ -4,7 +4,8 @@
 # against a decode server with runner.MIXED_ATTENTION "fused" (the default) and then "two" (the side-stream pair,
 # the previous default), set in the server's process before it starts; the decode step at 64/128 over 1k (the ITL
 # reference, same call); then the kernel and engine GPU tests in what time is left. Each stage tars to $OUT.
-# First: the decode kernel at one split with and without the merge launch (attn_final.py), the kernels' GPU tests.
+# First: the decode kernel at one split with and without the merge launch (attn_final.py); the kernels' GPU tests
+# after serving.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:.
@@ -13,9 +14,6 @@ start=$(date +%s); t() { echo "$1 rc $2 at $(( $(date +%s) - start )) s"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > $R/gpu.txt 2>&1; cat $R/gpu.txt
 timeout -k 5 60 python3 bench/results/fused-h100-2026-12-07/attn_final.py > $R/attn-final.log 2>&1
 t "decode kernel at one split, final vs merge" $?; cat $R/attn-final.log | tail -4
-timeout -k 5 90 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE tests/test_kernels_gpu.py \
-  > $R/gpu-tests-kernels.log 2>&1; t "gpu tests (kernels)" $?; tail -2 $R/gpu-tests-kernels.log
-tar -C /tmp -czf $OUT/call1.tgz call1
 for arm in fused two; do
   (exec python3 -c 'import runpy, sys; import kvtransfer.engine.runner as r; r.MIXED_ATTENTION = sys.argv.pop(1); runpy.run_module("decode_server", run_name="__main__", alter_sys=True)' \
      $arm --colocated --model qwen2.5-7b --listen 127.0.0.1:50051 --metrics-port 9101 > $R/decode-server-$arm.log 2>&1) & DPID=$!
@@ -29,6 +27,9 @@ for arm in fused two; do
   kill -TERM $DPID 2>/dev/null; wait $DPID 2>/dev/null
   tar -C /tmp -czf $OUT/call1.tgz call1
 done
+timeout -k 5 90 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE tests/test_kernels_gpu.py \
+  > $R/gpu-tests-kernels.log 2>&1; t "gpu tests (kernels)" $?; tail -2 $R/gpu-tests-kernels.log
+tar -C /tmp -czf $OUT/call1.tgz call1
 timeout -k 10 80 python3 -m bench.cli decode --model qwen2.5-7b --batches 64,128 --contexts 1024 --hf none \
     --runs 20 --warmup 3 --out $R/decode > $R/decode.log 2>&1; t decode $?
 grep -E "^\| (64|128) " $R/decode/report.md 2>/dev/null | head -4
