@@ -80,7 +80,7 @@ class DecodeConfig:
                                  "prompt is cut into steps, cached or not: every projection by a batch-invariant "
                                  "GEMM, every prompt row attending as a decode row, prompts prefilled in the steps "
                                  "(docs/batch-invariance.md); a prefill worker must run it too (handshake). CPU "
-                                 "only for now")
+                                 "and CUDA (Triton kernels on CUDA)")
     mixed_max_rows: int = flag(0, "with --mixed-prefill: also capture steps of 2, 4 .. x --prefill-chunk rows, up to "
                                "this; a step takes the largest size that the prompt tokens waiting fill (drains a "
                                "burst of prompts in fewer steps; those steps' ITL grows). 0: --prefill-chunk only")

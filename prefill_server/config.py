@@ -71,8 +71,8 @@ class PrefillConfig:
     deterministic: bool = flag(False, "deterministic kernels (run-to-run identical logits on GPU; slower)")
     batch_invariant: bool = flag(False, "prefill as the decode worker's --batch-invariant steps do (every prompt "
                                  "row a decode row of batch-invariant ops), so its cache and first token are the "
-                                 "bits that decode worker would make; both sides must agree (handshake). CPU only "
-                                 "for now")
+                                 "bits that decode worker would make; both sides must agree (handshake). CPU "
+                                 "and CUDA")
     log_level: str = flag("INFO", "log level", choices=LOG_LEVELS)
 
     def __post_init__(self):
