@@ -150,13 +150,18 @@ def _decoding_meanwhile(e: DecodeEngine, prompt: list[int], steps: int, got: dic
     return t
 
 
+# Steps the request decoding meanwhile takes: enough that it still decodes while the other prompts' chunks (4, then
+# 2 steps) ride beside it, however late this thread submits them on a loaded machine.
+OTHER_STEPS = 120
+
+
 def test_prompts_prefilled_inside_decode_steps_decode_to_the_same_tokens(tiny, monkeypatch):
     """A long prompt (4 chunks) prefilled while another request decodes, its chunks riding in that request's steps:
     both requests' tokens equal those of the plain engine, and every slot is free afterwards."""
     long_prompt = random_prompt(tiny.config.vocab_size, 61, seed=3)[0].tolist()
     other = random_prompt(tiny.config.vocab_size, 12, seed=4)[0].tolist()
     plain = _engine(tiny)
-    want_long, want_other = _decode(plain, long_prompt, 10), _decode(plain, other, 40)
+    want_long, want_other = _decode(plain, long_prompt, 10), _decode(plain, other, OTHER_STEPS)
     plain.close()
     from kvtransfer.engine.graphs import Step
 
@@ -171,7 +176,7 @@ def test_prompts_prefilled_inside_decode_steps_decode_to_the_same_tokens(tiny, m
     e = _engine(tiny, prefill_chunk=17, mixed_prefill=True)  # 16 prompt rows beside one decode row
     try:
         got = {}
-        t = _decoding_meanwhile(e, other, 40, got)
+        t = _decoding_meanwhile(e, other, OTHER_STEPS, got)
         steps_before = e.scheduler.steps
         got["long"] = _decode(e, long_prompt, 10)
         t.join(timeout=60)
@@ -185,10 +190,11 @@ def test_prompts_prefilled_inside_decode_steps_decode_to_the_same_tokens(tiny, m
         short = random_prompt(tiny.config.vocab_size, 20, seed=5)[0].tolist()
         want_short = _decode(plain_engine := _engine(tiny), short, 6)
         plain_engine.close()
-        t = _decoding_meanwhile(e, other, 40, got)
+        t = _decoding_meanwhile(e, other, OTHER_STEPS, got)
         del pieces[:]
         leases = [e.pool.try_lease(), e.pool.try_lease()]
-        futs = [e.prefill(p, lease, False) for p, lease in zip((short, other), leases)]
+        with e.scheduler._cond:  # both queued before a step looks (its lock): no step may see the first alone
+            futs = [e.prefill(p, lease, False) for p, lease in zip((short, other), leases)]
         firsts = [f.result(timeout=60).first for f in futs]
         assert [firsts[0], firsts[1]] == [want_short[0], want_other[0]]
         assert [[(start, n) for _, start, n in p] for p in pieces] == [[(0, 16)], [(16, 4), (0, 12)]]  # 20 + 12 tokens
