@@ -31,7 +31,10 @@ from kvtransfer.kernels import triton_chunk_attention as TC
 from kvtransfer.kernels.triton_paging import table_args
 
 NUM_WARPS = 4  # both kernels' own launch
-NUM_STAGES = 2  # the decode kernel's (the chunk kernel's 3 buys it ~2%: bench/probes/chunk_attention.py); a sweep's
+# The launch, from a sweep of grid order x warps 4/8 x stages 2/3 at 64 and 128 decode rows beside 448 / 384 prompt
+# rows (bench/results/fused-h100-2026-12-07/call2/mixed-sweep.log): 3 stages the fastest at both, with the bits of 2;
+# 8 warps slower (and other bits at 128 rows); the decode programs first slower.
+NUM_STAGES = 3
 DECODE_FIRST = False  # the grid's order: the chunk programs first (the longer ones start first); a sweep's
 
 
