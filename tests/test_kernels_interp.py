@@ -318,15 +318,73 @@ def test_one_split_writes_the_output_without_a_merge(dtype, page, monkeypatch):
         kp, table = paged_copy(case.k_pool, page)
         vp, _ = paged_copy(case.v_pool, page)
     args = (case.q, kp, vp, case.slots, case.lengths, case.scale)
-    merged = TA.decode_attention_triton(*args, num_splits=1, block_table=table, stage2=(4, 1))  # the merge's own
+    merged = TA.decode_attention_triton(*args, num_splits=1, max_chunk=0, block_table=table,
+                                        stage2=(4, 1))  # the merge's own
     out = torch.full_like(case.q, float("nan"))
     monkeypatch.setattr(TA, "merge_splits", lambda *a, **k: pytest.fail("one split launched a merge"))
-    got = TA.decode_attention_triton(*args, num_splits=1, block_table=table, out=out)
+    got = TA.decode_attention_triton(*args, num_splits=1, max_chunk=0, block_table=table, out=out)
     assert got is out
     assert torch.equal(got, merged)
     assert torch.equal(got[1], torch.zeros_like(got[1]))
     gold = attention_gold(case)
     assert _rel_err(got[:5], gold[:5]) <= ATT_TOL[dtype]
+
+
+@pytest.mark.parametrize("page", [0, 16], ids=["slots", "paged"])
+def test_a_long_row_is_cut_at_max_chunk(page, monkeypatch):
+    # One long row among short ones (the straggler a split count from the batch alone leaves: its few programs read
+    # the whole row while the rest wait): with max_chunk, the grid holds cdiv(max_seq, max_chunk) splits, the long
+    # row takes chunks of max_chunk, the short ones keep ceil(L / count) and their bits. Seen through the partials
+    # the merge receives: each of the long row's splits holds the log-sum-exp of its own max_chunk positions.
+    from kvtransfer.kernels import triton_attention as TA
+
+    case = decode_case([40, 500, 60, 0], 4, 2, 16, max_seq=512, dtype=torch.float32, seed=31)
+    table = None
+    kp, vp = case.k_pool, case.v_pool
+    if page:
+        kp, table = paged_copy(case.k_pool, page)
+        vp, _ = paged_copy(case.v_pool, page)
+    args = (case.q, kp, vp, case.slots, case.lengths, case.scale)
+    seen, merge = {}, TA.merge_splits
+
+    def record(mid_o, mid_lse, *a, **k):
+        seen.update(mid_lse=mid_lse.clone(), divisor=k["divisor"], max_chunk=k["max_chunk"])
+        return merge(mid_o, mid_lse, *a, **k)
+
+    monkeypatch.setattr(TA, "merge_splits", record)
+    got = TA.decode_attention_triton(*args, num_splits=2, max_chunk=64, block_table=table)
+    assert _rel_err(got, attention_gold(case)) <= 1e-5
+    assert torch.equal(got[3], torch.zeros_like(got[3]))
+    assert seen["mid_lse"].shape == (4, 4, 8) and (seen["divisor"], seen["max_chunk"]) == (2, 64)
+    q = case.q[1].view(2, 2, 16)  # (Hkv, G, D): row 1, 500 positions in 8 splits of 64
+    k = case.k_pool[case.slots[1], :, :500]  # (Hkv, 500, D)
+    s = torch.einsum("hgd,htd->hgt", q, k).reshape(4, 500) * case.scale
+    want = torch.stack([torch.logsumexp(s[:, j * 64:(j + 1) * 64], -1) for j in range(8)], -1) / 0.6931471805599453
+    assert torch.allclose(seen["mid_lse"][1], want, atol=1e-4)
+    uncapped = TA.decode_attention_triton(*args, num_splits=2, max_chunk=0, block_table=table)
+    assert torch.equal(got[[0, 2, 3]], uncapped[[0, 2, 3]])  # the short rows' edges: 64 positions, one split
+    with pytest.raises(ValueError, match="multiple of 64"):
+        TA.decode_attention_triton(*args, max_chunk=100, block_table=table)
+
+
+def test_the_cap_grows_to_keep_the_grid_at_max_splits(monkeypatch):
+    # A pool longer than MAX_SPLITS x max_chunk: the cap rises to cdiv(max_seq, MAX_SPLITS) (rounded to the tile),
+    # so no row needs more splits than the merge folds, and every position is still read.
+    from kvtransfer.kernels import triton_attention as TA
+
+    case = decode_case([1100, 3], 2, 1, 16, max_seq=1152, dtype=torch.float32, seed=32)
+    seen, merge = {}, TA.merge_splits
+
+    def record(mid_o, *a, **k):
+        seen.update(splits=mid_o.shape[2], max_chunk=k["max_chunk"])
+        return merge(mid_o, *a, **k)
+
+    monkeypatch.setattr(TA, "merge_splits", record)
+    monkeypatch.setattr(TA, "MAX_SPLITS", 4)
+    got = TA.decode_attention_triton(case.q, case.k_pool, case.v_pool, case.slots, case.lengths, case.scale,
+                                     num_splits=1, max_chunk=64)
+    assert _rel_err(got, attention_gold(case)) <= 1e-5
+    assert seen == {"splits": 4, "max_chunk": 320}  # cdiv(1152, 4) = 288, rounded up to 64
 
 
 @pytest.mark.parametrize("page", PAGES)
@@ -403,7 +461,7 @@ def test_mixed_attention_is_both_kernels_in_one_launch(dtype, page):
     assert got is out
     from kvtransfer.kernels.triton_attention import decode_attention_triton
 
-    one_split = decode_attention_triton(q[:d], kp, vp, case.slots, case.lengths, scale, num_splits=1,
+    one_split = decode_attention_triton(q[:d], kp, vp, case.slots, case.lengths, scale, num_splits=1, max_chunk=0,
                                         block_table=table)
     assert torch.equal(got[:d], one_split)
     chunk = torch.full_like(q[d:], 7.0)
@@ -440,7 +498,7 @@ def test_mixed_attention_with_no_rows_of_one_kind():
 
     only_decode = K.mixed_attention(q[:d], kp, vp, d, case.slots, case.lengths, pieces[:0], scale, use_triton=True)
     assert torch.equal(only_decode, decode_attention_triton(q[:d], kp, vp, case.slots, case.lengths, scale,
-                                                            num_splits=1))
+                                                            num_splits=1, max_chunk=0))
     none = case.slots[:0]
     only_prompt = K.mixed_attention(q[d:], kp, vp, 0, none, none, pieces, scale, use_triton=True)
     assert torch.equal(only_prompt, K.chunk_attention(q[d:], kp, vp, pieces, scale, use_triton=True))

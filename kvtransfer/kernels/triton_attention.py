@@ -12,8 +12,10 @@ table). As there, one program takes all G query heads of one kv head (padded to 
 K/V are read once per group and never repeated in memory; and a row's valid length is cut
 into num_splits equal chunks (rounded up to BLOCK_N), so every split of a long row does
 work. Splits whose chunk starts at or past the length (short rows, padded rows of length 1)
-exit at once and stage 2 (triton_attention_split.py) skips them. At one split by count (a batch that fills
-the SMs by itself) stage 1 writes the output and no merge runs: the merge of one split is exact, so the bits are
+exit at once and stage 2 (triton_attention_split.py) skips them. A split takes at most LONG_CHUNK positions: a
+row longer than count x LONG_CHUNK takes more splits (the grid holds the longest row's), so one long row among short
+ones is read by many programs, not held by a few. At one split in the grid (a batch that fills the SMs by itself,
+in a pool whose rows fit one chunk, or with the cap off) stage 1 writes the output and no merge runs: the merge of one split is exact, so the bits are
 the same, and a layer pays one launch, not two. The batch-invariant mode passes `split_size` instead: every row cut at
 multiples of it, so a row's splits depend on its own length only, merged by triton_attention_split.py.
 
@@ -38,6 +40,7 @@ from kvtransfer.kernels.triton_attention_split import (  # noqa: F401
     INVARIANT_SPLIT_SIZE,
     merge_fixed_splits,
     merge_splits,
+    no_chunk_cap,
     row_length_and_chunk,
 )
 from kvtransfer.kernels.triton_paging import table_args, tile_offsets
@@ -48,6 +51,12 @@ STAGE1_WARPS = 4  # stage 1's launch (bench/probes/chunk_attention.py --decode-s
 STAGE1_STAGES = 2
 MAX_SPLITS = 256  # bounds the stage-2 tile (all splits of a row are merged in one shot)
 PROGRAMS_PER_SM = 2  # choose_num_splits' aim: stage-1 programs a split count makes, per SM (was 6 before 2026-12-06)
+# The most positions one split of a row takes (a multiple of BLOCK_N; 0: no cap): see decode_attention_triton's
+# max_chunk. One H100, 28 layers (bench/results/fused-h100-2026-12-07/call5): 32 rows at 1k + one at 32k, 12.58 ms
+# uncapped (the long row's 8 programs read 16k positions each while the rest wait), 1.76 at 1,024, 2.63 at 2,048,
+# 4.53 at 4,096; what it costs where no row is long (a pool of 32k-position rows): 64 x 1k 1.49 -> 1.66 ms (the
+# empty splits), 128 x 1k 2.58 -> 3.03 (and no one-launch path: the grid has more than one split).
+LONG_CHUNK = 1024
 _LOG2E = 1.4426950408889634
 
 
@@ -64,8 +73,9 @@ def choose_num_splits(batch: int, kv_heads: int, head_blocks: int, max_seq: int,
     (bench/results/splits-h100-2026-12-06: `python -m bench.probes.chunk_attention --split-sweep`, one H100, Qwen2.5-7B's
     heads): fewer, longer programs read faster than ~1.2 waves of them (5 resident per SM), as each program's fixed
     cost (its query, its partial output, the merge) is paid once per split. 132 SMs, 4 kv heads: B=1 -> 66 splits
-    (chunks of 512 at 32k); B=8 -> 9; B=32 -> 3; B=64 -> 2 (chunks of 512 at 1k); B >= 66 -> 1 (stage 1 writes the
-    output itself: no merge launch).
+    (chunks of 512 at 32k); B=8 -> 9; B=32 -> 3; B=64 -> 2 (chunks of 512 at 1k); B >= 66 -> 1. The count cuts a
+    row into chunks of ceil(L / count); `decode_attention_triton`'s max_chunk (LONG_CHUNK) caps them, and the grid
+    grows to cdiv(max_seq, LONG_CHUNK) splits where that is more.
     """
     per_split = max(1, batch * kv_heads * head_blocks)
     want = triton.cdiv(PROGRAMS_PER_SM * sm_count, per_split)
@@ -114,7 +124,7 @@ def decode_program(
     stride_qb, stride_qh,
     stride_ks, stride_kh, stride_kt, stride_tr,
     stride_ob, stride_oh,
-    max_seq, num_splits,
+    max_seq, num_splits, divisor, max_chunk,
     Q_HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, UPCAST_DOT: tl.constexpr,
@@ -128,7 +138,7 @@ def decode_program(
     kv_head = pid_h // HEAD_BLOCKS
     head_block = pid_h % HEAD_BLOCKS
 
-    length, chunk = row_length_and_chunk(Lengths, b, max_seq, num_splits, BLOCK_N, SPLIT_SIZE)
+    length, chunk = row_length_and_chunk(Lengths, b, max_seq, divisor, max_chunk, BLOCK_N, SPLIT_SIZE)
     start = split * chunk
     end = tl.minimum(start + chunk, length)
     offs_g = head_block * BLOCK_H + tl.arange(0, BLOCK_H)  # head index inside the group
@@ -192,7 +202,7 @@ def _decode_stage1(
     stride_qb, stride_qh,
     stride_ks, stride_kh, stride_kt, stride_tr,
     stride_ob, stride_oh,
-    max_seq, num_splits,
+    max_seq, num_splits, divisor, max_chunk,
     Q_HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, UPCAST_DOT: tl.constexpr,
@@ -202,7 +212,8 @@ def _decode_stage1(
     # FINAL (one split by count, no merge): each program writes its rows' output into Out (B, Hq, D) instead.
     decode_program(Q, K, V, Slots, Table, Lengths, MidO, MidLse, Out, tl.program_id(0), tl.program_id(1),
                    tl.program_id(2), qk_scale_log2, stride_qb, stride_qh, stride_ks, stride_kh, stride_kt, stride_tr,
-                   stride_ob, stride_oh, max_seq, num_splits, Q_HEADS, GROUPS, HEAD_BLOCKS, HEAD_DIM, BLOCK_D,
+                   stride_ob, stride_oh, max_seq, num_splits, divisor, max_chunk, Q_HEADS, GROUPS, HEAD_BLOCKS,
+                   HEAD_DIM, BLOCK_D,
                    BLOCK_N, BLOCK_H, UPCAST_DOT, PAGE, PAGED, SPLIT_SIZE, FINAL)
 
 
@@ -227,6 +238,7 @@ def decode_attention_triton(
     num_stages: int | None = None,
     block_n: int | None = None,
     stage2: tuple[int, int] | None = None,
+    max_chunk: int | None = None,
 ) -> torch.Tensor:
     """Split-K decode attention; shapes as `kvtransfer.kernels.ops.decode_attention` (checked there).
 
@@ -243,7 +255,11 @@ def decode_attention_triton(
     split_size: None as above; a positive multiple of BLOCK_N (the batch-invariant mode, INVARIANT_SPLIT_SIZE
     there) cuts every row at multiples of it, cdiv(max_seq, split_size) splits, merged by triton_attention_split.
     One split by count and no stage2: stage 1 writes `out` itself (FINAL), the merge's bits, zeros on a row of
-    length 0.
+    length 0. max_chunk (by count only; None: LONG_CHUNK, read at the call; 0: no cap): the most positions a split
+    takes. The count above still cuts a row into chunks of ceil(L / count), but a row longer than count x max_chunk
+    takes cdiv(L, max_chunk) splits, and the grid holds cdiv(max_seq, max_chunk) of them: one long row among short
+    ones no longer holds the step for its few long programs. A row short enough keeps its edges, so its bits are
+    those of the uncapped count whenever the grid does not grow.
     """
     batch, q_heads, head_dim = q.shape
     kv_heads = k_pool.shape[1]
@@ -263,6 +279,14 @@ def decode_attention_triton(
         if num_splits is None:
             num_splits = default_num_splits(batch, q_heads, kv_heads, max_seq, q.device)
         num_splits = max(1, min(int(num_splits), MAX_SPLITS))
+    divisor, cap = num_splits, no_chunk_cap(max_seq, block_n)
+    max_chunk = LONG_CHUNK if max_chunk is None else int(max_chunk)
+    if split_size is None and max_chunk:
+        if max_chunk < 0 or max_chunk % block_n:
+            raise ValueError(f"max_chunk {max_chunk} must be a positive multiple of {block_n} (or 0: no cap)")
+        max_chunk = max(max_chunk, triton.cdiv(triton.cdiv(max_seq, MAX_SPLITS), block_n) * block_n)
+        num_splits = max(num_splits, triton.cdiv(max_seq, max_chunk))  # the grid: the longest row's splits
+        cap = min(cap, max_chunk)
     block_d = max(16, triton.next_power_of_2(head_dim))
     out = torch.empty((batch, q_heads, head_dim), dtype=q.dtype, device=q.device) if out is None else out
     # One split by count and no merge sweep: stage 1 writes the output itself (the merge of one split is exact,
@@ -279,7 +303,7 @@ def decode_attention_triton(
         q.stride(0), q.stride(1),
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), stride_tr,
         out.stride(0), out.stride(1),
-        max_seq, num_splits,
+        max_seq, num_splits, divisor, cap,
         Q_HEADS=q_heads, GROUPS=groups, HEAD_BLOCKS=head_blocks, HEAD_DIM=head_dim,
         BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_H=BLOCK_H,
         UPCAST_DOT=_upcast_dots(q), PAGE=page, PAGED=paged, SPLIT_SIZE=split_size or 0, FINAL=final,
@@ -290,5 +314,6 @@ def decode_attention_triton(
     if split_size is not None:
         merge_fixed_splits(mid_o, mid_lse, lengths, out, max_seq, split_size)
         return out
-    merge_splits(mid_o, mid_lse, lengths, out, max_seq, block_n, *(stage2 or ()))
+    merge_splits(mid_o, mid_lse, lengths, out, max_seq, block_n, *(stage2 or (None, None)), divisor=divisor,
+                 max_chunk=cap)
     return out

@@ -38,15 +38,22 @@ STAGE2_WARPS = 4  # the by-count merge's launch (bench/probes/chunk_attention.py
 STAGE2_HEADS = 1  # query heads a by-count merge program takes, one after another
 
 
+def no_chunk_cap(max_seq: int, block: int) -> int:
+    """A max_chunk that never binds: max_seq rounded up to the tile (no row's chunk is longer than the row)."""
+    return max(block, -(-int(max_seq) // block) * block)
+
+
 @triton.jit
-def row_length_and_chunk(Lengths, b, max_seq, num_splits, BLOCK: tl.constexpr, SPLIT_SIZE: tl.constexpr):
-    """Valid positions of row b (clamped to the pool) and positions per split: ceil(L / S) rounded up to BLOCK, or
-    SPLIT_SIZE when set (the fixed-split mode). Stage 1 and stage 2 must agree exactly."""
+def row_length_and_chunk(Lengths, b, max_seq, divisor, max_chunk, BLOCK: tl.constexpr, SPLIT_SIZE: tl.constexpr):
+    """Valid positions of row b (clamped to the pool) and positions per split: ceil(L / divisor) rounded up to
+    BLOCK and at most max_chunk (a multiple of BLOCK; a row longer than divisor x max_chunk takes cdiv(L, max_chunk)
+    splits, the grid holding that many), or SPLIT_SIZE when set (the fixed-split mode). Stage 1 and stage 2 must
+    agree exactly."""
     length = tl.minimum(tl.maximum(tl.load(Lengths + b).to(tl.int32), 0), max_seq)
     if SPLIT_SIZE > 0:
         chunk = SPLIT_SIZE
     else:
-        chunk = tl.cdiv(tl.cdiv(length, num_splits), BLOCK) * BLOCK
+        chunk = tl.minimum(tl.cdiv(tl.cdiv(length, divisor), BLOCK) * BLOCK, max_chunk)
     return length, chunk
 
 
@@ -54,7 +61,7 @@ def row_length_and_chunk(Lengths, b, max_seq, num_splits, BLOCK: tl.constexpr, S
 def _decode_stage2(
     MidO, MidLse, Lengths, Out,
     stride_ob, stride_oh,
-    max_seq, num_splits,
+    max_seq, num_splits, divisor, max_chunk,
     Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DS: tl.constexpr, HEADS: tl.constexpr,
 ):
@@ -63,7 +70,7 @@ def _decode_stage2(
     b = tl.program_id(0)
     pid_h = tl.program_id(1)
     pid_d = tl.program_id(2)
-    length, chunk = row_length_and_chunk(Lengths, b, max_seq, num_splits, BLOCK_N, 0)
+    length, chunk = row_length_and_chunk(Lengths, b, max_seq, divisor, max_chunk, BLOCK_N, 0)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = pid_d * BLOCK_DS + tl.arange(0, BLOCK_DS)
     mask_d = offs_d < HEAD_DIM
@@ -88,17 +95,21 @@ def _decode_stage2(
 
 
 def merge_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor, max_seq: int,
-                 block_n: int, warps: int | None = None, heads: int | None = None) -> None:
+                 block_n: int, warps: int | None = None, heads: int | None = None, divisor: int | None = None,
+                 max_chunk: int | None = None) -> None:
     """Stage 2 by count: mid_o (B, Hq, S, D), mid_lse (B, Hq, S) fp32 -> out (B, Hq, D), in place. block_n: stage
-    1's tile (the splits' edges); warps, heads: the launch (None: STAGE2_WARPS, STAGE2_HEADS, read at the call)."""
+    1's tile (the splits' edges); warps, heads: the launch (None: STAGE2_WARPS, STAGE2_HEADS, read at the call).
+    divisor, max_chunk: stage 1's (None: S, and no cap)."""
     batch, q_heads, num_splits, head_dim = mid_o.shape
+    divisor = num_splits if divisor is None else divisor
+    max_chunk = no_chunk_cap(max_seq, block_n) if max_chunk is None else max_chunk
     heads = heads or STAGE2_HEADS
     block_s = max(2, triton.next_power_of_2(num_splits))
     block_ds = min(max(16, triton.next_power_of_2(head_dim)), max(16, _MERGE_ELEMS // block_s))
     _decode_stage2[(batch, triton.cdiv(q_heads, heads), triton.cdiv(head_dim, block_ds))](
         mid_o, mid_lse, lengths, out,
         out.stride(0), out.stride(1),
-        max_seq, num_splits,
+        max_seq, num_splits, divisor, max_chunk,
         Q_HEADS=q_heads, HEAD_DIM=head_dim,
         BLOCK_N=block_n, BLOCK_S=block_s, BLOCK_DS=block_ds, HEADS=heads,
         num_warps=warps or STAGE2_WARPS,

@@ -86,7 +86,8 @@ def _mixed_attention(
         did = pid - chunk_programs
         TA.decode_program(Qd, K, V, Slots, Table, Lengths, Od, Od, Od, did % decode_rows, did // decode_rows, 0,
                           qk_scale_log2, stride_qr, stride_qh, stride_ks, stride_kh, stride_kt, stride_tr,
-                          stride_or, stride_oh, max_seq, 1, Q_HEADS, GROUPS, HEAD_BLOCKS, HEAD_DIM, BLOCK_D,
+                          stride_or, stride_oh, max_seq, 1, 1, tl.cdiv(max_seq, DECODE_BLOCK_N) * DECODE_BLOCK_N,
+                          Q_HEADS, GROUPS, HEAD_BLOCKS, HEAD_DIM, BLOCK_D,
                           DECODE_BLOCK_N, BLOCK_H, UPCAST_DOT, PAGE, PAGED, 0, True)
 
 
