@@ -73,3 +73,99 @@ def test_decode_steps_run_between_chunks():
         other.release()
     finally:
         e.close()
+
+
+def test_no_gap_between_two_tokens_waits_for_two_chunks(monkeypatch):
+    """The order of device work around a chunked prefill's end, as a GPU would run it.
+
+    The scheduler queues step k+1 before it waits for step k's tokens (scheduler.py), so in the middle of a
+    prefill each gap between two tokens of a running stream waits for one chunk and one step. A read of the
+    device on the scheduler thread (`.item()`, `int()`, `.cpu()`, a synchronize) waits for all work queued so
+    far: the prefill job read its first token in the gap that queued its last chunk, so the step queued before
+    that chunk handed out its tokens only after it, two chunks in one gap (one H100, 32 streams and a 32k prompt
+    in 512-token chunks: one 105-109 ms gap after ~53 ms ones, bench/results/fused-h100-2026-12-07 call 6).
+    On CPU every op runs at once, so the log models the stream: each launch (step, chunk) in order, a step's
+    delivery waits for that step, any other read on the scheduler thread for every launch so far. Between two
+    deliveries at most one chunk may be waited for (an order, not a time)."""
+    import queue
+    import threading
+    import time
+
+    import kvtransfer.engine.engine as engine_mod
+    import kvtransfer.engine.scheduler as scheduler_mod
+    from kvtransfer.engine.sequence import Sequence
+
+    e = engine(16)
+    try:
+        lease = e.pool.try_lease()
+        r = e.prefill([1, 2, 3], lease, False).result(timeout=60)
+        q: queue.Queue = queue.Queue()
+        e.scheduler.add(Sequence(1, lease, 3, r.first, 400, q.put))
+        q.get(timeout=30)
+        events, launched, inside = [], [0], set()  # ("chunk", i) | ("deliver", i) | ("read", i): i = launches so far
+
+        def on_thread():
+            return threading.current_thread() is e.scheduler._thread
+
+        def queue_step(*a, real=scheduler_mod.queue_step, **k):
+            launched[0] += 1
+            inside.add("step")  # the CPU reference attention reads lengths on the host; on CUDA a kernel does
+            try:
+                out = real(*a, **k)
+            finally:
+                inside.discard("step")
+            out.launch = launched[0]
+            return out
+
+        def deliver(self, done, newer, real=scheduler_mod.Scheduler._deliver):
+            if hasattr(done, "launch"):
+                events.append(("deliver", done.launch))
+            inside.add("deliver")  # its reads wait for its step's event only
+            try:
+                return real(self, done, newer)
+            finally:
+                inside.discard("deliver")
+
+        def chunk(*a, real=engine_mod.prefill, **k):
+            launched[0] += 1
+            events.append(("chunk", launched[0]))
+            return real(*a, **k)
+
+        def read(name):
+            real = getattr(torch.Tensor, name)
+
+            def wrapped(self, *a, **k):
+                if on_thread() and not inside:
+                    events.append(("read", launched[0]))
+                return real(self, *a, **k)
+            return wrapped
+        for name in ("__int__", "item", "tolist", "cpu", "numpy"):
+            monkeypatch.setattr(torch.Tensor, name, read(name))
+
+        def sync(device, real=engine_mod.sync):
+            events.append(("read", launched[0]))
+            return real(device)
+        monkeypatch.setattr(engine_mod, "sync", sync)
+        monkeypatch.setattr(engine_mod, "prefill", chunk)
+        monkeypatch.setattr(scheduler_mod.Scheduler, "_deliver", deliver)
+        monkeypatch.setattr(scheduler_mod, "queue_step", queue_step)
+        other = e.pool.try_lease()
+        e.prefill(random_prompt(512, 200, seed=4)[0].tolist(), other, True).result(timeout=60)  # 13 chunks
+        end = time.monotonic() + 30  # two more steps delivered after the last chunk: the stream saw it through
+        while sum(kind == "deliver" and i > max(c for k, c in events if k == "chunk") for kind, i in list(events)) < 2:
+            assert time.monotonic() < end, events
+            time.sleep(0.01)
+        monkeypatch.undo()
+        chunks = [i for kind, i in events if kind == "chunk"]
+        waited, last, per_gap = 0, 0, []  # chunks waited for between each two deliveries
+        for kind, i in events:
+            if kind != "chunk":
+                waited = max(waited, i)
+            if kind == "deliver":
+                per_gap.append(sum(last < c <= waited for c in chunks))
+                last = waited
+        assert len(chunks) == 13 and sum(per_gap) == 13, (chunks, per_gap)
+        assert max(per_gap) == 1, per_gap  # at the end of the prefill as in its middle
+        other.release()
+    finally:
+        e.close()

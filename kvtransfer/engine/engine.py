@@ -121,11 +121,13 @@ class DecodeEngine:
         """Prefill the prompt into the leased slot; returns LocalPrefill (its first token chosen by `sampling`, at
         position len(token_ids), as the prefill worker chooses it; None: greedy).
 
-        Whole (prefill_chunk 0, or a prompt no longer than a chunk): one `next()`, exactly the prefill worker's
-        forward. Chunked (Sarathi-Serve): one chunk per `next()`, so the scheduler runs a decode step between two
+        Whole (prefill_chunk 0, or a prompt no longer than a chunk): one forward, exactly the prefill worker's.
+        Chunked (Sarathi-Serve): one chunk per `next()`, so the scheduler runs a decode step between two
         chunks; each later chunk attends over the cache so far (lower-right causal, chunk_attention.py). Chunked logits and cache then equal the whole prefill's
-        only within a tolerance (other kernel shapes; tests/test_chunked_prefill.py). The job holds the lease
-        while it writes, so a request that gives up meanwhile cannot free the slot under it.
+        only within a tolerance (other kernel shapes; tests/test_chunked_prefill.py). Either way the first token is
+        read back one `next()` after the last forward: read in the same one, it would hold back the tokens of the
+        step queued before that forward, and the running streams would wait two chunks in one gap. The job holds
+        the lease while it writes, so a request that gives up meanwhile cannot free the slot under it.
         """
         lease.hold()
         try:
@@ -145,10 +147,17 @@ class DecodeEngine:
                 start = end
                 if start < n:
                     yield
-            first = int(first_token(logits, sampling, n))
+            # The first token (and the logits to digest) leave on the way to the host, and are read in the next gap:
+            # a read now would wait for this last chunk before the scheduler hands out the step queued ahead of it,
+            # so the running streams would see two chunks in one gap (the stall at a chunked prefill's end).
+            out, ready = to_host([first_token(logits, sampling, n).view(1), *([logits] if want_digest else [])],
+                                 self.m.device)
+            yield
+            if ready is not None:
+                ready.synchronize()  # this job's own work only, not the step queued after it
             ms, cpu = (time.perf_counter() - t0) * 1e3, (time.thread_time() - c0) * 1e3
             log.debug("local prefill of %d tokens: %.1f ms, %.1f ms of thread CPU", n, ms, cpu)
-            return LocalPrefill(first, logits_digest(logits) if want_digest else "", ms, cpu)
+            return LocalPrefill(int(out[0][0]), logits_digest(out[1]) if want_digest else "", ms, cpu)
         finally:
             lease.release()
 
@@ -172,6 +181,21 @@ class DecodeEngine:
 
     def close(self) -> None:
         self.scheduler.close()
+
+
+def to_host(tensors: list[torch.Tensor], device: torch.device) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
+    """Host copies of `tensors` on their way (pinned on CUDA), and the event after them: read the copies once that
+    event is done (None on CPU: the tensors are already the host's). Waiting on the event waits for the work queued
+    so far, never for work queued after it (a `.item()` or `.cpu()` later would wait for the whole stream)."""
+    if device.type != "cuda":
+        return [t.detach() for t in tensors], None
+    out = []
+    for t in tensors:
+        out.append(torch.empty(t.shape, dtype=t.dtype, pin_memory=True))
+        out[-1].copy_(t.detach(), non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return out, ready
 
 
 def past_cache(config, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> StreamingCache:
