@@ -515,11 +515,26 @@ def test_mixed_attention_fuses_where_one_split_fills_the_sms():
     assert not K.mixed_attention_fuses(3, 8, 2, torch.device("cpu"), use_triton=True)
 
 
-@pytest.mark.parametrize("mode", ["fused", "two"])
-def test_a_mixed_step_takes_the_fused_launch_where_it_fuses(mode, monkeypatch):
+def test_mixed_attention_fuses_only_where_no_row_outgrows_the_split_cap(monkeypatch):
+    # The fused launch reads a decode row with one program a kv head: in a pool whose rows can be longer than the
+    # decode kernel's per-split cap, a long row would hold the step, so the two kernels take it (the decode kernel
+    # cuts long rows); with the cap off, as before.
+    from kvtransfer.kernels import triton_attention as TA
+
+    cpu = torch.device("cpu")
+    assert K.mixed_attention_fuses(4, 8, 2, cpu, use_triton=True, max_seq=TA.LONG_CHUNK)
+    assert not K.mixed_attention_fuses(4, 8, 2, cpu, use_triton=True, max_seq=TA.LONG_CHUNK + 1)
+    monkeypatch.setattr(TA, "LONG_CHUNK", 0)
+    assert K.mixed_attention_fuses(4, 8, 2, cpu, use_triton=True, max_seq=32768)
+
+
+@pytest.mark.parametrize("mode,max_seq", [("fused", 128), ("two", 128), ("fused", 2048)],
+                         ids=["fused", "two", "fused-long-rows"])
+def test_a_mixed_step_takes_the_fused_launch_where_it_fuses(mode, max_seq, monkeypatch):
     """The runner's mixed step under the interpreter (tiny: 2 kv heads, 8 SMs assumed): with 4 decode rows it fuses
-    (4 x 2 programs) by default and runs the two kernels under MIXED_ATTENTION "two"; either way its decode rows
-    match the plain step and its prompt's last row the whole prefill, within the mixed step's fp32 tolerance."""
+    (4 x 2 programs) by default and runs the two kernels under MIXED_ATTENTION "two", or in a pool of rows longer
+    than the decode kernel's per-split cap (LONG_CHUNK, 1,024); either way its decode rows match the plain step and
+    its prompt's last row the whole prefill, within the mixed step's fp32 tolerance."""
     from kvtransfer.engine import runner as runner_module
     from kvtransfer.engine.mixed import Chunk, mixed_forward
     from kvtransfer.engine.pool import KVPool
@@ -530,7 +545,8 @@ def test_a_mixed_step_takes_the_fused_launch_where_it_fuses(mode, monkeypatch):
     from kvtransfer.model.streaming import cache_layers
 
     tiny = load_model(ModelSpec("tiny", "float32", 0))
-    pool = KVPool(CacheGeometry.from_config(tiny.config, torch.float32), torch.device("cpu"), slots=6, max_seq=128)
+    pool = KVPool(CacheGeometry.from_config(tiny.config, torch.float32), torch.device("cpu"), slots=6,
+                  max_seq=max_seq)
     r = runner_module.StepRunner(tiny, pool, use_triton=True, gemv="off")
     decoding = [random_prompt(tiny.config.vocab_size, n, seed=n)[0] for n in (20, 33, 9, 40)]
     for slot, p in enumerate(decoding):
@@ -549,4 +565,4 @@ def test_a_mixed_step_takes_the_fused_launch_where_it_fuses(mode, monkeypatch):
     dec, lasts = mixed_forward(r, tokens, positions, slots, [Chunk(prompt, 4, 0, True)])
     assert (dec - plain).abs().max().item() <= 1e-4
     assert (lasts[0] - whole_logits).abs().max().item() <= 1e-4
-    assert calls == ([4] * 4 if mode == "fused" else [])  # 4 layers, 4 decode rows each
+    assert calls == ([4] * 4 if (mode, max_seq) == ("fused", 128) else [])  # 4 layers, 4 decode rows each

@@ -32,9 +32,10 @@ log = logging.getLogger("kvtransfer.decode.runner")
 GEMV_CHOICES = ("auto", "on", "off")  # --gemv: timed at start, every projection, none
 SIDE_KERNEL = "chunk"  # a mixed step's attention kernel launched on the side stream: "chunk" (the prompt rows') or
 # "decode" (bench/probes/chunk_attention.py --pair-sweep times both; the same kernels, so the same bits)
-MIXED_ATTENTION = "fused"  # a mixed step's attention: "fused" (one launch where ops.mixed_attention_fuses says so,
-# else as "two"), or "two" (the decode and the chunk kernel, on the side stream unless it is off); read at each
-# forward, so a capture takes the value of its time (bench/probes/profile_mixed.py --attention prices both)
+MIXED_ATTENTION = "fused"  # a mixed step's attention: "fused" (one launch where ops.mixed_attention_fuses says so:
+# enough decode rows, and a pool whose rows fit the decode kernel's per-split cap; else as "two"), or "two" (the
+# decode and the chunk kernel, on the side stream unless it is off); read at each forward, so a capture takes the
+# value of its time (bench/probes/profile_mixed.py --attention prices both)
 MIXED_ATTENTIONS = ("fused", "two")
 
 
@@ -118,7 +119,7 @@ class StepRunner:
             d, pieces = chunks
             o = torch.empty_like(q)  # (B, Hq, D): rows :d from the decode kernel, d: from the chunk kernel
             if MIXED_ATTENTION == "fused" and ops.mixed_attention_fuses(d, self.hq, self.hkv, self.device,
-                                                                        use_triton=tri):
+                                                                        use_triton=tri, max_seq=self.pool.max_seq):
                 return ops.mixed_attention(q, kp, vp, d, slots[:d], lengths[:d], pieces, self.scale, use_triton=tri,
                                            block_table=table, out=o)  # one launch (triton_mixed_attention.py)
 

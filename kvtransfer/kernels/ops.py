@@ -154,14 +154,22 @@ def chunk_attention(
 
 
 def mixed_attention_fuses(decode_rows: int, q_heads: int, kv_heads: int, device: torch.device, *,
-                          use_triton: bool | None = None) -> bool:
+                          use_triton: bool | None = None, max_seq: int | None = None) -> bool:
     """Whether a mixed step of `decode_rows` decode rows (its bucket) on `device` takes `mixed_attention`'s one
-    launch: Triton there, and enough decode rows that one split each fills the SMs
-    (kvtransfer/kernels/triton_mixed_attention.py, `fuses`). Static shapes only: one answer per CUDA graph."""
+    launch: Triton there, enough decode rows that one split each fills the SMs (kvtransfer/kernels/
+    triton_mixed_attention.py, `fuses`), and rows (`max_seq` positions each, None: not checked) no longer than
+    the decode kernel's per-split cap (triton_attention.LONG_CHUNK, 0: off). The fused launch reads each decode row
+    with one program a kv head, so a long row among short ones would hold the step (one H100: a 32k row beside 32
+    of 1k took 12.6 ms of attention a step at 2 splits, 1.8 cut at 1,024 positions); where rows can be longer than
+    the cap, the decode kernel takes the decode rows and cuts them. Static shapes only: one answer per CUDA graph."""
     if not _use_triton(use_triton, device):
         return False
+    from kvtransfer.kernels import triton_attention
     from kvtransfer.kernels.triton_mixed_attention import fuses_on
 
+    cap = triton_attention.LONG_CHUNK
+    if max_seq is not None and cap and max_seq > cap:
+        return False
     return fuses_on(decode_rows, q_heads, kv_heads, device)
 
 
