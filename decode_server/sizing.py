@@ -54,6 +54,20 @@ def workspace_bytes(config, bytes_per_token: int, max_prompt_tokens: int, elem_b
     return WORKSPACE + prefill + receive_slots * max_prompt_tokens * bytes_per_token
 
 
+def attention_partials_bytes(config, rows: int, max_seq: int) -> int:
+    """The decode attention's split partials at their peak (kvtransfer/kernels/triton_attention.py: one layer's
+    (rows, Hq, splits, D + 1) fp32, reused from layer to layer in the graphs' pool), with the splits its per-split cap
+    makes in rows of `max_seq` positions: 117 MB for Qwen2.5-7B at 256 rows of 32k. 0 without Triton."""
+    try:
+        from kvtransfer.kernels.triton_attention import LONG_CHUNK, MAX_SPLITS
+    except ImportError:  # no Triton: the torch reference ops keep no partials
+        return 0
+    hq = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // hq
+    splits = min(MAX_SPLITS, max(1, -(-max_seq // LONG_CHUNK))) if LONG_CHUNK else 1
+    return rows * hq * splits * (head_dim + 1) * 4
+
+
 @dataclass(frozen=True)
 class PoolPlan:
     slots: int
@@ -155,6 +169,8 @@ def plan_engine(config, loaded, receive_slots: int):
     model = loaded.model.config
     workspace = workspace_bytes(model, g.bytes_per_token, config.max_prompt_tokens, g.dtype.itemsize, receive_slots)
     memory, context = device_memory(loaded.device), model.max_position_embeddings
+    if cuda:  # the decode attention's split partials, for the most rows and the longest rows the pool may get
+        workspace += attention_partials_bytes(model, max(config.max_batch, cap), config.max_seq_len or context)
     if config.kv_block_tokens:
         plan = plan_blocks(g.bytes_per_token, context, config.kv_block_tokens, config.max_batch, config.max_seq_len,
                            *pool_budget(config.kv_pool_gib, config.gpu_memory_utilization, memory, workspace), cap,

@@ -8,6 +8,7 @@ are equal (tiny's top-2 margins are far above that).
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvtransfer.engine.engine import DecodeEngine, EngineOptions
@@ -169,3 +170,29 @@ def test_no_gap_between_two_tokens_waits_for_two_chunks(monkeypatch):
         other.release()
     finally:
         e.close()
+
+
+def test_a_job_in_hand_at_close_is_closed_and_told():
+    """A prefill between two of its pieces when the server stops (every prefill is, since the first token is read
+    one gap after its last forward): the scheduler closes the generator (its `finally` releases the lease) and fails
+    its future, so the caller learns at once instead of at its deadline."""
+    import threading
+
+    e = engine(16)
+    started, finished = threading.Event(), threading.Event()
+
+    def job():
+        try:
+            started.set()
+            while True:
+                yield
+        finally:
+            finished.set()
+    try:
+        fut = e.scheduler.submit(job())
+        assert started.wait(30)
+    finally:
+        e.close()
+    assert finished.wait(30)
+    with pytest.raises(RuntimeError, match="stopping"):
+        fut.result(timeout=30)

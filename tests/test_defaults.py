@@ -18,6 +18,7 @@ from decode_server.sizing import (
     MAX_AUTO_BATCH,
     WORKSPACE,
     Memory,
+    attention_partials_bytes,
     plan_engine,
     plan_pool,
     workspace_bytes,
@@ -34,6 +35,20 @@ def test_auto_dtype_is_bfloat16_on_cuda_and_float32_on_cpu():
     assert resolve_dtype("auto", torch.device("cpu")) == "float32"
     assert resolve_dtype("float16", torch.device("cuda", 0)) == "float16"
     assert DecodeConfig().dtype == "auto" and DecodeConfig().spec(torch.device("cpu")).dtype == "float32"
+
+
+def test_the_decode_attentions_partials_are_kept_out_of_the_pool():
+    # The per-split cap (triton_attention.LONG_CHUNK) makes cdiv(max_seq, 1,024) splits a row whatever the lengths:
+    # at 256 rows of 32k that is 32 splits of (D + 1) fp32 per query head, held at the graphs' peak.
+    pytest.importorskip("triton")
+    from kvtransfer.kernels import triton_attention as TA
+
+    qwen = preset_config("qwen2.5-7b")
+    assert attention_partials_bytes(qwen, 256, 32768) == 256 * 28 * 32 * 129 * 4
+    assert attention_partials_bytes(qwen, 1, 100) == 28 * 129 * 4
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(TA, "LONG_CHUNK", 0)
+        assert attention_partials_bytes(qwen, 256, 32768) == 256 * 28 * 129 * 4
 
 
 def test_the_pool_fills_what_the_utilization_leaves_with_slots_of_the_models_context():

@@ -367,6 +367,38 @@ def test_a_long_row_is_cut_at_max_chunk(page, monkeypatch):
         TA.decode_attention_triton(*args, max_chunk=100, block_table=table)
 
 
+@pytest.mark.parametrize("page", [0, 16], ids=["slots", "paged"])
+def test_short_rows_keep_the_counts_chunks_under_a_cap_above_the_tile(page, monkeypatch):
+    # A cap of two tiles, 2 splits by count: a row of 200 is cut at 128 (ceil(200 / 2) rounded to the tile, at the
+    # cap), one of 120 at 64 (its own ceil(L / 2): the cap does not bind), one of 500 at the cap (4 splits); the merge
+    # cuts them at the same edges (it reads only the splits stage 1 wrote). Seen through the partials' log-sum-exp.
+    from kvtransfer.kernels import triton_attention as TA
+
+    case = decode_case([200, 120, 500], 4, 2, 16, max_seq=512, dtype=torch.float32, seed=33)
+    table = None
+    kp, vp = case.k_pool, case.v_pool
+    if page:
+        kp, table = paged_copy(case.k_pool, page)
+        vp, _ = paged_copy(case.v_pool, page)
+    seen, merge = {}, TA.merge_splits
+
+    def record(mid_o, mid_lse, *a, **k):
+        seen["mid_lse"] = mid_lse.clone()
+        return merge(mid_o, mid_lse, *a, **k)
+
+    monkeypatch.setattr(TA, "merge_splits", record)
+    got = TA.decode_attention_triton(case.q, kp, vp, case.slots, case.lengths, case.scale, num_splits=2,
+                                     max_chunk=128, block_table=table)
+    assert _rel_err(got, attention_gold(case)) <= 1e-5
+    assert seen["mid_lse"].shape == (3, 4, 4)
+    for row, (n, chunk) in enumerate([(200, 128), (120, 64), (500, 128)]):
+        q = case.q[row].view(2, 2, 16)
+        s = torch.einsum("hgd,htd->hgt", q, case.k_pool[case.slots[row], :, :n]).reshape(4, n) * case.scale
+        want = torch.stack([torch.logsumexp(s[:, j:j + chunk], -1) for j in range(0, n, chunk)], -1)
+        want = want / 0.6931471805599453  # log2 units, as the kernel keeps them
+        assert torch.allclose(seen["mid_lse"][row, :, :want.shape[1]], want, atol=1e-4), row
+
+
 def test_the_cap_grows_to_keep_the_grid_at_max_splits(monkeypatch):
     # A pool longer than MAX_SPLITS x max_chunk: the cap rises to cdiv(max_seq, MAX_SPLITS) (rounded to the tile),
     # so no row needs more splits than the merge folds, and every position is still read.

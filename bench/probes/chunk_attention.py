@@ -219,7 +219,8 @@ SPLITS_FEW_ROWS = [24, 32, 48, 64, 96, 128, 192]  # and these too at <= 16 rows,
 def split_rows(decode: int, context: int) -> list[dict]:
     """The decode kernel alone (default launch) at each split count of SPLITS, `decode` rows of `context` positions
     each (paged), 28 layers in a graph: ms a layer and the K/V read rate. The split count is a runtime argument:
-    one compiled kernel serves them all."""
+    one compiled kernel serves them all. A count swept runs without the per-split cap (LONG_CHUNK), so that many
+    splits it is; the default arm is the kernel's own (the count, then the cap)."""
     from kvtransfer.kernels.triton_attention import decode_attention_triton, default_num_splits
 
     q, kp, vp, table, idx, lengths, _ = case(decode, context, 64, 0)
@@ -232,7 +233,8 @@ def split_rows(decode: int, context: int) -> list[dict]:
             continue  # a split shorter than one tile of keys
         def calls():
             for _ in range(LAYERS):
-                decode_attention_triton(qd, kp, vp, idx, lengths, scale, block_table=table, num_splits=splits)
+                decode_attention_triton(qd, kp, vp, idx, lengths, scale, block_table=table, num_splits=splits,
+                                        **({"max_chunk": 0} if splits else {}))  # a count swept as it is
         ms = graph_ms(calls) / LAYERS
         row = {"decode": decode, "context": context, "splits": splits or f"default ({chosen})",
                "ms_per_layer": ms, "kv_gb_s": kv_bytes / (ms * 1e-3) / 1e9}

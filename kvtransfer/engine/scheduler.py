@@ -217,6 +217,12 @@ class Scheduler:
         for s in self.running + self._joining:
             if not s.over:
                 self._end(s, Ended(EndCause.SHUTDOWN, "the decode server is stopping"))
+        if self._job is not None:  # the piece of work in hand (a prefill between two of its pieces): closed, so its
+            job, fut = self._job  # lease is released, and its caller told
+            self._job = None
+            job.close()
+            if not fut.done():
+                fut.set_exception(RuntimeError("the decode server is stopping"))
         for _, fut in self._jobs:
             fut.set_exception(RuntimeError("the decode server is stopping"))
         for task in self._prompts.take_all():

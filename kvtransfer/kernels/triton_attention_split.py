@@ -4,9 +4,10 @@ Why a module of its own: stage 1 cuts each row's length into splits read in para
 splits' (output, log-sum-exp) pairs into the row's output, in one of two modes.
 
 By count (the default, `merge_splits`): a row of length L is cut into the split COUNT chosen from the batch size
-(triton_attention.choose_num_splits), chunks of ceil(L / count) rounded up to BLOCK_N, and all of a row's splits
-merge in one tile of next_pow2(count). So the positions each split sums, and the merge's reduction tree, change
-with the batch: a row's output changes bits with its neighbours.
+(triton_attention.choose_num_splits), chunks of ceil(L / count) rounded up to BLOCK_N and at most the per-split cap
+(triton_attention.LONG_CHUNK: a longer row takes more splits, the grid holding max(count, cdiv(max_seq, cap))), and all
+of a row's splits merge in one tile of next_pow2 of the grid's splits. So the positions each split sums, and the merge's
+reduction tree, change with the batch: a row's output changes bits with its neighbours.
 
 Fixed size (the batch-invariant mode, docs/batch-invariance.md: `merge_fixed_splits`): every row is cut at the same
 absolute positions, split j covering [j * split_size, min((j + 1) * split_size, L)) (stage 1 with SPLIT_SIZE set),

@@ -10,15 +10,16 @@ fill the SMs the decode kernel's split count was there to fill, so every decode 
 output is final: no merge kernel either. One launch a layer instead of three (stage 1, its merge, the chunk
 kernel), no stream join.
 
-When: `fuses` says, from static shapes only (one CUDA graph per bucket): when the decode rows at one split make at
-least one program per SM. Fewer decode rows over long contexts want splits (triton_attention.choose_num_splits),
-and the step keeps the two kernels there (kvtransfer/engine/runner.py, MIXED_ATTENTION).
+When: `fuses` says, from static shapes only (one CUDA graph per bucket), when the decode rows at one split make at
+least one program per SM, and `ops.mixed_attention_fuses` adds that the pool's rows hold no more than the decode
+kernel's per-split cap (triton_attention.LONG_CHUNK): one program reads a decode row here, so one long row would
+hold the launch. Fewer decode rows over long contexts want splits (triton_attention.choose_num_splits), and the
+step keeps the two kernels there (kvtransfer/engine/runner.py, MIXED_ATTENTION).
 
-Bits: a decode row's output equals the decode kernel's at num_splits=1 (the same program; the merge of one split
-is exact), a prompt row's equals the chunk kernel's (the same program and tiles). So a decode row's bits in a
-fused step differ from the two-kernel step's only where that one uses more splits (another sum order; default
-mode, not batch-invariant). The batch-invariant mode never comes here.
-"""
+Bits: a decode row's output equals the decode kernel's at num_splits=1 without the cap (max_chunk=0; the same program;
+the merge of one split is exact), a prompt row's equals the chunk kernel's (the same program and tiles). So a decode
+row's bits in a fused step differ from the two-kernel step's only where that one uses more splits (another sum order;
+default mode, not batch-invariant). The batch-invariant mode never comes here."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ from kvtransfer.kernels.triton_paging import table_args
 NUM_WARPS = 4  # both kernels' own launch
 # The launch, from a sweep of grid order x warps 4/8 x stages 2/3 at 64 and 128 decode rows beside 448 / 384 prompt
 # rows (bench/results/fused-h100-2026-12-07/call2/mixed-sweep.log): 3 stages the fastest at both, with the bits of 2;
-# 8 warps slower (and other bits at 128 rows); the decode programs first slower.
+# 8 warps slower (and other bits at 128 rows); the decode programs first slower. 2-byte dtypes only: fp32 tiles
+# take 2 (3 would need 180 KB of shared memory, over an A100's 164 KB), as the chunk kernel.
 NUM_STAGES = 3
 DECODE_FIRST = False  # the grid's order: the chunk programs first (the longer ones start first); a sweep's
 
@@ -127,6 +129,7 @@ def mixed_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=TC.BLOCK_M, CHUNK_BLOCK_N=TC.BLOCK_N,
         DECODE_BLOCK_N=TA.BLOCK_N, BLOCK_H=TA.BLOCK_H, UPCAST_DOT=TA._upcast_dots(q), PAGE=page, PAGED=paged,
         DECODE_FIRST=DECODE_FIRST if decode_first is None else bool(decode_first),
-        num_warps=num_warps or NUM_WARPS, num_stages=num_stages or NUM_STAGES,
+        num_warps=num_warps or NUM_WARPS,
+        num_stages=num_stages or (NUM_STAGES if q.element_size() == 2 else 2),  # fp32 tiles: 3 stages overflow sm_80
     )
     return out

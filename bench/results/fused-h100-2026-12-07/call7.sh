@@ -2,7 +2,8 @@
 # Call 7 (prepared for the next session, not run), one GPU, carry [".whl", "out/gpu_base"] (out/gpu_base: `git
 # archive 02dcfb7 -- . ':!bench/results'`): #39's second point on the tree with the first-token read moved one gap
 # later and the per-split cap: the interference bench's chunked arm, this tree then 02dcfb7; then the README serve
-# workload with default flags at c64/c128 (what the cap costs in serving), the decode step at 64/128 x 1k.
+# workload with default flags at c64/c128 (what the cap costs in serving), the engine/kernel/defaults GPU tests
+# (the first token's read through pinned memory has not run on CUDA yet), the decode step at 64/128 x 1k.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
@@ -29,6 +30,9 @@ timeout -k 10 150 python3 -m bench.cli serve --addr 127.0.0.1:50051 --model qwen
 grep -E "^\| (64|128) " $R/serve/report.md 2>/dev/null | head -4
 kill -TERM $DPID 2>/dev/null; wait $DPID 2>/dev/null
 tar -C /tmp -czf $OUT/call7.tgz call7
+timeout -k 5 120 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE tests/test_engine_gpu.py tests/test_kernels_gpu.py \
+  tests/test_defaults_gpu.py > $R/gpu-tests.log 2>&1; t "gpu tests (engine: the moved read on CUDA; kernels; defaults)" $?
+tail -3 $R/gpu-tests.log; tar -C /tmp -czf $OUT/call7.tgz call7
 timeout -k 10 70 python3 -m bench.cli decode --model qwen2.5-7b --batches 64,128 --contexts 1024 --hf none \
     --runs 10 --warmup 3 --out $R/decode > $R/decode.log 2>&1; t decode $?
 grep -E "^\| (64|128) " $R/decode/report.md 2>/dev/null | head -4
