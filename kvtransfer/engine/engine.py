@@ -136,6 +136,7 @@ class DecodeEngine:
             ids = torch.tensor([token_ids], dtype=torch.long).to(self.m.device)  # (1, seq)
             sync(self.m.device)
             t0, c0 = time.perf_counter(), time.thread_time()
+            began = timed_event(self.m.device)  # on CUDA the time runs to the event after the last forward's work
             cache = past_cache(self.m.model.config, pool.layers_of(slot, start)) if start else None
 
             def land(i: int, k: torch.Tensor, v: torch.Tensor) -> None:  # k, v: (1, kv_heads, end, head_dim) so far
@@ -152,10 +153,11 @@ class DecodeEngine:
             # so the running streams would see two chunks in one gap (the stall at a chunked prefill's end).
             out, ready = to_host([first_token(logits, sampling, n).view(1), *([logits] if want_digest else [])],
                                  self.m.device)
+            ms, cpu = (time.perf_counter() - t0) * 1e3, (time.thread_time() - c0) * 1e3  # CPU: the work is done
             yield
             if ready is not None:
                 ready.synchronize()  # this job's own work only, not the step queued after it
-            ms, cpu = (time.perf_counter() - t0) * 1e3, (time.thread_time() - c0) * 1e3
+                ms = began.elapsed_time(ready)  # not the scheduler's pass between the yield and here
             log.debug("local prefill of %d tokens: %.1f ms, %.1f ms of thread CPU", n, ms, cpu)
             return LocalPrefill(int(out[0][0]), logits_digest(out[1]) if want_digest else "", ms, cpu)
         finally:
@@ -193,9 +195,18 @@ def to_host(tensors: list[torch.Tensor], device: torch.device) -> tuple[list[tor
     for t in tensors:
         out.append(torch.empty(t.shape, dtype=t.dtype, pin_memory=True))
         out[-1].copy_(t.detach(), non_blocking=True)
-    ready = torch.cuda.Event()
+    ready = torch.cuda.Event(enable_timing=True)
     ready.record()
     return out, ready
+
+
+def timed_event(device: torch.device) -> torch.cuda.Event | None:
+    """An event recorded now on CUDA (a start for `elapsed_time` against `to_host`'s), None elsewhere."""
+    if device.type != "cuda":
+        return None
+    began = torch.cuda.Event(enable_timing=True)
+    began.record()
+    return began
 
 
 def past_cache(config, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> StreamingCache:

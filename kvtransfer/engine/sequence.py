@@ -52,7 +52,8 @@ class LocalPrefill:
 
     first: int
     digest: str
-    prefill_ms: float
+    prefill_ms: float  # from the device idle to its last forward's work done (CUDA: events; the gap after, when
+    # the first token is read, not counted)
     cpu_ms: float = 0.0  # the scheduler thread's CPU time in it (wall far above: waiting on the GPU or the GIL)
 
 
