@@ -189,7 +189,8 @@ def test_a_job_in_hand_at_close_is_closed_and_told():
         finally:
             finished.set()
     try:
-        fut = e.scheduler.submit(job())
+        held = job()  # held here too, so only an explicit close (not the last reference dropped) runs its finally
+        fut = e.scheduler.submit(held)
         assert started.wait(30)
     finally:
         e.close()

@@ -39,6 +39,14 @@ def _rel_err(out, gold):
     return ((out.float() - gold).abs().max() / gold.abs().max()).item()
 
 
+def _pools(case, page):
+    """case's pools as they are (page 0: the slot layout, no table), or paged copies of `page` positions a block."""
+    if not page:
+        return case.k_pool, case.v_pool, None
+    (kp, table), (vp, _) = paged_copy(case.k_pool, page), paged_copy(case.v_pool, page)
+    return kp, vp, table
+
+
 @pytest.mark.parametrize(
     "heads",
     [(4, 2, 16), (9, 3, 64), (28, 4, 32), (4, 4, 16), (40, 2, 16), (6, 2, 80)],
@@ -312,11 +320,7 @@ def test_one_split_writes_the_output_without_a_merge(dtype, page, monkeypatch):
     from kvtransfer.kernels import triton_attention as TA
 
     case = decode_case([150, 0, 64, 65, 200], 9, 3, 64, max_seq=256, dtype=dtype, seed=29, pad_rows=2)
-    table = None
-    kp, vp = case.k_pool, case.v_pool
-    if page:
-        kp, table = paged_copy(case.k_pool, page)
-        vp, _ = paged_copy(case.v_pool, page)
+    kp, vp, table = _pools(case, page)
     args = (case.q, kp, vp, case.slots, case.lengths, case.scale)
     merged = TA.decode_attention_triton(*args, num_splits=1, max_chunk=0, block_table=table,
                                         stage2=(4, 1))  # the merge's own
@@ -339,11 +343,7 @@ def test_a_long_row_is_cut_at_max_chunk(page, monkeypatch):
     from kvtransfer.kernels import triton_attention as TA
 
     case = decode_case([40, 500, 60, 0], 4, 2, 16, max_seq=512, dtype=torch.float32, seed=31)
-    table = None
-    kp, vp = case.k_pool, case.v_pool
-    if page:
-        kp, table = paged_copy(case.k_pool, page)
-        vp, _ = paged_copy(case.v_pool, page)
+    kp, vp, table = _pools(case, page)
     args = (case.q, kp, vp, case.slots, case.lengths, case.scale)
     seen, merge = {}, TA.merge_splits
 
@@ -375,11 +375,7 @@ def test_short_rows_keep_the_counts_chunks_under_a_cap_above_the_tile(page, monk
     from kvtransfer.kernels import triton_attention as TA
 
     case = decode_case([200, 120, 500], 4, 2, 16, max_seq=512, dtype=torch.float32, seed=33)
-    table = None
-    kp, vp = case.k_pool, case.v_pool
-    if page:
-        kp, table = paged_copy(case.k_pool, page)
-        vp, _ = paged_copy(case.v_pool, page)
+    kp, vp, table = _pools(case, page)
     seen, merge = {}, TA.merge_splits
 
     def record(mid_o, mid_lse, *a, **k):

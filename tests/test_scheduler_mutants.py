@@ -463,7 +463,8 @@ def test_a_stopping_scheduler_ends_every_request_job_and_prompt_and_frees_every_
 def test_a_dead_scheduler_fails_every_request_it_held_and_every_later_one():
     """Guards _die (and add/submit after it): the thread dies after 4 steps (--fail-scheduler-after-steps) with
     a stream running, one waiting to join, a job in hand and one queued, a prompt in progress and one waiting:
-    the streams end ENGINE_FAILED, the jobs and prompts fail with EngineFailed (none hangs); the server is told
+    the streams end ENGINE_FAILED, the jobs and prompts fail with EngineFailed (none hangs), the one in hand closed;
+    the server is told
     once; a sequence added later ends at once, and later work is refused."""
     p = KVPool(CacheGeometry(1, 1, 2, torch.float32), torch.device("cpu"), slots=8, max_seq=512)
     fail = 4
@@ -483,17 +484,24 @@ def test_a_dead_scheduler_fails_every_request_it_held_and_every_later_one():
         join_at_the_end.done = False
         a = Stream(p, 0, 5, 10, 1000, on_token=join_at_the_end)
 
+        closed = threading.Event()
+
         def forever():
-            while True:
-                yield
+            try:
+                while True:
+                    yield
+            finally:  # a prefill's lease is released here
+                closed.set()
         gate = hold(sched)
         sched.add(a.seq)
-        in_hand, queued = sched.submit(forever()), sched.call(lambda: "never run")
+        job = forever()  # held here too, so only an explicit close (not the last reference dropped) runs its finally
+        in_hand, queued = sched.submit(job), sched.call(lambda: "never run")
         tasks = [prompt_task(p, PROMPT * 4), prompt_task(p, PROMPT)]  # in progress; waiting behind it
         futs = [sched.submit_mixed(t) for t in tasks]
         gate.set()
         assert died.wait(WAIT_S)
         assert len(fatal) == 1 and isinstance(fatal[0], InjectedFault)
+        assert closed.is_set()  # the job in hand closed, not left to the garbage collector
         for s in (a, b):
             end = s.end()
             assert isinstance(end, Ended) and end.cause is EndCause.ENGINE_FAILED, end

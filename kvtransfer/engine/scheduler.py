@@ -143,7 +143,6 @@ class Scheduler:
         with self._cond:
             self.dead = (f"the decode engine stopped: its scheduler thread died ({type(error).__name__}: {error}); "
                          "the server is exiting, retry on another replica")
-            jobs, self._jobs = list(self._jobs), deque()
             tasks = self._prompts.take_all()
             joining, self._joining = self._joining, []
         pending, self._pending = self._pending, None
@@ -155,11 +154,7 @@ class Scheduler:
             if not s.over:
                 self._end(s, Ended(EndCause.ENGINE_FAILED, self.dead))
         self.running = []
-        if self._job is not None:  # the piece of work in hand (its future is running)
-            jobs.append(self._job)
-        for _, fut in jobs:
-            if not fut.done():
-                fut.set_exception(EngineFailed(self.dead))
+        self._fail_jobs(EngineFailed(self.dead))
         if self.on_fatal is not None:
             self.on_fatal("the decode scheduler thread", error)
         else:
@@ -214,20 +209,27 @@ class Scheduler:
                         task.future.set_exception(RuntimeError(f"decode step failed: {e}"))
                 self._prompts.active = []
         pending = self._pending = let_go(pending, self._end)
+        stopping = "the decode server is stopping"
         for s in self.running + self._joining:
             if not s.over:
-                self._end(s, Ended(EndCause.SHUTDOWN, "the decode server is stopping"))
-        if self._job is not None:  # the piece of work in hand (a prefill between two of its pieces): closed, so its
-            job, fut = self._job  # lease is released, and its caller told
-            self._job = None
-            job.close()
-            if not fut.done():
-                fut.set_exception(RuntimeError("the decode server is stopping"))
-        for _, fut in self._jobs:
-            fut.set_exception(RuntimeError("the decode server is stopping"))
+                self._end(s, Ended(EndCause.SHUTDOWN, stopping))
+        self._fail_jobs(RuntimeError(stopping))
         for task in self._prompts.take_all():
             if not task.future.done():
-                task.future.set_exception(RuntimeError("the decode server is stopping"))
+                task.future.set_exception(RuntimeError(stopping))
+
+    def _fail_jobs(self, error: Exception) -> None:
+        """The job in hand (a prefill between two of its pieces) and the queued ones: each closed, so the one in hand
+        releases its lease (its `finally`), and its future failed with `error`."""
+        with self._cond:
+            jobs, self._job, self._jobs = [*([self._job] if self._job else []), *self._jobs], None, deque()
+        for job, fut in jobs:
+            try:
+                job.close()
+            except Exception:  # noqa: BLE001 - its caller is still told
+                log.exception("closing a device job failed")
+            if not fut.done():
+                fut.set_exception(error)
 
     @staticmethod
     def _advance(job: Job, fut: Future) -> bool:
