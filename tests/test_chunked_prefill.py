@@ -172,6 +172,44 @@ def test_no_gap_between_two_tokens_waits_for_two_chunks(monkeypatch):
         e.close()
 
 
+@pytest.mark.parametrize("n,start", [(300, 0), (256, 0), (200, 30)])
+def test_every_later_chunk_is_padded_to_the_chunk(monkeypatch, n, start):
+    """Every forward after the first runs --prefill-chunk rows: a short last chunk is padded after its last real
+    token (engine.pad_chunk). Its first-token logits (the last real row's, not a pad's) and the cache agree with
+    the whole prefill within CHUNK_TOL, and no pad reaches the pool: the slot's positions after the prompt stay as
+    they were (zero). Unpadded, the short last chunk was a row count the server had not run: on one H100 its
+    first use of kernels for that shape held 32 running streams for 100-141 ms (bench/results/stall-h100-2026-12-07)."""
+    import kvtransfer.engine.engine as engine_mod
+
+    seen = []
+
+    def recording(model, ids, *a, real=engine_mod.prefill, **k):
+        cache, logits = real(model, ids, *a, **k)
+        seen.append((ids.shape[1], logits.clone()))
+        return cache, logits
+    monkeypatch.setattr(engine_mod, "prefill", recording)
+    whole, chunked = engine(0), engine(64)
+    try:
+        ids = random_prompt(512, n, seed=5)[0].tolist()
+        a, ca = prefilled(whole, ids)
+        want = seen[-1][1]
+        lease = chunked.pool.try_lease()
+        if start:  # a reused prefix already in the slot
+            chunked.prefill(ids[:start], lease, False).result(timeout=60)
+        seen.clear()
+        b = chunked.prefill(ids, lease, False, start=start).result(timeout=60)
+        assert [m for m, _ in seen] == [64] * -(-(n - start) // 64)
+        assert b.first == a.first and (seen[-1][1] - want).abs().max() <= CHUNK_TOL
+        for (ka, va), (kb, vb) in zip(ca, chunked.pool.views(lease.slot, n)):
+            assert (ka - kb).abs().max() <= CHUNK_TOL and (va - vb).abs().max() <= CHUNK_TOL
+        for k, v in chunked.pool.views(lease.slot, 512):
+            assert not k[:, :, n:].any() and not v[:, :, n:].any()  # no pad's K/V in the pool
+        lease.release()
+    finally:
+        whole.close()
+        chunked.close()
+
+
 def test_a_job_in_hand_at_close_is_closed_and_told():
     """A prefill between two of its pieces when the server stops (every prefill is, since the first token is read
     one gap after its last forward): the scheduler closes the generator (its `finally` releases the lease) and fails

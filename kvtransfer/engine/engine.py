@@ -123,7 +123,8 @@ class DecodeEngine:
 
         Whole (prefill_chunk 0, or a prompt no longer than a chunk): one forward, exactly the prefill worker's.
         Chunked (Sarathi-Serve): one chunk per `next()`, so the scheduler runs a decode step between two
-        chunks; each later chunk attends over the cache so far (lower-right causal, chunk_attention.py). Chunked logits and cache then equal the whole prefill's
+        chunks; each later chunk attends over the cache so far (lower-right causal, chunk_attention.py), padded to
+        `chunk` tokens (`pad_chunk`). Chunked logits and cache then equal the whole prefill's
         only within a tolerance (other kernel shapes; tests/test_chunked_prefill.py). Either way the first token is
         read back one `next()` after the last forward: read in the same one, it would hold back the tokens of the
         step queued before that forward, and the running streams would wait two chunks in one gap. The job holds
@@ -143,8 +144,9 @@ class DecodeEngine:
                 pool.write_layer(slot, i, start, k[:, :, start:end], v[:, :, start:end])
             while start < n:
                 end = min(n, start + chunk)
+                piece, row = pad_chunk(ids[:, start:end], chunk) if start else (ids[:, start:end], -1)
                 with chunk_attention_on(self.m.model) if start else nullcontext():
-                    cache, logits = prefill(self.m.model, ids[:, start:end], on_layer=land, cache=cache)
+                    cache, logits = prefill(self.m.model, piece, on_layer=land, cache=cache, row=row)
                 start = end
                 if start < n:
                     yield
@@ -183,6 +185,22 @@ class DecodeEngine:
 
     def close(self) -> None:
         self.scheduler.close()
+
+
+def pad_chunk(piece: torch.Tensor, chunk: int) -> tuple[torch.Tensor, int]:
+    """A later chunk (1, m) -> (1, chunk): its last token repeated after it, and the row of its last real token
+    (whose logits are the first token's).
+
+    Why: a prompt's last chunk is mostly shorter than the others, a row count the server may never have run. Its
+    first use of the kernels for that shape (cuBLAS's and flash attention's picks, loaded lazily) held the running
+    streams for 100-141 ms where the other chunks' gaps were ~50 (one H100, a 32k prompt's 256-token last chunk
+    beside 32 streams; bench/results/stall-h100-2026-12-07). Padded, every later chunk is one shape. The pads
+    come after every real token, so under the causal mask no real row attends to them; their K/V stay in the
+    throwaway StreamingCache (the pool gets positions start..end only) and their positions are never read."""
+    m = piece.shape[1]
+    if m == chunk:
+        return piece, -1
+    return torch.cat([piece, piece[:, -1:].expand(1, chunk - m)], dim=1), m - 1  # (1, chunk)
 
 
 def to_host(tensors: list[torch.Tensor], device: torch.device) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:

@@ -23,23 +23,25 @@ def logits_digest(logits: torch.Tensor) -> str:
 
 @torch.inference_mode()
 def prefill(model, input_ids: torch.Tensor, on_layer: LayerCallback | None = None,
-            cache: StreamingCache | None = None, fused: bool = True) -> tuple[StreamingCache, torch.Tensor]:
+            cache: StreamingCache | None = None, fused: bool = True, row: int = -1
+            ) -> tuple[StreamingCache, torch.Tensor]:
     """Run the prompt once (or the next chunk of it, after `cache`). Returns the cache and the last position's
-    logits (vocab,).
+    logits (vocab,), or row `row`'s of a chunk padded after its last real token (the HF forward then runs).
 
     input_ids: (1, seq). The layer callback sees each layer's K/V (the whole cache so far) during this call only.
     A whole prompt of a Llama/Qwen2/Mistral-style model runs the fused ops (fused_prefill.py: the same kernels
     on every server, so caches stay byte-identical across them); `fused=False`, other models and later chunks
     run the HF forward.
     """
-    if cache is None and fused and fused_prefill.supports(model, input_ids.shape[1]):
+    if cache is None and fused and row == -1 and fused_prefill.supports(model, input_ids.shape[1]):
         out = fused_prefill.fused_prefill(model, input_ids, on_layer)
         if out is not None:
             return out
     cache = cache if cache is not None else StreamingCache(config=model.config)
     cache.on_layer = on_layer
     try:
-        out = model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **{cache_kwarg(model): cache})
+        keep = 1 if row == -1 else torch.arange(row, row + 1, device=input_ids.device)  # no host copy, no wait
+        out = model(input_ids=input_ids, use_cache=True, logits_to_keep=keep, **{cache_kwarg(model): cache})
     finally:
         cache.on_layer = None  # decode steps must never reach the transport
     return cache, out.logits[0, -1]  # (vocab,)
