@@ -172,13 +172,15 @@ def test_no_gap_between_two_tokens_waits_for_two_chunks(monkeypatch):
         e.close()
 
 
-@pytest.mark.parametrize("n,start", [(300, 0), (256, 0), (200, 30)])
-def test_every_later_chunk_is_padded_to_the_chunk(monkeypatch, n, start):
-    """Every forward after the first runs --prefill-chunk rows: a short last chunk is padded after its last real
-    token (engine.pad_chunk). Its first-token logits (the last real row's, not a pad's) and the cache agree with
-    the whole prefill within CHUNK_TOL, and no pad reaches the pool: the slot's positions after the prompt stay as
-    they were (zero). Unpadded, the short last chunk was a row count the server had not run: on one H100 its
-    first use of kernels for that shape held 32 running streams for 100-141 ms (bench/results/stall-h100-2026-12-07)."""
+@pytest.mark.parametrize("n,start,sizes", [(300, 0, [64] * 5), (256, 0, [64] * 4), (200, 30, [64] * 3),
+                                            (60, 30, [30])])
+def test_every_later_chunk_is_padded_to_the_chunk(monkeypatch, n, start, sizes):
+    """Every forward after a job's first runs --prefill-chunk rows: a short last chunk is padded after its last real
+    token (engine.pad_chunk); a job's first piece keeps its size (a reused prefix's short suffix: 30 rows, not 64).
+    Its first-token logits (the last real row's, not a pad's) and the cache agree with the whole prefill within
+    CHUNK_TOL, and no pad reaches the pool: the slot's positions after the prompt stay as they were (zero).
+    Unpadded, the short last chunk was a row count the server had not run, and its first use of kernels for that
+    shape stalled the running streams (bench/results/stall-h100-2026-12-07)."""
     import kvtransfer.engine.engine as engine_mod
 
     seen = []
@@ -198,7 +200,7 @@ def test_every_later_chunk_is_padded_to_the_chunk(monkeypatch, n, start):
             chunked.prefill(ids[:start], lease, False).result(timeout=60)
         seen.clear()
         b = chunked.prefill(ids, lease, False, start=start).result(timeout=60)
-        assert [m for m, _ in seen] == [64] * -(-(n - start) // 64)
+        assert [m for m, _ in seen] == sizes
         assert b.first == a.first and (seen[-1][1] - want).abs().max() <= CHUNK_TOL
         for (ka, va), (kb, vb) in zip(ca, chunked.pool.views(lease.slot, n)):
             assert (ka - kb).abs().max() <= CHUNK_TOL and (va - vb).abs().max() <= CHUNK_TOL

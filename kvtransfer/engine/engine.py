@@ -122,14 +122,14 @@ class DecodeEngine:
         position len(token_ids), as the prefill worker chooses it; None: greedy).
 
         Whole (prefill_chunk 0, or a prompt no longer than a chunk): one forward, exactly the prefill worker's.
-        Chunked (Sarathi-Serve): one chunk per `next()`, so the scheduler runs a decode step between two
-        chunks; each later chunk attends over the cache so far (lower-right causal, chunk_attention.py), padded to
-        `chunk` tokens (`pad_chunk`). Chunked logits and cache then equal the whole prefill's
-        only within a tolerance (other kernel shapes; tests/test_chunked_prefill.py). Either way the first token is
-        read back one `next()` after the last forward: read in the same one, it would hold back the tokens of the
-        step queued before that forward, and the running streams would wait two chunks in one gap. The job holds
-        the lease while it writes, so a request that gives up meanwhile cannot free the slot under it.
-        """
+        Chunked (Sarathi-Serve): one chunk per `next()`, so the scheduler runs a decode step between two chunks;
+        each later chunk attends over the cache so far (lower-right causal, chunk_attention.py), padded to `chunk`
+        tokens (`pad_chunk`; the job's first piece is not: a prefix hit's short suffix keeps its own size). Chunked
+        logits and cache then equal the whole prefill's only within a tolerance (other kernel shapes;
+        tests/test_chunked_prefill.py). Either way the first token is read back one `next()` after the last forward:
+        read in the same one, it would hold back the tokens of the step queued before that forward, and the running
+        streams would wait two chunks in one gap. The job holds the lease while it writes, so a request that gives
+        up meanwhile cannot free the slot under it."""
         lease.hold()
         try:
             n, chunk = len(token_ids), self.options.prefill_chunk or len(token_ids)
@@ -142,9 +142,10 @@ class DecodeEngine:
 
             def land(i: int, k: torch.Tensor, v: torch.Tensor) -> None:  # k, v: (1, kv_heads, end, head_dim) so far
                 pool.write_layer(slot, i, start, k[:, :, start:end], v[:, :, start:end])
+            first = start  # the job's first piece is never padded (a whole prompt, a reused prefix's suffix)
             while start < n:
                 end = min(n, start + chunk)
-                piece, row = pad_chunk(ids[:, start:end], chunk) if start else (ids[:, start:end], -1)
+                piece, row = pad_chunk(ids[:, start:end], chunk) if start > first else (ids[:, start:end], -1)
                 with chunk_attention_on(self.m.model) if start else nullcontext():
                     cache, logits = prefill(self.m.model, piece, on_layer=land, cache=cache, row=row)
                 start = end
@@ -193,10 +194,11 @@ def pad_chunk(piece: torch.Tensor, chunk: int) -> tuple[torch.Tensor, int]:
 
     Why: a prompt's last chunk is mostly shorter than the others, a row count the server may never have run. Its
     first use of the kernels for that shape (cuBLAS's and flash attention's picks, loaded lazily) held the running
-    streams for 100-141 ms where the other chunks' gaps were ~50 (one H100, a 32k prompt's 256-token last chunk
-    beside 32 streams; bench/results/stall-h100-2026-12-07). Padded, every later chunk is one shape. The pads
-    come after every real token, so under the causal mask no real row attends to them; their K/V stay in the
-    throwaway StreamingCache (the pool gets positions start..end only) and their positions are never read."""
+    streams about twice as long as any other chunk (bench/results/stall-h100-2026-12-07). Padded, every chunk
+    after a job's first is one shape (the first is not padded: a whole prompt, or a reused prefix's suffix, whose
+    work padding would multiply). The pads come after every real token, so under the causal mask no real row
+    attends to them; their K/V stay in the throwaway StreamingCache (the pool gets positions start..end only)
+    and their positions are never read."""
     m = piece.shape[1]
     if m == chunk:
         return piece, -1
