@@ -178,7 +178,8 @@ def test_every_later_chunk_is_padded_to_the_chunk(monkeypatch, n, start, sizes):
     """Every forward after a job's first runs --prefill-chunk rows: a short last chunk is padded after its last real
     token (engine.pad_chunk); a job's first piece keeps its size (a reused prefix's short suffix: 30 rows, not 64).
     Its first-token logits (the last real row's, not a pad's) and the cache agree with the whole prefill within
-    CHUNK_TOL, and no pad reaches the pool: the slot's positions after the prompt stay as they were (zero).
+    CHUNK_TOL, no pad reaches the pool (the slot's positions after the prompt stay as they were, zero), and no
+    pad's position passes the prompt's last (RoPE's range).
     Unpadded, the short last chunk was a row count the server had not run, and its first use of kernels for that
     shape stalled the running streams (bench/results/stall-h100-2026-12-07)."""
     import kvtransfer.engine.engine as engine_mod
@@ -191,6 +192,9 @@ def test_every_later_chunk_is_padded_to_the_chunk(monkeypatch, n, start, sizes):
         return cache, logits
     monkeypatch.setattr(engine_mod, "prefill", recording)
     whole, chunked = engine(0), engine(64)
+    rope, positions = chunked.m.model.model.rotary_emb, []
+    monkeypatch.setattr(rope, "forward", lambda x, position_ids, real=rope.forward: (
+        positions.append(int(position_ids.max())), real(x, position_ids))[1])
     try:
         ids = random_prompt(512, n, seed=5)[0].tolist()
         a, ca = prefilled(whole, ids)
@@ -201,6 +205,7 @@ def test_every_later_chunk_is_padded_to_the_chunk(monkeypatch, n, start, sizes):
         seen.clear()
         b = chunked.prefill(ids, lease, False, start=start).result(timeout=60)
         assert [m for m, _ in seen] == sizes
+        assert max(positions) == n - 1  # a pad sits at the last real token's position, never past the prompt
         assert b.first == a.first and (seen[-1][1] - want).abs().max() <= CHUNK_TOL
         for (ka, va), (kb, vb) in zip(ca, chunked.pool.views(lease.slot, n)):
             assert (ka - kb).abs().max() <= CHUNK_TOL and (va - vb).abs().max() <= CHUNK_TOL

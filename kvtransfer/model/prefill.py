@@ -40,8 +40,13 @@ def prefill(model, input_ids: torch.Tensor, on_layer: LayerCallback | None = Non
     cache = cache if cache is not None else StreamingCache(config=model.config)
     cache.on_layer = on_layer
     try:
-        keep = 1 if row == -1 else torch.arange(row, row + 1, device=input_ids.device)  # no host copy, no wait
-        out = model(input_ids=input_ids, use_cache=True, logits_to_keep=keep, **{cache_kwarg(model): cache})
+        keep, extra = 1, {}
+        if row != -1:  # padded: logits of row `row` only; each pad at the last real token's position, so no position
+            # passes the prompt's (RoPE's range; a dynamic RoPE would rescale for the real rows too). No host copy.
+            keep = torch.arange(row, row + 1, device=input_ids.device)
+            extra["position_ids"] = (torch.arange(input_ids.shape[1], device=input_ids.device).clamp(max=row)
+                                     + cache.get_seq_length())[None]  # (1, seq)
+        out = model(input_ids=input_ids, use_cache=True, logits_to_keep=keep, **{cache_kwarg(model): cache}, **extra)
     finally:
         cache.on_layer = None  # decode steps must never reach the transport
     return cache, out.logits[0, -1]  # (vocab,)
