@@ -217,6 +217,40 @@ def test_every_later_chunk_is_padded_to_the_chunk(monkeypatch, n, start, sizes):
         chunked.close()
 
 
+def test_a_reused_prefix_continues_at_its_positions_in_a_sliding_window_model(monkeypatch):
+    """A Mistral-style model (a sliding window no shorter than the slot, so it never binds) prefilling after a reused
+    prefix: the past comes from the pool (engine.past_cache), and its sliding-window layers count positions apart
+    from their keys. Left at 0, that count put the suffix's RoPE at position 0: logits off by ~3e-3."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    import kvtransfer.engine.engine as engine_mod
+
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+                                             max_position_embeddings=4096, sliding_window=1024)).eval()
+    logits = []
+
+    def recording(*a, real=engine_mod.prefill, **k):
+        cache, out = real(*a, **k)
+        logits.append(out.clone())
+        return cache, out
+    monkeypatch.setattr(engine_mod, "prefill", recording)
+    lm = LoadedModel(ModelSpec("tiny", "float32"), model, CacheGeometry.from_config(model.config, torch.float32),
+                     torch.device("cpu"))
+    e = DecodeEngine(lm, EngineOptions(max_batch=2, max_seq_len=512, cuda_graphs=False, prefill_chunk=64))
+    try:
+        ids = random_prompt(512, 100, seed=6)[0].tolist()
+        whole = model(torch.tensor([ids])).logits[0, -1]
+        lease = e.pool.try_lease()
+        e.prefill(ids[:30], lease, False).result(timeout=60)
+        e.prefill(ids, lease, False, start=30).result(timeout=60)  # 64 rows after the prefix, then 6 padded
+        assert (logits[-1] - whole).abs().max() <= CHUNK_TOL
+        lease.release()
+    finally:
+        e.close()
+
+
 def test_a_job_in_hand_at_close_is_closed_and_told():
     """A prefill between two of its pieces when the server stops (every prefill is, since the first token is read
     one gap after its last forward): the scheduler closes the generator (its `finally` releases the lease) and fails

@@ -237,4 +237,6 @@ def past_cache(config, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> Strea
     for layer, (k, v) in zip(cache.layers, layers):
         layer.lazy_initialization(k, v)
         layer.keys, layer.values = k, v
+        if hasattr(layer, "cumulative_length"):  # a sliding-window layer counts its positions apart from its keys:
+            layer.cumulative_length = k.shape[-2]  # left at 0, the next piece's RoPE would start at position 0
     return cache
