@@ -197,8 +197,8 @@ def pad_chunk(piece: torch.Tensor, chunk: int) -> tuple[torch.Tensor, int]:
     streams about twice as long as any other chunk (bench/results/stall-h100-2026-12-07). Padded, every chunk
     after a job's first is one shape (the first is not padded: a whole prompt, or a reused prefix's suffix, whose
     work padding would multiply). The pads come after every real token, so under the causal mask no real row
-    attends to them; their K/V stay in the throwaway StreamingCache (the pool gets positions start..end only)
-    and their positions are never read."""
+    attends to them; their K/V stay in the throwaway StreamingCache (the pool gets positions start..end only),
+    and each takes the last real token's position (prefill's position_ids), so none passes the prompt's."""
     m = piece.shape[1]
     if m == chunk:
         return piece, -1
