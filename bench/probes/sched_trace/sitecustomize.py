@@ -9,6 +9,7 @@ Read the file with `python -m bench.probes.sched_trace.report <file>`. KVT_CHUNK
 chunked prefill's later chunks with SDPA kept off cuDNN at every length (a variant for the interference bench).
 """
 
+import atexit
 import json
 import os
 import sys
@@ -93,12 +94,13 @@ def _install():  # noqa: C901 - one wrapper each, flat on purpose
         CA.prompt_attention = lambda kv_len: sdpa_kernel(SDPA_BACKENDS)
         put(k="variant", t0=time.perf_counter(), t1=time.perf_counter(), what="chunk attention without cuDNN")
 
+    writing = threading.Lock()  # the exit's flush and the thread's never interleave; `lock` is held only to swap
+
     def flush():
-        while True:
-            time.sleep(0.5)
+        with writing:
             with lock:
                 out, recs[:] = list(recs), []
-            with open(PATH, "a") as f:
+            with open(PATH, "a") as f:  # waits on events outside `lock`: the traced threads never wait for it
                 for r in out:
                     for key in ("e0", "e1"):
                         e = r.pop(key, None)
@@ -106,7 +108,13 @@ def _install():  # noqa: C901 - one wrapper each, flat on purpose
                             e.synchronize()
                             r["g" + key[1]] = base[0].elapsed_time(e)
                     f.write(json.dumps(r) + "\n")
-    threading.Thread(target=flush, daemon=True, name="sched-trace").start()
+
+    def every_half_second():
+        while True:
+            time.sleep(0.5)
+            flush()
+    threading.Thread(target=every_half_second, daemon=True, name="sched-trace").start()
+    atexit.register(flush)  # what the last half second recorded (a server stopped by SIGTERM exits normally)
 
 
 def _wait_then_install():
