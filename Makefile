@@ -41,12 +41,12 @@ MAIN_TESTS = $(BIN)/python -m pytest -m "not gpu and not gpu2 and not churn" -q 
 # asserted).
 test: $(STAMP)
 	@log=$$(mktemp); \
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_kernels_interp.py tests/test_kernel_mutants_interp.py tests/test_sample_interp.py tests/test_invariant_interp.py > $$log 2>&1 & \
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_kernels_interp.py tests/test_kernel_mutants_interp.py tests/test_sample_interp.py tests/test_triton_keys_mutants_interp.py tests/test_invariant_interp.py > $$log 2>&1 & \
 	interp=$$!; \
-	echo '$(MAIN_TESTS)  (and TRITON_INTERPRET=1 tests/test_kernels_interp.py tests/test_kernel_mutants_interp.py tests/test_sample_interp.py tests/test_invariant_interp.py beside it)'; \
+	echo '$(MAIN_TESTS)  (and TRITON_INTERPRET=1 tests/test_kernels_interp.py tests/test_kernel_mutants_interp.py tests/test_sample_interp.py tests/test_triton_keys_mutants_interp.py tests/test_invariant_interp.py beside it)'; \
 	$(MAIN_TESTS); main=$$?; \
 	wait $$interp; kernels=$$?; \
-	echo 'TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests/test_kernels_interp.py tests/test_kernel_mutants_interp.py tests/test_sample_interp.py tests/test_invariant_interp.py:'; cat $$log; rm -f $$log; \
+	echo 'TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests/test_kernels_interp.py tests/test_kernel_mutants_interp.py tests/test_sample_interp.py tests/test_triton_keys_mutants_interp.py tests/test_invariant_interp.py:'; cat $$log; rm -f $$log; \
 	test $$main -eq 0 -a $$kernels -eq 0
 	$(BIN)/python -m pytest -m churn -q -s tests/test_churn.py
 
