@@ -57,14 +57,14 @@ def workspace_bytes(config, bytes_per_token: int, max_prompt_tokens: int, elem_b
 def attention_partials_bytes(config, rows: int, max_seq: int) -> int:
     """The decode attention's split partials at their peak (kvtransfer/kernels/triton_attention.py: one layer's
     (rows, Hq, splits, D + 1) fp32, reused from layer to layer in the graphs' pool), with the splits its per-split cap
-    makes in rows of `max_seq` positions: 117 MB for Qwen2.5-7B at 256 rows of 32k. 0 without Triton."""
+    makes in rows of `max_seq` positions (triton_attention.capped_splits). 0 without Triton."""
     try:
-        from kvtransfer.kernels.triton_attention import LONG_CHUNK, MAX_SPLITS
+        from kvtransfer.kernels.triton_attention import capped_splits
     except ImportError:  # no Triton: the torch reference ops keep no partials
         return 0
     hq = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // hq
-    splits = min(MAX_SPLITS, max(1, -(-max_seq // LONG_CHUNK))) if LONG_CHUNK else 1
+    splits, _ = capped_splits(max_seq, 1)  # one split by count: many rows, where the bytes peak
     return rows * hq * splits * (head_dim + 1) * 4
 
 

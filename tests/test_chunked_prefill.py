@@ -35,6 +35,21 @@ def prefilled(e: DecodeEngine, ids: list[int]):
     return r, cache
 
 
+def running(e: DecodeEngine):
+    """A sequence decoding in `e` (400 tokens to make), its first token already out: the stream a prefill runs
+    beside. Returns its token queue."""
+    import queue
+
+    from kvtransfer.engine.sequence import Sequence
+
+    lease = e.pool.try_lease()
+    r = e.prefill([1, 2, 3], lease, False).result(timeout=60)
+    q: queue.Queue = queue.Queue()
+    e.scheduler.add(Sequence(1, lease, 3, r.first, 400, q.put))
+    q.get(timeout=30)
+    return q
+
+
 def test_chunked_prefill_agrees_with_whole_prefill():
     whole, chunked = engine(0), engine(64)
     try:
@@ -56,17 +71,11 @@ def test_chunked_prefill_agrees_with_whole_prefill():
 
 def test_decode_steps_run_between_chunks():
     """A running sequence advances while a long prompt is prefilled in chunks (the point of chunking)."""
-    import queue
 
-    from kvtransfer.engine.sequence import Sequence
 
     e = engine(32)
     try:
-        lease = e.pool.try_lease()
-        r = e.prefill([1, 2, 3], lease, False).result(timeout=60)
-        q: queue.Queue = queue.Queue()
-        e.scheduler.add(Sequence(1, lease, 3, r.first, 400, q.put))
-        q.get(timeout=30)
+        running(e)
         before = e.scheduler.steps
         other = e.pool.try_lease()
         e.prefill(random_prompt(512, 320, seed=4)[0].tolist(), other, False).result(timeout=60)
@@ -88,21 +97,15 @@ def test_no_gap_between_two_tokens_waits_for_two_chunks(monkeypatch):
     On CPU every op runs at once, so the log models the stream: each launch (step, chunk) in order, a step's
     delivery waits for that step, any other read on the scheduler thread for every launch so far. Between two
     deliveries at most one chunk may be waited for (an order, not a time)."""
-    import queue
     import threading
     import time
 
     import kvtransfer.engine.engine as engine_mod
     import kvtransfer.engine.scheduler as scheduler_mod
-    from kvtransfer.engine.sequence import Sequence
 
     e = engine(16)
     try:
-        lease = e.pool.try_lease()
-        r = e.prefill([1, 2, 3], lease, False).result(timeout=60)
-        q: queue.Queue = queue.Queue()
-        e.scheduler.add(Sequence(1, lease, 3, r.first, 400, q.put))
-        q.get(timeout=30)
+        running(e)
         events, launched, inside = [], [0], set()  # ("chunk", i) | ("deliver", i) | ("read", i): i = launches so far
 
         def on_thread():

@@ -159,9 +159,9 @@ def mixed_attention_fuses(decode_rows: int, q_heads: int, kv_heads: int, device:
     launch: Triton there, enough decode rows that one split each fills the SMs (kvtransfer/kernels/
     triton_mixed_attention.py, `fuses`), and rows (`max_seq` positions each, None: not checked) no longer than
     the decode kernel's per-split cap (triton_attention.LONG_CHUNK, 0: off). The fused launch reads each decode row
-    with one program a kv head, so a long row among short ones would hold the step (one H100: a 32k row beside 32
-    of 1k took 12.6 ms of attention a step at 2 splits, 1.8 cut at 1,024 positions); where rows can be longer than
-    the cap, the decode kernel takes the decode rows and cuts them. Static shapes only: one answer per CUDA graph."""
+    with one program a kv head, so a long row among short ones would hold the step (README, #39: the per-split
+    cap); where rows can be longer than the cap, the decode kernel takes the decode rows and cuts them. Static
+    shapes only: one answer per CUDA graph."""
     if not _use_triton(use_triton, device):
         return False
     from kvtransfer.kernels import triton_attention

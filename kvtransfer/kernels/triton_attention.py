@@ -52,10 +52,8 @@ STAGE1_STAGES = 2
 MAX_SPLITS = 256  # bounds the stage-2 tile (all splits of a row are merged in one shot)
 PROGRAMS_PER_SM = 2  # choose_num_splits' aim: stage-1 programs a split count makes, per SM (was 6 before 2026-12-06)
 # The most positions one split of a row takes (a multiple of BLOCK_N; 0: no cap): see decode_attention_triton's
-# max_chunk. One H100, 28 layers (bench/results/fused-h100-2026-12-07/call5): 32 rows at 1k + one at 32k, 12.58 ms
-# uncapped (the long row's 8 programs read 16k positions each while the rest wait), 1.76 at 1,024, 2.63 at 2,048,
-# 4.53 at 4,096; what it costs where no row is long (a pool of 32k-position rows): 64 x 1k 1.49 -> 1.66 ms (the
-# empty splits), 128 x 1k 2.58 -> 3.03 (and no one-launch path: the grid has more than one split).
+# max_chunk. Chosen against 2,048 and 4,096 and no cap with one 32k row among 1k ones, and priced where no row is
+# long (the grid's empty splits, no one-launch path): bench/results/fused-h100-2026-12-07 call 5, and the README.
 LONG_CHUNK = 1024
 _LOG2E = 1.4426950408889634
 
@@ -88,6 +86,20 @@ def default_num_splits(batch: int, q_heads: int, kv_heads: int, max_seq: int, de
     head_blocks = triton.cdiv(q_heads // kv_heads, BLOCK_H)
     sm_count = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) if device.type == "cuda" else 8
     return choose_num_splits(batch, kv_heads, head_blocks, max_seq, sm_count)
+
+
+def capped_splits(max_seq: int, num_splits: int, block_n: int = BLOCK_N, max_chunk: int | None = None
+                  ) -> tuple[int, int]:
+    """(the grid's splits, the positions a split takes at most; 0: no cap) for `num_splits` by count in rows of
+    `max_seq` positions. max_chunk None: LONG_CHUNK, read at the call. The cap grows to keep the grid at MAX_SPLITS,
+    and the grid holds the longest row's splits: max(num_splits, cdiv(max_seq, cap))."""
+    max_chunk = LONG_CHUNK if max_chunk is None else int(max_chunk)
+    if not max_chunk:
+        return num_splits, 0
+    if max_chunk < 0 or max_chunk % block_n:
+        raise ValueError(f"max_chunk {max_chunk} must be a positive multiple of {block_n} (or 0: no cap)")
+    max_chunk = max(max_chunk, triton.cdiv(triton.cdiv(max_seq, MAX_SPLITS), block_n) * block_n)
+    return max(num_splits, triton.cdiv(max_seq, max_chunk)), max_chunk
 
 
 @triton.jit
@@ -280,13 +292,9 @@ def decode_attention_triton(
             num_splits = default_num_splits(batch, q_heads, kv_heads, max_seq, q.device)
         num_splits = max(1, min(int(num_splits), MAX_SPLITS))
     divisor, cap = num_splits, no_chunk_cap(max_seq, block_n)
-    max_chunk = LONG_CHUNK if max_chunk is None else int(max_chunk)
-    if split_size is None and max_chunk:
-        if max_chunk < 0 or max_chunk % block_n:
-            raise ValueError(f"max_chunk {max_chunk} must be a positive multiple of {block_n} (or 0: no cap)")
-        max_chunk = max(max_chunk, triton.cdiv(triton.cdiv(max_seq, MAX_SPLITS), block_n) * block_n)
-        num_splits = max(num_splits, triton.cdiv(max_seq, max_chunk))  # the grid: the longest row's splits
-        cap = min(cap, max_chunk)
+    if split_size is None:
+        num_splits, max_chunk = capped_splits(max_seq, num_splits, block_n, max_chunk)
+        cap = min(cap, max_chunk) if max_chunk else cap
     block_d = max(16, triton.next_power_of_2(head_dim))
     out = torch.empty((batch, q_heads, head_dim), dtype=q.dtype, device=q.device) if out is None else out
     # One split by count and no merge sweep: stage 1 writes the output itself (the merge of one split is exact,
