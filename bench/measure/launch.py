@@ -7,6 +7,7 @@ between them), not an in-process shortcut; the tests start servers the same way.
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -23,10 +24,53 @@ DUMP_WAIT_S = 1.0  # faulthandler writes from its signal handler at once; this c
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 
 
+PORT_FLOOR = 20000  # free_port's ports: from here to the kernel's ephemeral range, in BANDS bands
+BANDS = 16
+_given: set[int] = set()  # the ports this process handed out
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port that is free now, below the kernel's ephemeral range, and not handed out before by this
+    process (until its band runs out).
+
+    Why not bind(0): the port the kernel picks is free only until that socket closes, and a server binds it
+    seconds later (a start imports torch and transformers). Meanwhile every bind(0) and outgoing connection on the
+    machine draws from the same range: in CI run 53 (bench/results/ci-2cpu-2026-12-06) a gRPC server of another
+    test process held an API front's port when the front came to bind it, and the front's health poll got HTTP/2
+    frames. Below the range only another free_port can pick a port, and each pytest-xdist worker draws from its
+    own band (other processes from a band by their pid)."""
+    low = _ephemeral_low()
+    width = (low - PORT_FLOOR) // BANDS
+    if width < 64:  # no room below the range (a machine that widened it): the kernel's pick
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    band = int(worker[2:]) % BANDS if worker[2:].isdigit() else 2 + os.getpid() % (BANDS - 2)
+    mine = range(PORT_FLOOR + band * width, PORT_FLOOR + (band + 1) * width)
+    ports = [p for p in mine if p not in _given]
+    if not ports:  # every port of the band handed out once: start over
+        _given.difference_update(mine)
+        ports = list(mine)
+    random.shuffle(ports)
+    for port in ports:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _given.add(port)
+        return port
+    raise OSError(f"no free loopback port in {mine.start}..{mine.stop - 1}")
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (bind(0), outgoing connections); Linux's default elsewhere."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 @dataclass

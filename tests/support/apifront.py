@@ -11,6 +11,7 @@ and cheap with a scripted Backend and a hand-made ASGI exchange (no HTTP client 
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import ssl
 import time
@@ -61,7 +62,7 @@ def start_api(log_path: str, backend: str, args=(), ready=(200, 503), context: s
             try:
                 if request("GET", f"{url}/health", timeout=5, context=context)[0] in ready:
                     return proc, url
-            except OSError:
+            except (OSError, http.client.HTTPException):  # not up yet; or not HTTP: another process's port
                 pass
             if time.monotonic() > deadline:
                 raise TimeoutError(f"kvtransfer-api not up after {START_S} s:\n{_tail(log_path)}")
