@@ -220,6 +220,24 @@ def test_every_later_chunk_is_padded_to_the_chunk(monkeypatch, n, start, sizes):
         chunked.close()
 
 
+def test_every_piece_of_a_chunked_prefill_runs_on_the_fused_ops(monkeypatch):
+    """A chunked prompt, and a prompt after a reused prefix, never run the HF forward: its pieces go into one block on
+    the fused ops (fused_prefill.chunk_cache). On the HF forward each later chunk launched ~4x the kernels and copied
+    the cache so far per layer (bench/results/stall-h100-2026-12-07: the chunk path was launch-bound)."""
+    e = engine(64)
+    hf = []
+    monkeypatch.setattr(type(e.m.model), "forward", lambda *a, **k: hf.append(1) or pytest.fail("the HF forward ran"))
+    try:
+        ids = random_prompt(512, 200, seed=8)[0].tolist()
+        lease = e.pool.try_lease()
+        whole = e.prefill(ids, lease, False).result(timeout=60)  # 64 x 3 + 8 padded
+        again = e.prefill(ids, lease, False, start=150).result(timeout=60)  # the last 50 after a reused prefix
+        assert hf == [] and whole.first == again.first
+        lease.release()
+    finally:
+        e.close()
+
+
 def test_a_reused_prefix_continues_at_its_positions_in_a_sliding_window_model(monkeypatch):
     """A Mistral-style model (a sliding window no shorter than the slot, so it never binds) prefilling after a reused
     prefix: the past comes from the pool (engine.past_cache), and its sliding-window layers count positions apart

@@ -163,3 +163,42 @@ def test_the_ladder_of_mixed_steps_replays_the_smallest_graph_that_holds_the_pro
         gaps = rel(dec, e_dec), rel(lasts, e_lasts)
         print(f"{n} prompt rows in the {rows}-row graph: graph vs eager {gaps[0]:.5f} / {gaps[1]:.5f}")
         assert max(gaps) <= GPU_BATCH_TOL
+
+
+def test_chunked_prefill_on_the_fused_ops_agrees_with_hf_chunks_and_the_whole_prefill():
+    """The engine's chunk loop on the fused ops (fused_prefill.chunk_cache, a last chunk padded) against the same
+    pieces on the HF forward (chunk_attention) and against the whole prefill, bf16 on CUDA: Triton's norm/RoPE and
+    the fused GEMMs round otherwise than HF's ops, so within GPU_BATCH_TOL (logits and cache, relative to their
+    scale), the same greedy first token where the top-2 margin exceeds it; and the fused pieces repeat their bits."""
+    from contextlib import nullcontext
+
+    from kvtransfer.engine.chunk_attention import chunk_attention_on
+    from kvtransfer.engine.engine import pad_chunk
+    from kvtransfer.model import fused_prefill as fp
+
+    model = load_model(ModelSpec("smollm2-135m", "bfloat16", 0), "cuda")
+    n, chunk = 1000, 256  # 256 x 3, then 232 padded
+    ids = random_prompt(model.config.vocab_size, n, seed=12, device="cuda")
+
+    def chunked(fused: bool):
+        cache, at = fp.chunk_cache(model, n + chunk) if fused else None, 0
+        assert (cache is not None) == fused
+        while at < n:
+            end = min(n, at + chunk)
+            piece, row = pad_chunk(ids[:, at:end], chunk) if at else (ids[:, at:end], -1)
+            with chunk_attention_on(model) if at and not fused else nullcontext():
+                cache, logits = prefill(model, piece, cache=cache, row=row)
+            at = end
+        return [(layer.keys[:, :, :n], layer.values[:, :, :n]) for layer in cache.layers], logits
+
+    (fused, f_logits), (again, a_logits), (hf, h_logits) = chunked(True), chunked(True), chunked(False)
+    whole_cache, whole = prefill(model, ids)
+    assert torch.equal(f_logits, a_logits) and all(torch.equal(k, k2) for (k, _), (k2, _) in zip(fused, again))
+    gaps = rel(f_logits, h_logits), rel(f_logits, whole)
+    print(f"fused chunks vs HF chunks {gaps[0]:.5f}, vs the whole prefill {gaps[1]:.5f}")
+    assert max(gaps) <= GPU_BATCH_TOL
+    top2 = whole.float().topk(2).values
+    if (top2[0] - top2[1]) > GPU_BATCH_TOL * whole.float().abs().max():
+        assert int(f_logits.argmax()) == int(whole.argmax())
+    for (k, v), (hk, hv), layer in zip(fused, hf, whole_cache.layers):
+        assert max(rel(k, hk), rel(v, hv), rel(k, layer.keys), rel(v, layer.values)) <= GPU_BATCH_TOL

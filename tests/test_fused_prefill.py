@@ -82,3 +82,41 @@ def test_fused_layers_are_kept_per_model_until_its_weights_are_rebound():
     k.data = k.data.clone()  # a later layer's k rebound: fused again, k a view of the new qkv
     qkv = fused_layers(model)[-1].qkv
     assert k.data_ptr() == qkv.data_ptr() + q.shape[0] * q.shape[1] * q.element_size()
+
+
+@pytest.mark.parametrize("name,model", list(models()), ids=lambda v: v if isinstance(v, str) else "")
+def test_chunk_by_chunk_on_the_fused_ops_is_bit_identical_to_hf_chunks(name, model):
+    """The engine's chunked prefill on the fused ops (chunk_cache, then prefill per piece) against the HF forward
+    over the same pieces: after a reused prefix (the past copied into the block), full chunks, and a last chunk
+    padded after its last real token (engine.pad_chunk). Every piece's logits and the cache are the same bytes on
+    CPU; the layer hook sees the K/V so far (pads included), and the cache's length ends at the prompt."""
+    from kvtransfer.engine.engine import pad_chunk, past_cache
+
+    n, chunk, start = 150, 32, 20  # a 20-token prefix, then 32 x 4 and 2 real tokens padded to 32
+    ids = random_prompt(model.config.vocab_size, n, seed=7)
+    past = cache_layers(prefill(model, ids[:, :start])[0])
+    fused, hf = fp.chunk_cache(model, n + chunk, past), past_cache(model.config, past)
+    assert fused is not None and fused.fused and fused.get_seq_length() == start
+    at, seen = start, []
+    while at < n:
+        end = min(n, at + chunk)
+        piece, row = pad_chunk(ids[:, at:end], chunk)
+        fused, logits = prefill(model, piece, on_layer=lambda i, k, v: seen.append((i, k.shape[-2])), cache=fused,
+                                row=row)
+        hf, hf_logits = prefill(model, piece, cache=hf, row=row)
+        assert same_bytes(logits, hf_logits), (name, at)
+        assert seen == [(i, at + chunk) for i in range(model.config.num_hidden_layers)], (name, at)
+        seen.clear()
+        at = end
+    assert fused.get_seq_length() == n
+    assert caches_equal(cache_layers(fused), [(k[:, :, :n], v[:, :, :n]) for k, v in cache_layers(hf)]), name
+
+
+def test_a_model_the_fused_ops_cannot_run_gets_no_chunk_cache():
+    """A sliding-window model (its cache layers count positions apart from their keys; the window here never binds)
+    and a window shorter than the prompt: chunk_cache declines, and the engine chunks on the HF forward."""
+    for window, positions in ((1024, 100), (16, 17)):
+        cfg = MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, vocab_size=128, sliding_window=window)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa").eval()
+        assert fp.chunk_cache(model, positions) is None

@@ -5,7 +5,8 @@ masked SDPA leaves the flash kernel: the chunks of a long prompt then cost sever
 prefill's time per token, and each stalled the running decodes for as long. The mask is
 only "causal, aligned to the last key", which `causal_lower_right` expresses without a tensor, so SDPA
 keeps its flash / memory-efficient kernels (GQA without repeating K/V). Used for the second and later
-chunks only: a first chunk (no past) runs HF's own sdpa path, exactly as an unchunked prefill.
+chunks only, of models the fused ops cannot run (the others chunk on kvtransfer/model/fused_prefill.py, which
+calls SDPA the same way): a first chunk (no past) runs HF's own sdpa path, exactly as an unchunked prefill.
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ from kvtransfer.engine.sampler import SamplingParams, first_token
 from kvtransfer.engine.scheduler import Job, Scheduler
 from kvtransfer.engine.sequence import LocalPrefill
 from kvtransfer.model.loaded import LoadedModel
+from kvtransfer.model.fused_prefill import chunk_cache
 from kvtransfer.model.prefill import logits_digest, prefill, random_prompt
 from kvtransfer.model.streaming import StreamingCache, cache_digest
 
@@ -123,8 +124,10 @@ class DecodeEngine:
 
         Whole (prefill_chunk 0, or a prompt no longer than a chunk): one forward, exactly the prefill worker's.
         Chunked (Sarathi-Serve): one chunk per `next()`, so the scheduler runs a decode step between two chunks;
-        each later chunk attends over the cache so far (lower-right causal, chunk_attention.py), padded to `chunk`
-        tokens (`pad_chunk`; the job's first piece is not: a prefix hit's short suffix keeps its own size). Chunked
+        each later chunk attends over the cache so far (lower-right causal), padded to `chunk` tokens (`pad_chunk`;
+        the job's first piece is not: a prefix hit's short suffix keeps its own size). The pieces, and a suffix after
+        a reused prefix, run on the fused ops into one block for the whole prompt (fused_prefill.chunk_cache); a model
+        those cannot run takes the HF forward with chunk_attention.py's attention. Chunked
         logits and cache then equal the whole prefill's only within a tolerance (other kernel shapes;
         tests/test_chunked_prefill.py). Either way the first token is read back one `next()` after the last forward:
         read in the same one, it would hold back the tokens of the step queued before that forward, and the running
@@ -138,7 +141,11 @@ class DecodeEngine:
             sync(self.m.device)
             t0, c0 = time.perf_counter(), time.thread_time()
             began = timed_event(self.m.device)  # on CUDA the time runs to the event after the last forward's work
-            cache = past_cache(self.m.model.config, pool.layers_of(slot, start)) if start else None
+            cache = None  # the next piece's past: none before a whole prompt's one forward
+            if start or n > chunk:  # pieces after a past: into one block on the fused ops where they run, else HF's
+                past = pool.layers_of(slot, start) if start else None
+                cache = chunk_cache(self.m.model, n + chunk, past, self.m.device)
+                cache = cache if cache is not None or not start else past_cache(self.m.model.config, past)
 
             def land(i: int, k: torch.Tensor, v: torch.Tensor) -> None:  # k, v: (1, kv_heads, end, head_dim) so far
                 pool.write_layer(slot, i, start, k[:, :, start:end], v[:, :, start:end])

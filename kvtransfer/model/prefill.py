@@ -26,13 +26,15 @@ def prefill(model, input_ids: torch.Tensor, on_layer: LayerCallback | None = Non
             cache: StreamingCache | None = None, fused: bool = True, row: int = -1
             ) -> tuple[StreamingCache, torch.Tensor]:
     """Run the prompt once (or the next chunk of it, after `cache`). Returns the cache and the last position's
-    logits (vocab,), or row `row`'s of a chunk padded after its last real token (the HF forward then runs).
+    logits (vocab,), or row `row`'s of a chunk padded after its last real token.
 
     input_ids: (1, seq). The layer callback sees each layer's K/V (the whole cache so far) during this call only.
     A whole prompt of a Llama/Qwen2/Mistral-style model runs the fused ops (fused_prefill.py: the same kernels
-    on every server, so caches stay byte-identical across them); `fused=False`, other models and later chunks
-    run the HF forward.
+    on every server, so caches stay byte-identical across them), and so does every piece after a cache from
+    `fused_prefill.chunk_cache`; `fused=False`, other models and pieces after any other cache run the HF forward.
     """
+    if cache is not None and cache.fused:  # a piece after a past, into the block chunk_cache allocated
+        return cache, fused_prefill.fused_chunk(model, input_ids, cache, on_layer, row)
     if cache is None and fused and row == -1 and fused_prefill.supports(model, input_ids.shape[1]):
         out = fused_prefill.fused_prefill(model, input_ids, on_layer)
         if out is not None:

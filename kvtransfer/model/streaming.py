@@ -33,6 +33,7 @@ class StreamingCache(DynamicCache):
         super().__init__(*args, **kwargs)
         self.on_layer = on_layer
         self.block: torch.Tensor | None = None  # (layers, 2, batch, kv_heads, seq, head_dim)
+        self.fused = False  # the next pieces run on the fused ops, into `block` (fused_prefill.chunk_cache)
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         layer = self.layers[layer_idx] if layer_idx < len(self.layers) else None

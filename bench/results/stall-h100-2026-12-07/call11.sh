@@ -1,8 +1,9 @@
 #!/bin/bash
 # Call 11 (prepared for the next session, not run), one GPU, carry [".whl", "out/gpu_base"] (out/gpu_base:
 # `git archive 02dcfb7 -- . ':!bench/results'`): #39's second point with every later chunk padded to the chunk
-# (engine.pad_chunk): the interference chunked arm, traced, this tree then 02dcfb7, twice each (the stall swings
-# by ~20 ms run to run); then the engine GPU tests. ~350 s with the start.
+# (engine.pad_chunk) and run on the fused ops into one block (fused_prefill.chunk_cache): the interference chunked
+# arm, traced, this tree then 02dcfb7, twice each (the stall swings by ~20 ms run to run); the chunk loop alone, fused
+# against the HF forward (bench/probes/chunked_prefill.py); then the engine GPU tests. ~450 s with the start.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
@@ -21,6 +22,8 @@ for run in 1 2; do for arm in new base; do
   tail -2 $R/trace-$arm-$run.txt; gzip -f $R/trace-$arm-$run.jsonl
   tar -C /tmp -czf $OUT/call11.tgz call11
 done; done
-PYTHONPATH=/tmp/site:. timeout -k 5 60 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE tests/test_engine_gpu.py \
+PYTHONPATH=/tmp/site:. timeout -k 5 120 python3 -m bench.probes.chunked_prefill --out $R/chunked > $R/chunked.log 2>&1
+t "chunk loop probe" $?; grep -E "^(fused|hf)" $R/chunked.log; tar -C /tmp -czf $OUT/call11.tgz call11
+PYTHONPATH=/tmp/site:. timeout -k 5 120 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE tests/test_engine_gpu.py \
   > $R/gpu-tests-engine.log 2>&1; t "engine GPU tests" $?
 tail -3 $R/gpu-tests-engine.log; tar -C /tmp -czf $OUT/call11.tgz call11
