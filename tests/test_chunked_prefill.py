@@ -96,10 +96,13 @@ def test_no_gap_between_two_tokens_waits_for_two_chunks(monkeypatch):
     in 512-token chunks: one 105-109 ms gap after ~53 ms ones, bench/results/fused-h100-2026-12-07 call 6).
     On CPU every op runs at once, so the log models the stream: each launch (step, chunk) in order, a step's
     delivery waits for that step, any other read on the scheduler thread for every launch so far. Between two
-    deliveries at most one chunk may be waited for (an order, not a time)."""
+    deliveries at most one chunk may be waited for (an order, not a time). And the job waits for nothing before its
+    first piece: a synchronize there held the host until the step in flight was done, so the piece's launches could
+    not overlap it."""
     import threading
     import time
 
+    import kvtransfer.determinism as determinism
     import kvtransfer.engine.engine as engine_mod
     import kvtransfer.engine.scheduler as scheduler_mod
 
@@ -146,20 +149,30 @@ def test_no_gap_between_two_tokens_waits_for_two_chunks(monkeypatch):
         for name in ("__int__", "item", "tolist", "cpu", "numpy"):
             monkeypatch.setattr(torch.Tensor, name, read(name))
 
-        def sync(device, real=engine_mod.sync):
+        def sync(device, real=determinism.sync):
             events.append(("read", launched[0]))
             return real(device)
-        monkeypatch.setattr(engine_mod, "sync", sync)
+        monkeypatch.setattr(engine_mod, "sync", sync, raising=False)  # the engine has none (a wait on the device)
         monkeypatch.setattr(engine_mod, "prefill", chunk)
         monkeypatch.setattr(scheduler_mod.Scheduler, "_deliver", deliver)
         monkeypatch.setattr(scheduler_mod, "queue_step", queue_step)
+        end = time.monotonic() + 30  # a step queued and delivered under the patches: the log is whole from here
+        while not any(kind == "deliver" for kind, _ in list(events)):
+            assert time.monotonic() < end, events
+            time.sleep(0.01)
         other = e.pool.try_lease()
+        events.append(("submit", launched[0]))
         e.prefill(random_prompt(512, 200, seed=4)[0].tolist(), other, True).result(timeout=60)  # 13 chunks
         end = time.monotonic() + 30  # two more steps delivered after the last chunk: the stream saw it through
         while sum(kind == "deliver" and i > max(c for k, c in events if k == "chunk") for kind, i in list(events)) < 2:
             assert time.monotonic() < end, events
             time.sleep(0.01)
         monkeypatch.undo()
+        submit = events.index(next(x for x in events if x[0] == "submit"))
+        before = events[submit:events.index(next(x for x in events if x[0] == "chunk"))]
+        assert not [x for x in before if x[0] == "read"], before  # the job launches its first piece behind the step
+        # in flight: no wait for the device first (a synchronize held the host until that step was done)
+        events = [x for x in events if x[0] != "submit"]
         chunks = [i for kind, i in events if kind == "chunk"]
         waited, last, per_gap = 0, 0, []  # chunks waited for between each two deliveries
         for kind, i in events:

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtransfer.determinism import sync
 from kvtransfer.engine.chunk_attention import chunk_attention_on
 from kvtransfer.engine.graphs import Step
 from kvtransfer.engine.mixed import MixedPrefill
@@ -137,10 +136,13 @@ class DecodeEngine:
         try:
             n, chunk = len(token_ids), self.options.prefill_chunk or len(token_ids)
             pool, slot = self.pool, lease.slot
-            ids = torch.tensor([token_ids], dtype=torch.long).to(self.m.device)  # (1, seq)
-            sync(self.m.device)
+            # No wait for the device here: the step queued before this job runs on while the host launches the
+            # job's first piece behind it (a synchronize, or a pageable copy of the ids, would hold the host until
+            # that step is done). On CUDA the job's time runs between two events, stamped when the device reaches
+            # them: from its first work to the event after its last forward's.
             t0, c0 = time.perf_counter(), time.thread_time()
-            began = timed_event(self.m.device)  # on CUDA the time runs to the event after the last forward's work
+            began = timed_event(self.m.device)
+            ids = to_device(token_ids, self.m.device)  # (1, seq)
             cache = None  # the next piece's past: none before a whole prompt's one forward
             if start or n > chunk:  # pieces after a past: into one block on the fused ops where they run, else HF's
                 past = pool.layers_of(slot, start) if start else None
@@ -210,6 +212,14 @@ def pad_chunk(piece: torch.Tensor, chunk: int) -> tuple[torch.Tensor, int]:
     if m == chunk:
         return piece, -1
     return torch.cat([piece, piece[:, -1:].expand(1, chunk - m)], dim=1), m - 1  # (1, chunk)
+
+
+def to_device(token_ids: list[int], device: torch.device) -> torch.Tensor:
+    """token_ids -> (1, n) int64 on `device`, without waiting for the device: from pinned memory on CUDA."""
+    ids = torch.tensor([token_ids], dtype=torch.long)
+    if device.type != "cuda":
+        return ids.to(device)
+    return ids.pin_memory().to(device, non_blocking=True)
 
 
 def to_host(tensors: list[torch.Tensor], device: torch.device) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
