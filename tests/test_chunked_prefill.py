@@ -149,10 +149,12 @@ def test_no_gap_between_two_tokens_waits_for_two_chunks(monkeypatch):
         for name in ("__int__", "item", "tolist", "cpu", "numpy"):
             monkeypatch.setattr(torch.Tensor, name, read(name))
 
-        def sync(device, real=determinism.sync):
-            events.append(("read", launched[0]))
-            return real(device)
+        def sync(*a, **k):  # determinism.sync, torch.cuda.synchronize: a wait for every launch so far (no-ops here)
+            if on_thread() and not inside:
+                events.append(("read", launched[0]))
         monkeypatch.setattr(engine_mod, "sync", sync, raising=False)  # the engine has none (a wait on the device)
+        monkeypatch.setattr(determinism, "sync", sync)
+        monkeypatch.setattr(torch.cuda, "synchronize", sync)
         monkeypatch.setattr(engine_mod, "prefill", chunk)
         monkeypatch.setattr(scheduler_mod.Scheduler, "_deliver", deliver)
         monkeypatch.setattr(scheduler_mod, "queue_step", queue_step)
@@ -246,6 +248,31 @@ def test_every_piece_of_a_chunked_prefill_runs_on_the_fused_ops(monkeypatch):
         whole = e.prefill(ids, lease, False).result(timeout=60)  # 64 x 3 + 8 padded
         again = e.prefill(ids, lease, False, start=150).result(timeout=60)  # the last 50 after a reused prefix
         assert hf == [] and whole.first == again.first
+        lease.release()
+    finally:
+        e.close()
+
+
+@pytest.mark.parametrize("chunk,n,start,room", [(64, 200, 0, 263), (64, 200, 150, 200), (0, 400, 390, 400),
+                                                (64, 200, 100, 263)])
+def test_the_prompts_block_holds_the_prompt_and_only_the_pads_it_needs(monkeypatch, chunk, n, start, room):
+    """chunk_cache's block: the prompt and the last piece's pads (n + chunk - 1) when the job runs several pieces,
+    the prompt alone when it runs one (a reused prefix's suffix, --prefill-chunk 0): a 32k prompt's block is ~1.9 GB
+    for Qwen2.5-7B, so twice that was a waste (the review found n + chunk for an unchunked suffix: 2n)."""
+    import kvtransfer.engine.engine as engine_mod
+
+    asked = []
+    monkeypatch.setattr(engine_mod, "chunk_cache", lambda model, positions, *a, real=engine_mod.chunk_cache, **k: (
+        asked.append(positions), real(model, positions, *a, **k))[1])
+    e = engine(chunk)
+    try:
+        ids = random_prompt(512, n, seed=9)[0].tolist()
+        lease = e.pool.try_lease()
+        if start:
+            e.prefill(ids[:start], lease, False).result(timeout=60)
+        asked.clear()
+        e.prefill(ids, lease, False, start=start).result(timeout=60)
+        assert asked == [room]
         lease.release()
     finally:
         e.close()

@@ -193,7 +193,8 @@ def test_chunked_prefill_on_the_fused_ops_agrees_with_hf_chunks_and_the_whole_pr
 
     (fused, f_logits), (again, a_logits), (hf, h_logits) = chunked(True), chunked(True), chunked(False)
     whole_cache, whole = prefill(model, ids)
-    assert torch.equal(f_logits, a_logits) and all(torch.equal(k, k2) for (k, _), (k2, _) in zip(fused, again))
+    assert torch.equal(f_logits, a_logits) and all(torch.equal(k, k2) and torch.equal(v, v2)
+                                                    for (k, v), (k2, v2) in zip(fused, again))
     gaps = rel(f_logits, h_logits), rel(f_logits, whole)
     print(f"fused chunks vs HF chunks {gaps[0]:.5f}, vs the whole prefill {gaps[1]:.5f}")
     assert max(gaps) <= GPU_BATCH_TOL

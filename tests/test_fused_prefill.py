@@ -20,10 +20,22 @@ from kvtransfer.model.streaming import cache_layers, caches_equal, same_bytes
 from tests.test_engine import tiny_qwen2
 
 
+def head_dim_llama():
+    """A Llama whose head_dim (32) is not hidden / heads (16): the block and the views must take the config's."""
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=32, vocab_size=128, max_position_embeddings=512)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa").eval()
+    _seeded_init_(model, 1)
+    return model
+
+
 def models():
     yield "tiny", load_model(ModelSpec("tiny", "float32", 0))
     yield "smollm2-135m", load_model(ModelSpec("smollm2-135m", "float32", 0))
     yield "qwen2-biases", tiny_qwen2()
+    yield "llama-head-dim-32", head_dim_llama()
 
 
 @pytest.mark.parametrize("name,model", list(models()), ids=lambda v: v if isinstance(v, str) else "")

@@ -6,6 +6,9 @@ between them), not an in-process shortcut; the tests start servers the same way.
 
 from __future__ import annotations
 
+import fcntl
+import itertools
+import json
 import os
 import random
 import socket
@@ -24,44 +27,70 @@ DUMP_WAIT_S = 1.0  # faulthandler writes from its signal handler at once; this c
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 
 
-PORT_FLOOR = 20000  # free_port's ports: from here to the kernel's ephemeral range, in BANDS bands
-BANDS = 16
-_given: set[int] = set()  # the ports this process handed out
+PORT_FLOOR = 20000  # free_port's ports: from here up to the kernel's ephemeral range
+HELD_S = 300.0  # a port handed out stays reserved this long: a server's start (imports) on a loaded machine
+REGISTRY = os.path.join(tempfile.gettempdir(), f"kvtransfer-free-ports-{os.getuid()}.json")
+_rng = random.Random()  # private: a seeded global `random` must not make two processes pick alike
+_local: dict[int, float] = {}  # the registry where its file cannot be used
 
 
 def free_port() -> int:
-    """A loopback port that is free now, below the kernel's ephemeral range, and not handed out before by this
-    process (until its band runs out).
+    """A loopback port that is free now, below the kernel's ephemeral range, and handed out by no free_port on this
+    machine (any process of this user) in the last HELD_S seconds.
 
     Why not bind(0): the port the kernel picks is free only until that socket closes, and a server binds it
     seconds later (a start imports torch and transformers). Meanwhile every bind(0) and outgoing connection on the
     machine draws from the same range: in CI run 53 (bench/results/ci-2cpu-2026-12-06) a gRPC server of another
     test process held an API front's port when the front came to bind it, and the front's health poll got HTTP/2
-    frames. Below the range only another free_port can pick a port, and each pytest-xdist worker draws from its
-    own band (other processes from a band by their pid)."""
+    frames. Below the range only free_port picks, and the ports it handed out are kept in a file under a lock
+    (REGISTRY), so two processes (pytest-xdist workers, their children, two test runs) never get the same one."""
     low = _ephemeral_low()
-    width = (low - PORT_FLOOR) // BANDS
-    if width < 64:  # no room below the range (a machine that widened it): the kernel's pick
+    if low - PORT_FLOOR < 1024:  # no room below the range (a machine that widened it): the kernel's pick
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             return s.getsockname()[1]
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
-    band = int(worker[2:]) % BANDS if worker[2:].isdigit() else 2 + os.getpid() % (BANDS - 2)
-    mine = range(PORT_FLOOR + band * width, PORT_FLOOR + (band + 1) * width)
-    ports = [p for p in mine if p not in _given]
-    if not ports:  # every port of the band handed out once: start over
-        _given.difference_update(mine)
-        ports = list(mine)
-    random.shuffle(ports)
-    for port in ports:
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _given.add(port)
-        return port
-    raise OSError(f"no free loopback port in {mine.start}..{mine.stop - 1}")
+    with _registry() as held:  # port -> when it was handed out
+        now = time.time()
+        for port in [p for p, t in held.items() if now - t > HELD_S or not PORT_FLOOR <= p < low]:
+            del held[port]
+        drawn = (_rng.randrange(PORT_FLOOR, low) for _ in range(1024))  # then every port in turn (a full range),
+        fresh = (p for p in itertools.chain(drawn, range(PORT_FLOOR, low)) if p not in held)
+        for port in itertools.chain(fresh, sorted(held, key=held.get)):  # then, all taken: the longest held first
+            if _bindable(port):
+                held[port] = now
+                return port
+    raise OSError(f"no free loopback port in {PORT_FLOOR}..{low - 1}")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+@contextmanager
+def _registry():
+    """The ports free_port handed out, {port: time}, read and written back under an exclusive lock on REGISTRY (this
+    process's own dict where the file cannot be opened)."""
+    try:
+        f = open(REGISTRY, "a+")
+    except OSError:
+        yield _local
+        return
+    with f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
+        f.seek(0)
+        try:
+            held = {int(p): float(t) for p, t in json.loads(f.read() or "{}").items()}
+        except (ValueError, AttributeError):
+            held = {}  # a torn or foreign file: start over
+        yield held
+        f.seek(0)
+        f.truncate()
+        f.write(json.dumps(held))
 
 
 def _ephemeral_low() -> int:

@@ -146,7 +146,8 @@ class DecodeEngine:
             cache = None  # the next piece's past: none before a whole prompt's one forward
             if start or n > chunk:  # pieces after a past: into one block on the fused ops where they run, else HF's
                 past = pool.layers_of(slot, start) if start else None
-                cache = chunk_cache(self.m.model, n + chunk, past, self.m.device)
+                room = n + chunk - 1 if n - start > chunk else n  # the last piece's pads end by n - 1 + chunk
+                cache = chunk_cache(self.m.model, room, past, self.m.device)
                 cache = cache if cache is not None or not start else past_cache(self.m.model.config, past)
 
             def land(i: int, k: torch.Tensor, v: torch.Tensor) -> None:  # k, v: (1, kv_heads, end, head_dim) so far
@@ -155,7 +156,7 @@ class DecodeEngine:
             while start < n:
                 end = min(n, start + chunk)
                 piece, row = pad_chunk(ids[:, start:end], chunk) if start > first else (ids[:, start:end], -1)
-                with chunk_attention_on(self.m.model) if start else nullcontext():
+                with chunk_attention_on(self.m.model) if start and not cache.fused else nullcontext():  # HF's path
                     cache, logits = prefill(self.m.model, piece, on_layer=land, cache=cache, row=row)
                 start = end
                 if start < n:
@@ -206,8 +207,8 @@ def pad_chunk(piece: torch.Tensor, chunk: int) -> tuple[torch.Tensor, int]:
     streams about twice as long as any other chunk (bench/results/stall-h100-2026-12-07). Padded, every chunk
     after a job's first is one shape (the first is not padded: a whole prompt, or a reused prefix's suffix, whose
     work padding would multiply). The pads come after every real token, so under the causal mask no real row
-    attends to them; their K/V stay in the throwaway StreamingCache (the pool gets positions start..end only),
-    and each takes the last real token's position (prefill's position_ids), so none passes the prompt's."""
+    attends to them; their K/V stay in the chunk's own cache, after the prompt (the pool gets positions start..end
+    only), and each takes the last real token's RoPE position, so none passes the prompt's."""
     m = piece.shape[1]
     if m == chunk:
         return piece, -1

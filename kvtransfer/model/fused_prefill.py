@@ -96,7 +96,7 @@ def chunk_cache(model, positions: int, past: list[tuple[torch.Tensor, torch.Tens
     Why: on the HF forward every later chunk of a long prompt launches ~4x the fused path's kernels (the chunk
     path was launch-bound) and copies the whole cache so far into a new tensor per layer (`torch.cat` in
     DynamicLayer.update). Here each chunk writes its K/V into the block at its positions, and attends over a view.
-    `positions` must hold the prompt and the pads of its last chunk (engine.pad_chunk): prompt + chunk."""
+    `positions` must hold the prompt and the pads of its last chunk (engine.pad_chunk): n + chunk - 1."""
     cache = StreamingCache(config=model.config)
     if not _can_run(model, cache, positions):
         return None

@@ -33,7 +33,7 @@ def prefill(model, input_ids: torch.Tensor, on_layer: LayerCallback | None = Non
     on every server, so caches stay byte-identical across them), and so does every piece after a cache from
     `fused_prefill.chunk_cache`; `fused=False`, other models and pieces after any other cache run the HF forward.
     """
-    if cache is not None and cache.fused:  # a piece after a past, into the block chunk_cache allocated
+    if fused and cache is not None and cache.fused:  # a piece after a past, into the block chunk_cache allocated
         return cache, fused_prefill.fused_chunk(model, input_ids, cache, on_layer, row)
     if cache is None and fused and row == -1 and fused_prefill.supports(model, input_ids.shape[1]):
         out = fused_prefill.fused_prefill(model, input_ids, on_layer)

@@ -5,8 +5,8 @@ with KVT_TRACE=<file> set wraps, in that server, the scheduler's pieces (the job
 _deliver), the first token's `to_host`, each chunk's forward launch, the prefix cache's keep and the loop's Mailbox
 (its drains and the event loop's lag), then appends JSON lines to <file>: host times (perf_counter, s) and, for
 the job's piece and the step, CUDA event times (ms after the first event). Without KVT_TRACE it does nothing.
-Read the file with `python -m bench.probes.sched_trace.report <file>`. KVT_CHUNK_NO_CUDNN=1 also runs a
-chunked prefill's later chunks with SDPA kept off cuDNN at every length (a variant for the interference bench).
+Read the file with `python -m bench.probes.sched_trace.report <file>`. (Call 9's KVT_CHUNK_NO_CUDNN variant is gone:
+the chunks no longer run chunk_attention, and the variant was not adopted.)
 """
 
 import atexit
@@ -85,14 +85,6 @@ def _install():  # noqa: C901 - one wrapper each, flat on purpose
         D.Mailbox._drain = timed("drain", drain, info=lambda a, k: {"items": len(a[0]._items)})
     except (ImportError, AttributeError):
         pass
-
-    if os.environ.get("KVT_CHUNK_NO_CUDNN"):  # a variant: chunks' SDPA never on cuDNN (bench/probes/chunked_prefill.py)
-        from torch.nn.attention import sdpa_kernel
-
-        import kvtransfer.engine.chunk_attention as CA
-        from kvtransfer.model.fused_prefill import SDPA_BACKENDS
-        CA.prompt_attention = lambda kv_len: sdpa_kernel(SDPA_BACKENDS)
-        put(k="variant", t0=time.perf_counter(), t1=time.perf_counter(), what="chunk attention without cuDNN")
 
     writing = threading.Lock()  # the exit's flush and the thread's never interleave; `lock` is held only to swap
 
