@@ -147,9 +147,9 @@ def test_a_swapped_request_gets_its_bytes_back_and_continues_as_unpressured(tiny
     swapped_out = {}
     store = tight.cache.swap_out_locked
 
-    def spy(slot, tokens):  # the preempted row's bytes, as the swap finds them (a context shorter than a prefix
-        data = tight.pool.read(slot, 0, len(tokens)).clone()  # block is not swapped: recomputed)
-        if store(slot, tokens):
+    def spy(slot, tokens, hashed=None):  # the preempted row's bytes, as the swap finds them (a context shorter than
+        data = tight.pool.read(slot, 0, len(tokens)).clone()  # a prefix block is not swapped: recomputed)
+        if store(slot, tokens, hashed):
             swapped_out[tuple(tokens.tolist())] = data
             return True
         return False

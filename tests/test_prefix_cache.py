@@ -321,3 +321,46 @@ def test_at_equal_length_a_device_entry_is_taken_before_a_host_reload():
     lc = cache.acquire(np.concatenate([system, ids(7, 69)]))
     assert lc.reuse.tier == DEVICE and lc.reuse.length == 12, lc.reuse
     assert torch.equal(cache.pool.kv[:, :, lc.slot, :, :12], kv[:, :, :, :12])
+
+
+def test_caching_a_row_hashes_only_what_follows_the_prompt_acquire_hashed(monkeypatch):
+    """acquire hashes the prompt's blocks once, outside the pool's lock, and the lease keeps them: when the row is
+    cached (its release, under the lock) only the blocks after the prompt are hashed (a 32k prompt's ~2,000 blocks
+    held the scheduler's lock for ~4-5 ms more). The keys filed are block_keys' of the whole context all the same,
+    and a context that does not start with the prompt is hashed whole."""
+    import kvtransfer.engine.prefix_index as PI
+
+    hashed, real = [], PI.hashlib.blake2b
+    monkeypatch.setattr(PI.hashlib, "blake2b", lambda data, **k: hashed.append(1) or real(data, **k))
+    cache = make(max_seq=64)
+    for tokens, want in ((ids(21, 30), 0), (ids(41, 31), 5)):  # the prompt itself; the prompt + 20 made tokens:
+        prompt = tokens[:21]  # the prompt's 5 whole blocks known, blocks 5..9 hashed
+        lease = cache.acquire(prompt)
+        hashed.clear()
+        lease.keep = tokens.copy()  # the request's own array of the same ids
+        lease.release()
+        assert len(hashed) == want
+        e = cache.index.entries()[-1]
+        assert e.keys == block_keys(tokens, B) and cache.index.match(tokens)[0].length == len(tokens)
+    lease = cache.acquire(ids(21, 32))
+    other = ids(30, 33)  # not the prompt's tokens
+    hashed.clear()
+    lease.keep = other
+    lease.release()
+    assert len(hashed) == 30 // B and cache.index.entries()[-1].keys == block_keys(other, B)
+
+
+def test_a_row_evicted_to_the_host_tier_keeps_its_keys(monkeypatch):
+    """A cached row taken back goes to the host tier filed under its device entry's keys: none hashed again (only
+    the new prompt's, in its acquire)."""
+    import kvtransfer.engine.prefix_index as PI
+
+    hashed, real = [], PI.hashlib.blake2b
+    monkeypatch.setattr(PI.hashlib, "blake2b", lambda data, **k: hashed.append(1) or real(data, **k))
+    cache = make(slots=1, host_pages=8)
+    turn1 = ids(20, 18)
+    finish(cache, cache.acquire(turn1), turn1, 2.0)
+    hashed.clear()
+    cache.acquire(ids(10, 19)).release()  # takes the one slot back: turn 1's context goes to the host tier
+    assert len(hashed) == 10 // B
+    assert [(e.where[0], e.keys) for e in cache.index.entries()] == [(HOST, block_keys(turn1, B))]

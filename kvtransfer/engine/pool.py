@@ -57,6 +57,8 @@ class Lease:
     def __init__(self, pool: "KVPool", slot: int, blocks: list[int]):
         self.pool, self.slot, self.blocks, self._holders = pool, slot, blocks, 1
         self.keep = None  # (n,) token ids whose KV the row holds at positions 0..n - 1: cached when let go
+        self.hashed = None  # (tokens, their block keys): the prompt's, from the prefix cache's acquire; when `keep`
+        # starts with those tokens, caching it hashes only what follows them
         self.ready = None  # torch.cuda.Event: copies into (or out of) the row's blocks queued on a copy stream; wait
         # for it before writing them (None: nothing queued)
         self.reuse = None  # prefix_cache.Reuse: the prompt's prefix already in the row once `ready` fired
@@ -79,7 +81,7 @@ class Lease:
             if self.ready is not None:  # a copy into the row may still read its source (rare: a request that
                 self.ready.synchronize()  # gave up before waiting for it)
             keeper = self.pool.keeper
-            if keeper is None or self.keep is None or not keeper.keep(self.slot, self.keep):
+            if keeper is None or self.keep is None or not keeper.keep(self.slot, self.keep, self.hashed):
                 self.pool._free_row_locked(self.slot)
         self.pool.freed()
 
@@ -228,7 +230,7 @@ class KVPool(BlockCopies):
         if lease.gone:
             raise RuntimeError(f"slot {lease.slot} was already preempted")
         lease.gone = True
-        if keep is not None and self.keeper is not None and self.keeper.swap_out_locked(lease.slot, keep):
+        if keep is not None and self.keeper is not None and self.keeper.swap_out_locked(lease.slot, keep, lease.hashed):
             return True
         self._free_row_locked(lease.slot)
         return False

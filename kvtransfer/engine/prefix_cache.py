@@ -5,7 +5,8 @@ Why in the pool's slots: a conversation's next turn is its last prompt, the answ
 that decoded the answer already holds the KV of all but the answer's last token. Keeping it costs nothing
 while slots are free; a slot is taken back (least recently used first) only when a request needs one.
 
-How a prompt takes a cached prefix (`acquire`, under the pool's lock, so two requests never take one slot):
+How a prompt takes a cached prefix (`acquire`: its block keys hashed first, outside the lock, and kept by the lease
+for caching the row later; then under the pool's lock, so two requests never take one slot):
 - the index (prefix_index.py) proposes the entries sharing the most whole blocks with the prompt, and each is
   checked token for token; the reused length L is the verified common prefix, at most the prompt's length
   less one (the last prompt token is always prefilled: its logits choose the first token);
@@ -40,7 +41,7 @@ import torch
 
 from kvtransfer.engine.host_tier import HostEntry, HostTier
 from kvtransfer.engine.pool import KVPool, Lease, PoolFull
-from kvtransfer.engine.prefix_index import BLOCK_TOKENS, Entry, PrefixIndex
+from kvtransfer.engine.prefix_index import BLOCK_TOKENS, Entry, PrefixIndex, block_keys
 from kvtransfer.engine.reload_rule import Speeds
 
 log = logging.getLogger("kvtransfer.decode.prefix_cache")
@@ -108,21 +109,34 @@ class PrefixCache:
 
     # --- the pool's hooks (its lock held) ---
 
-    def keep(self, slot: int, tokens: np.ndarray) -> bool:
-        """A released slot's KV covers `tokens`: cache it (False: too short to match, the slot is freed)."""
-        if self.index.add((DEVICE, slot), tokens) is None:
+    def keep(self, slot: int, tokens: np.ndarray, hashed: tuple[np.ndarray, list[bytes]] | None = None) -> bool:
+        """A released slot's KV covers `tokens`: cache it (False: too short to match, the slot is freed). `hashed`:
+        the lease's (prompt, its block keys), reused for the blocks `tokens` shares with that prompt (under the pool's
+        lock, a 32k prompt's keys cost ~4-5 ms of hashing: the scheduler thread waits for the lock meanwhile)."""
+        if self.index.add((DEVICE, slot), tokens, self._known(tokens, hashed)) is None:
             return False
         self.pool.trim_locked(slot, len(tokens))  # paged: the blocks its answer limit reserved and did not fill
         return True
 
-    def swap_out_locked(self, slot: int, tokens: np.ndarray) -> bool:
+    def _known(self, tokens: np.ndarray, hashed: tuple[np.ndarray, list[bytes]] | None) -> list[bytes]:
+        """The keys of `hashed` that are `tokens`' own: all of them when `tokens` starts with their blocks, else
+        none."""
+        if hashed is None:
+            return []
+        arr, keys = hashed
+        k = min(len(keys), len(tokens) // self.block)
+        n = k * self.block
+        return keys[:k] if np.array_equal(arr[:n], np.asarray(tokens[:n], dtype=np.int64)) else []
+
+    def swap_out_locked(self, slot: int, tokens: np.ndarray, hashed: tuple[np.ndarray, list[bytes]] | None = None
+                        ) -> bool:
         """A preempted row (preempt.py): its context (`tokens`, the ids whose KV it holds) copied to the host tier
         as a host entry, then its row and blocks freed, fenced after that copy, as a cached row taken back is. False,
         nothing done, without a host tier or for a context the tier cannot hold (shorter than a block, or longer
-        than the whole tier): the caller frees the row."""
+        than the whole tier): the caller frees the row. `hashed`: as keep's."""
         if self.host is None or len(tokens) < self.block or self.host.pages_for(len(tokens)) > self.host.pages:
             return False
-        e = self.index.add((DEVICE, slot), tokens)
+        e = self.index.add((DEVICE, slot), tokens, self._known(tokens, hashed))
         if e is None:
             return False
         self._evict(e)
@@ -158,7 +172,7 @@ class PrefixCache:
         self.index.remove(e.where)
         self.stats.evicted_device += 1
         slot = e.where[1]
-        ready = self._store(slot, e.tokens) or self._mark()
+        ready = self._store(slot, e.tokens, e.keys) or self._mark()
         if not self.pool.fixed:
             self.pool.fence = ready
             self.pool._free_row_locked(slot)
@@ -173,7 +187,8 @@ class PrefixCache:
         ev.record(self.stream)
         return ev
 
-    def _store(self, slot: int, tokens: np.ndarray) -> torch.cuda.Event | None:
+    def _store(self, slot: int, tokens: np.ndarray, keys: list[bytes]) -> torch.cuda.Event | None:
+        """The row's context to the host tier, filed under its `keys` (its entry's: no hashing again)."""
         if self.host is None or len(tokens) < self.block or self.host.pages_for(len(tokens)) > self.host.pages:
             return None  # longer than the whole tier: checked before any entry is dropped for room
         while (entry := self.host.take(len(tokens))) is None:
@@ -183,7 +198,7 @@ class PrefixCache:
             self._drop_host(old)
         hid = next(self._host_ids)
         self._host_entries[hid] = entry
-        self.index.add((HOST, hid), tokens)
+        self.index.add((HOST, hid), tokens, keys)
         self.stats.stored_bytes += len(tokens) * self.geometry.bytes_per_token
         return self.host.store(lambda p0, p1: self.pool.read(slot, p0, p1), entry)
 
@@ -201,54 +216,62 @@ class PrefixCache:
         positions the request reserves (paged: its blocks; None: a whole context). Raises PoolFull."""
         arr = np.asarray(tokens, dtype=np.int64)
         blocks = self.pool.blocks_for(self.pool.max_seq if need is None else min(need, self.pool.max_seq))
+        keys = block_keys(arr, self.block)  # outside the lock: a 32k prompt's are ~4 ms of hashing
         with self.pool._lock:
-            choice = self._choose(arr, max_suffix) if reuse else None
-            if choice is None:
-                slot, ready = self._fresh(blocks)
-                return self._lease(slot, ready, None)
-            m, n = choice
-            e = m.entry
-            if e.where[0] == DEVICE:
-                if m.length < e.length:  # the entry holds more than the prompt shares: share or copy, keep it
-                    src, shared = e.where[1], 0 if self.pool.fixed else n // self.pool.page  # full blocks shared
-                    e.pins += 1
-                    try:
-                        slot, ready = self._fresh(blocks, src, shared)
-                    except PoolFull:
-                        slot = None
-                    finally:
-                        e.pins -= 1
-                    if slot is not None:
-                        self.index.touch(e.where)
-                        ready = self._copy(src, slot, n, ready, shared)
-                        copied = n - shared * self.pool.page
-                        return self._lease(slot, ready, Reuse(DEVICE, n, "shared" if shared else "copied",
-                                                              copied * self.geometry.bytes_per_token))
-                e.pins += 1  # claimed: its slot is the request's now (after copies reading it), grown to `need`
+            lease = self._acquire_locked(arr, keys, reuse, max_suffix, blocks)
+        lease.hashed = arr, keys  # caching the row later hashes only what follows the prompt
+        return lease
+
+    def _acquire_locked(self, arr: np.ndarray, keys: list[bytes], reuse: bool, max_suffix: int | None,
+                        blocks: int) -> Lease:
+        """acquire's work under the pool's lock: the prefix to take, if any, and the slot."""
+        choice = self._choose(arr, max_suffix, keys) if reuse else None
+        if choice is None:
+            slot, ready = self._fresh(blocks)
+            return self._lease(slot, ready, None)
+        m, n = choice
+        e = m.entry
+        if e.where[0] == DEVICE:
+            if m.length < e.length:  # the entry holds more than the prompt shares: share or copy, keep it
+                src, shared = e.where[1], 0 if self.pool.fixed else n // self.pool.page  # full blocks shared
+                e.pins += 1
                 try:
-                    ready = self.pool.grow_locked(e.where[1], blocks)
+                    slot, ready = self._fresh(blocks, src, shared)
+                except PoolFull:
+                    slot = None
                 finally:
                     e.pins -= 1
-                self.index.remove(e.where)
-                return self._lease(e.where[1], self._mark() or ready, Reuse(DEVICE, n, "claimed", 0))
-            e.pins += 1  # a host entry: not dropped while the slot is found
+                if slot is not None:
+                    self.index.touch(e.where)
+                    ready = self._copy(src, slot, n, ready, shared)
+                    copied = n - shared * self.pool.page
+                    return self._lease(slot, ready, Reuse(DEVICE, n, "shared" if shared else "copied",
+                                                          copied * self.geometry.bytes_per_token))
+            e.pins += 1  # claimed: its slot is the request's now (after copies reading it), grown to `need`
             try:
-                slot, ready = self._fresh(blocks)
+                ready = self.pool.grow_locked(e.where[1], blocks)
             finally:
                 e.pins -= 1
-            entry = self._host_entries[e.where[1]]
-            ready = self.host.load(entry, n, lambda p0, data: self.pool.write(slot, p0, data)) or ready
-            if m.length >= e.length:  # moved back whole: the slot is its copy now (a page given back is only written
-                self._drop_host(e)  # by a later store, after this load on the one copy stream)
-                self.stats.evicted_host -= 1  # not an eviction
-            else:
-                self.index.touch(e.where)
-            return self._lease(slot, ready, Reuse(HOST, n, "reloaded", n * self.geometry.bytes_per_token))
+            self.index.remove(e.where)
+            return self._lease(e.where[1], self._mark() or ready, Reuse(DEVICE, n, "claimed", 0))
+        e.pins += 1  # a host entry: not dropped while the slot is found
+        try:
+            slot, ready = self._fresh(blocks)
+        finally:
+            e.pins -= 1
+        entry = self._host_entries[e.where[1]]
+        ready = self.host.load(entry, n, lambda p0, data: self.pool.write(slot, p0, data)) or ready
+        if m.length >= e.length:  # moved back whole: the slot is its copy now (a page given back is only written
+            self._drop_host(e)  # by a later store, after this load on the one copy stream)
+            self.stats.evicted_host -= 1  # not an eviction
+        else:
+            self.index.touch(e.where)
+        return self._lease(slot, ready, Reuse(HOST, n, "reloaded", n * self.geometry.bytes_per_token))
 
-    def _choose(self, arr: np.ndarray, max_suffix: int | None):
+    def _choose(self, arr: np.ndarray, max_suffix: int | None, keys: list[bytes]):
         """The (match, reused length) to take, or None: the longest verified prefix, the device before the host
-        at equal length; a host hit only when the break-even rule says reload."""
-        matches = self.index.match(arr)
+        at equal length; a host hit only when the break-even rule says reload. keys: block_keys(arr)."""
+        matches = self.index.match(arr, keys)
         matches.sort(key=lambda m: (-min(m.length, len(arr) - 1), m.entry.where[0] != DEVICE))
         for m in matches:
             n = min(m.length, len(arr) - 1)

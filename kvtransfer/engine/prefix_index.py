@@ -25,12 +25,16 @@ import numpy as np
 BLOCK_TOKENS = 16  # tokens per hashed block: a prefix is found to within a block, then extended token by token
 
 
-def block_keys(tokens: np.ndarray, block: int = BLOCK_TOKENS) -> list[bytes]:
-    """The chained keys of `tokens`' whole blocks: key[i] covers tokens[0 : (i + 1) * block]."""
-    keys, prev = [], b""
-    data = np.ascontiguousarray(tokens, dtype=np.int64)
-    for i in range(len(data) // block):
-        prev = hashlib.blake2b(prev + data[i * block:(i + 1) * block].tobytes(), digest_size=16).digest()
+def block_keys(tokens: np.ndarray, block: int = BLOCK_TOKENS, known: Sequence[bytes] = ()) -> list[bytes]:
+    """The chained keys of `tokens`' whole blocks: key[i] covers tokens[0 : (i + 1) * block]. `known`: the keys of
+    its first len(known) blocks, already computed (the caller vouches they are of these tokens); the chain goes on
+    from them."""
+    keys = list(known)
+    prev = keys[-1] if keys else b""
+    raw = np.ascontiguousarray(tokens, dtype=np.int64).tobytes()
+    step = block * 8
+    for i in range(len(keys) * step, len(raw) // step * step, step):
+        prev = hashlib.blake2b(prev + raw[i:i + step], digest_size=16).digest()
         keys.append(prev)
     return keys
 
@@ -78,12 +82,12 @@ class PrefixIndex:
     def __contains__(self, where: Hashable) -> bool:
         return where in self._lru
 
-    def add(self, where: Hashable, tokens: Sequence[int] | np.ndarray) -> Entry | None:
+    def add(self, where: Hashable, tokens: Sequence[int] | np.ndarray, known: Sequence[bytes] = ()) -> Entry | None:
         """File a context under its blocks' keys (replacing what `where` held); None when it has no whole block
-        (nothing a later prompt could be matched against)."""
+        (nothing a later prompt could be matched against). `known`: block_keys' of its first blocks, if computed."""
         self.remove(where)
         arr = np.asarray(tokens, dtype=np.int64).copy()
-        keys = block_keys(arr, self.block)
+        keys = block_keys(arr, self.block, known)
         if not keys:
             return None
         e = Entry(where, arr, keys)
