@@ -219,7 +219,8 @@ class PrefixCache:
         keys = block_keys(arr, self.block)  # outside the lock: a 32k prompt's are ~4 ms of hashing
         with self.pool._lock:
             lease = self._acquire_locked(arr, keys, reuse, max_suffix, blocks)
-        lease.hashed = arr, keys  # caching the row later hashes only what follows the prompt
+        lease.hashed = arr.copy(), keys  # caching the row later hashes only what follows the prompt (a copy: the
+        # caller's array may change)
         return lease
 
     def _acquire_locked(self, arr: np.ndarray, keys: list[bytes], reuse: bool, max_suffix: int | None,
