@@ -41,7 +41,7 @@ import torch
 
 from kvtransfer.engine.host_tier import HostEntry, HostTier
 from kvtransfer.engine.pool import KVPool, Lease, PoolFull
-from kvtransfer.engine.prefix_index import BLOCK_TOKENS, Entry, PrefixIndex, block_keys
+from kvtransfer.engine.prefix_index import BLOCK_TOKENS, Entry, PrefixIndex, block_keys, known_keys
 from kvtransfer.engine.reload_rule import Speeds
 
 log = logging.getLogger("kvtransfer.decode.prefix_cache")
@@ -113,20 +113,10 @@ class PrefixCache:
         """A released slot's KV covers `tokens`: cache it (False: too short to match, the slot is freed). `hashed`:
         the lease's (prompt, its block keys), reused for the blocks `tokens` shares with that prompt (under the pool's
         lock, a 32k prompt's keys cost ~4-5 ms of hashing: the scheduler thread waits for the lock meanwhile)."""
-        if self.index.add((DEVICE, slot), tokens, self._known(tokens, hashed)) is None:
+        if self.index.add((DEVICE, slot), tokens, known_keys(tokens, hashed, self.block)) is None:
             return False
         self.pool.trim_locked(slot, len(tokens))  # paged: the blocks its answer limit reserved and did not fill
         return True
-
-    def _known(self, tokens: np.ndarray, hashed: tuple[np.ndarray, list[bytes]] | None) -> list[bytes]:
-        """The keys of `hashed` that are `tokens`' own: all of them when `tokens` starts with their blocks, else
-        none."""
-        if hashed is None:
-            return []
-        arr, keys = hashed
-        k = min(len(keys), len(tokens) // self.block)
-        n = k * self.block
-        return keys[:k] if np.array_equal(arr[:n], np.asarray(tokens[:n], dtype=np.int64)) else []
 
     def swap_out_locked(self, slot: int, tokens: np.ndarray, hashed: tuple[np.ndarray, list[bytes]] | None = None
                         ) -> bool:
@@ -136,7 +126,7 @@ class PrefixCache:
         than the whole tier): the caller frees the row. `hashed`: as keep's."""
         if self.host is None or len(tokens) < self.block or self.host.pages_for(len(tokens)) > self.host.pages:
             return False
-        e = self.index.add((DEVICE, slot), tokens, self._known(tokens, hashed))
+        e = self.index.add((DEVICE, slot), tokens, known_keys(tokens, hashed, self.block))
         if e is None:
             return False
         self._evict(e)

@@ -39,6 +39,17 @@ def block_keys(tokens: np.ndarray, block: int = BLOCK_TOKENS, known: Sequence[by
     return keys
 
 
+def known_keys(tokens: np.ndarray, hashed: tuple[np.ndarray, list[bytes]] | None, block: int) -> list[bytes]:
+    """The keys of `hashed` (tokens hashed before, block_keys of them) that are `tokens`' own, for block_keys' `known`:
+    all of them when `tokens` starts with their blocks, else none."""
+    if hashed is None:
+        return []
+    arr, keys = hashed
+    k = min(len(keys), len(tokens) // block)
+    n = k * block
+    return keys[:k] if np.array_equal(arr[:n], np.asarray(tokens[:n], dtype=np.int64)) else []
+
+
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     """How many leading tokens a and b share."""
     n = min(len(a), len(b))
