@@ -37,6 +37,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 from transformers.cache_utils import DynamicLayer
 
+from kvtransfer.geometry import CacheGeometry
 from kvtransfer.kernels import ops as kernels
 from kvtransfer.model.decoder_stack import run_layers
 from kvtransfer.model.fused import UnsupportedModel, check_supported, fused_layers
@@ -77,11 +78,11 @@ def _can_run(model, cache: StreamingCache, seq_len: int) -> bool:
 @torch.inference_mode()
 def fused_prefill(model, input_ids: torch.Tensor, on_layer: LayerCallback | None = None
                   ) -> tuple[StreamingCache, torch.Tensor] | None:
-    """input_ids (1, n) -> (cache of the prompt, last position's logits (vocab,)), or None when the model's cache
-    layers are not plain DynamicLayers (the caller then runs HF). on_layer(i, k, v) sees layer i's finished K/V,
+    """input_ids (1, n) -> (cache of the prompt, last position's logits (vocab,)), or None when the fused ops cannot
+    run the model (`_can_run`: the caller then runs HF). on_layer(i, k, v) sees layer i's finished K/V,
     each (1, kv_heads, n, head_dim), before layer i's attention runs, as StreamingCache's hook does."""
     cache = StreamingCache(config=model.config)
-    if any(type(layer) is not DynamicLayer for layer in cache.layers):
+    if not _can_run(model, cache, input_ids.shape[1]):
         return None
     cache.block = _block(model, input_ids.shape[1], input_ids.device)
     return cache, _forward(model, input_ids[0], cache, 0, -1, on_layer)
@@ -126,11 +127,8 @@ def fused_chunk(model, input_ids: torch.Tensor, cache: StreamingCache, on_layer:
 
 def _block(model, positions: int, device: torch.device) -> torch.Tensor:
     """(layers, 2, 1, kv_heads, positions, head_dim): StreamingCache's layout, one tensor for every layer."""
-    cfg = model.config
-    hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
-    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
-    return torch.empty((cfg.num_hidden_layers, 2, 1, hkv, positions, d), dtype=model.model.embed_tokens.weight.dtype,
-                       device=device)
+    geo = CacheGeometry.from_config(model.config, model.model.embed_tokens.weight.dtype)
+    return torch.empty((geo.num_layers, 2, *geo.layer_shape(positions)), dtype=geo.dtype, device=device)
 
 
 def _publish(cache: StreamingCache, length: int) -> None:
@@ -149,8 +147,7 @@ def _forward(model, ids: torch.Tensor, cache: StreamingCache, start: int, row: i
     m, dev, end = ids.shape[0], ids.device, start + ids.shape[0]
     if end > cache.block.shape[4]:
         raise ValueError(f"a piece at positions {start}..{end - 1} passes the prefill block's {cache.block.shape[4]}")
-    hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
-    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
+    hq, hkv, d = cfg.num_attention_heads, cache.block.shape[3], cache.block.shape[5]  # the block's: _block
     eps, layers = cfg.rms_norm_eps, fused_layers(model)
     scale = float(getattr(inner.layers[0].self_attn, "scaling", d ** -0.5))
     h = inner.embed_tokens(ids)  # (m, H)
