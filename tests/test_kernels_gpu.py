@@ -359,3 +359,50 @@ def test_mixed_attention_is_both_kernels_in_one_launch_qwen(page):
     assert torch.equal(out[:64], want_decode)
     assert torch.equal(out[64:], want_prompt)
     assert row_rel_err(out[:64], attention_gold(case)) <= ATT_TOL[torch.bfloat16]
+
+
+def _compiled_kernels() -> int:
+    """Triton kernels compiled so far in this process, over every @triton.jit of kvtransfer.kernels."""
+    import importlib
+    import pkgutil
+
+    import kvtransfer.kernels as pkg
+    from triton.runtime.jit import JITFunction
+
+    seen, count = set(), 0
+    for mod in pkgutil.iter_modules(pkg.__path__):
+        if not mod.name.startswith("triton_"):
+            continue
+        for obj in vars(importlib.import_module(f"kvtransfer.kernels.{mod.name}")).values():
+            if isinstance(obj, JITFunction) and id(obj) not in seen:
+                seen.add(id(obj))
+                count += sum(len(caches[0]) for caches in obj.device_caches.values())
+    return count
+
+
+def test_the_fused_prefill_compiles_nothing_for_a_new_prompt_length():
+    """A prompt of a length not seen before runs the kernels compiled for the first: the prefill's block has the
+    prompt's own length, and a constexpr that followed it compiled rope+store on the serving thread for every new
+    length (~0.2 s; tests/test_compile_keys.py has the CPU half). Whole prompts, then a prompt in padded chunks."""
+    from kvtransfer.model.fused_prefill import chunk_cache, fused_chunk, fused_prefill
+    from kvtransfer.model.spec import ModelSpec, load_model
+
+    model = load_model(ModelSpec("smollm2-135m", "bfloat16", 0), "cuda")
+    gen = torch.Generator().manual_seed(5)
+
+    def ids(n: int) -> torch.Tensor:
+        return torch.randint(0, model.config.vocab_size, (1, n), generator=gen).to("cuda")
+
+    fused_prefill(model, ids(64))
+    cache = chunk_cache(model, 2 * 64 - 1)
+    fused_chunk(model, ids(64), cache)
+    torch.cuda.synchronize()
+    before = _compiled_kernels()
+    for n in (65, 97, 301, 1000):  # blocks of odd lengths and of multiples of 16, as the first
+        fused_prefill(model, ids(n))
+    for n in (65, 97, 120):  # 64 tokens, then the rest padded to 64 (engine.pad_chunk): blocks of n + 63
+        cache = chunk_cache(model, n + 64 - 1)
+        fused_chunk(model, ids(64), cache)
+        fused_chunk(model, ids(64), cache, row=n - 64 - 1)
+    torch.cuda.synchronize()
+    assert _compiled_kernels() == before

@@ -5,8 +5,9 @@ slot is its block and position n its offset) or paged (`PAGED` True: fixed block
 position n in block `table[r, n // PAGE]` at offset `n % PAGE`, vLLM's block table). The decode, chunk and
 rope+store kernels call these, so a layout change is made here once.
 
-Pool, one layer: (blocks, kv_heads, PAGE, head_dim), contiguous; the K and V pools share strides, so one offset
-serves both. Offsets are int64: a pool of more than 4 GiB of bf16 has more than 2^31 elements.
+Pool, one layer: (blocks, kv_heads, PAGE, head_dim) paged, (slots, kv_heads, width, head_dim) not; contiguous, and
+the K and V pools share strides, so one offset serves both. Offsets are int64: a pool of more than 4 GiB of bf16
+has more than 2^31 elements.
 """
 
 from __future__ import annotations
@@ -45,16 +46,20 @@ def position_offset(Table, row, stride_tr, pos, num_blocks, stride_s, stride_t, 
         block = tl.load(Table + row * stride_tr + pos // PAGE, mask=inside, other=-1).to(tl.int64)
         in_range = inside & (block >= 0) & (block < num_blocks)
         off = block * stride_s + (pos % PAGE) * stride_t
-    else:
-        in_range = (row >= 0) & (row < num_blocks) & (pos >= 0) & (pos < PAGE)
+    else:  # the slot layout: width is the slot's positions (a runtime int: see table_args)
+        in_range = (row >= 0) & (row < num_blocks) & (pos >= 0) & (pos < width)
         off = row * stride_s + pos * stride_t
     return off, in_range
 
 
 def table_args(table, k_pool) -> tuple:
     """(Table, stride_tr, width, PAGE, PAGED) kernel arguments: the table (rows, width) or, without one, the slot
-    layout (the slot tensor stands in as an unread pointer; width 1, PAGE = the pool's positions per slot)."""
-    page = k_pool.shape[2]
+    layout (the slot tensor stands in as an unread pointer; width = the pool's positions per slot, PAGE 1). Either
+    way width x PAGE is a row's positions.
+
+    Why the slot layout's positions are a runtime int and not the constexpr PAGE: a constexpr is part of the
+    compiled kernel's key, and the fused prefill's one-slot block has the prompt's own length (kvtransfer/model/
+    fused_prefill.py), so every new prompt length compiled rope+store again (~0.2 s, on the serving thread)."""
     if table is None:
-        return k_pool, 0, 1, page, False
-    return table, table.stride(0), table.shape[1], page, True
+        return k_pool, 0, k_pool.shape[2], 1, False
+    return table, table.stride(0), table.shape[1], k_pool.shape[2], True

@@ -29,7 +29,9 @@ def _rotate(X, row_off, stride_h, offs_h, mask, c1, c2, s1, s2, HALF: tl.constex
     return x1 * c1 - x2 * s1, x2 * c2 + x1 * s2
 
 
-@triton.jit
+# width and the pool's slot stride follow the fused prefill's block, which has the prompt's own length: not
+# specialized, so any length runs the kernel compiled for the first (triton_paging.table_args)
+@triton.jit(do_not_specialize=["stride_ps", "width"])
 def _rope_store_kernel(
     Q, K, V, Cos, Sin, KPool, VPool, Slots, Table, Positions, QOut,
     stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
