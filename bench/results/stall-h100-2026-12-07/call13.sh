@@ -4,7 +4,8 @@
 # tests/test_kernels_gpu.py and tests/test_compile_keys.py: the tree before the fix). Call 11's run 1 stalled 247 ms
 # on the 32k prompt's first chunk: rope+store compiled for the block's length (a constexpr). This call: the GPU test
 # that counts compiled kernels, on this tree and on a884fa4 (it must fail there); then the interference chunked arm
-# with an empty Triton cache each (cold, as call 11's run 1): this tree, then 02dcfb7.
+# with an empty Triton cache each (cold, as call 11's run 1): this tree, then 02dcfb7; then the chunk loop profiled
+# (bench/probes/chunked_prefill.py). Prepared 2026-12-07 (the device time ran out before it started); ~400 s.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
@@ -27,3 +28,7 @@ for arm in new base; do
   grep -E "^\| colocated" $R/intf-$arm/report.md | head -4
   tar -C /tmp -czf $OUT/call13.tgz call13
 done
+# The chunk loop alone, profiled cold and warm (fused and hf): where the host spends a fused chunk's ~35 ms.
+PYTHONPATH=/tmp/site:. timeout -k 5 150 python3 -m bench.probes.chunked_prefill --profile --out $R/chunked \
+  > $R/chunked.log 2>&1; t "chunk loop probe, profiled" $?; grep -E "^(fused|hf)" $R/chunked.log
+tar -C /tmp -czf $OUT/call13.tgz call13
