@@ -78,3 +78,19 @@ def test_stop_after_must_fit_the_output_len():
         ServeConfig(model="tiny", output_len=8, stop_after=(1, 9))
     with pytest.raises(ValueError, match="--stop-after"):
         ServeConfig(model="tiny", output_len=8, stop_after=(0, 4))
+
+
+def test_the_pool_record_waits_for_every_ended_request_to_give_its_row_back(monkeypatch):
+    """A stream the client ends is over at once for the client; the server gives its row and blocks back on its next
+    pass. The record's Load after the run is read once no request holds a row (CI run 61 read it a pass early: 8 of
+    24 blocks still held), and a server that never settles costs at most the timeout."""
+    from bench.measure import pool_report
+    from proto import kvtransfer_pb2 as pb
+
+    held = pb.LoadResponse(free_slots=ROWS - 1, free_blocks=3, cached_blocks=13)  # a cancelled request's row still held
+    given_back = pb.LoadResponse(free_slots=ROWS, free_blocks=11, cached_blocks=13)
+    reads = iter([held, pb.LoadResponse(free_slots=ROWS, running_requests=1), given_back])
+    monkeypatch.setattr(pool_report, "load", lambda addr, metadata=None: next(reads))
+    assert pool_report.settled("x", ROWS, poll_s=0) == given_back
+    monkeypatch.setattr(pool_report, "load", lambda addr, metadata=None: held)
+    assert pool_report.settled("x", ROWS, timeout_s=0.05, poll_s=0.01) == held

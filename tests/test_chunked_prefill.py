@@ -337,3 +337,28 @@ def test_a_job_in_hand_at_close_is_closed_and_told():
     assert finished.wait(30)
     with pytest.raises(RuntimeError, match="stopping"):
         fut.result(timeout=30)
+
+
+@pytest.mark.parametrize("chunk", [0, 64])
+def test_the_warm_up_runs_each_local_prefill_path_once_and_leaves_the_pool_alone(monkeypatch, chunk):
+    """warm_local_prefill, which a CUDA engine runs at start (a kernel's first use there costs its module's load,
+    cuBLAS's setup and Triton's compile; the first padded chunk held running streams ~26 ms over its device time):
+    a whole prompt, then with a chunk a first piece and a padded piece on the fused ops, as prefill_job runs them."""
+    import kvtransfer.engine.engine as E
+
+    e = engine(64)
+    try:
+        before = e.pool.kv.clone()  # every layer, block and position, the scratch block included
+        calls = []
+        real = E.prefill
+
+        def spy(model, ids, on_layer=None, cache=None, fused=True, row=-1):
+            calls.append((ids.shape[1], None if cache is None else cache.fused, row))
+            return real(model, ids, on_layer, cache, fused, row)
+
+        monkeypatch.setattr(E, "prefill", spy)
+        E.warm_local_prefill(e.m.model, e.m.device, chunk)
+        assert calls == [(16, None, -1)] + ([(64, True, -1), (64, True, 31)] if chunk else [])
+        assert torch.equal(e.pool.kv, before)
+    finally:
+        e.close()

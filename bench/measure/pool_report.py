@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 
 import grpc
 import numpy as np
@@ -31,6 +32,22 @@ def info(addr: str, metadata=None) -> pb.InfoResponse:
 
 def load(addr: str, metadata=None) -> pb.LoadResponse:
     return _stub_call(addr, "Load", pb.LoadRequest(), metadata)
+
+
+def settled(addr: str, rows: int, metadata=None, timeout_s: float = 10.0, poll_s: float = 0.05) -> pb.LoadResponse:
+    """The server's Load once no request holds anything: none running or waiting, and all `rows` rows unleased
+    (cached rows count as free). Or, after `timeout_s`, the last Load read.
+
+    Why wait: a stream the client ends (`--stop-after`) is over for the client at once, but the server gives its row
+    and blocks back on its next pass, after the step in flight that holds them; a Load read right after the run
+    could still count them as held (CI run 61: 8 of 24 blocks)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        now = load(addr, metadata)
+        if (now.free_slots >= rows and not now.running_requests and not now.waiting_requests) \
+                or time.monotonic() >= deadline:
+            return now
+        time.sleep(poll_s)
 
 
 def pool_tokens(about: pb.InfoResponse) -> int:

@@ -12,8 +12,9 @@ time (events, synchronized after each chunk). Variants:
          path before the fused one).
 Each pass also reports its first token's logits against the fused cold pass's (max |diff| / max |logit|).
 With --profile, torch.profiler's top ops (self CPU and CUDA time) for each pass's third chunk (a short context),
-one chunk at ~20k keys and the last chunk (padded). Warm, call 11 timed the fused chunks' launch at about their
-device time (~35 ms for 512 tokens): the profiles say where the host spends it. Run on the GPU machine: `python3 -m bench.probes.chunked_prefill --out DIR`.
+one chunk at ~20k keys and the last chunk (padded): warm, the fused chunks' launch took about their device time
+(bench/results/stall-h100-2026-12-07, call 11), and the profiles say where the host spends it. Run on the GPU machine:
+`python3 -m bench.probes.chunked_prefill --out DIR`.
 """
 
 from __future__ import annotations

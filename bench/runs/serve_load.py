@@ -112,7 +112,8 @@ def run_serve(cfg: ServeConfig, step: Step = lambda _: None, metadata=None) -> d
     result = serve_result(cfg, prompts, results, duration, failures, watch)
     if about is not None:
         done = [r for r in results if r is not None and r["code"] is None]
-        result["pool"] = pool_report.report(cfg, prompts, about, before, pool_report.load(cfg.addr, metadata), done)
+        after = pool_report.settled(cfg.addr, about.max_batch, metadata)  # every ended request's row given back
+        result["pool"] = pool_report.report(cfg, prompts, about, before, after, done)
     return result
 
 

@@ -59,7 +59,7 @@ def table_args(table, k_pool) -> tuple:
 
     Why the slot layout's positions are a runtime int and not the constexpr PAGE: a constexpr is part of the
     compiled kernel's key, and the fused prefill's one-slot block has the prompt's own length (kvtransfer/model/
-    fused_prefill.py), so every new prompt length compiled rope+store again (~0.2 s, on the serving thread)."""
+    fused_prefill.py), so every new prompt length compiled rope+store again, on the serving thread."""
     if table is None:
         return k_pool, 0, k_pool.shape[2], 1, False
     return table, table.stride(0), table.shape[1], k_pool.shape[2], True
