@@ -339,8 +339,9 @@ def test_a_job_in_hand_at_close_is_closed_and_told():
         fut.result(timeout=30)
 
 
-@pytest.mark.parametrize("chunk", [0, 64])
-def test_the_warm_up_runs_each_local_prefill_path_once_and_leaves_the_pool_alone(monkeypatch, chunk):
+@pytest.mark.parametrize("chunk,max_seq,pieces", [(0, 512, []), (64, 512, [(64, True, -1), (64, True, 31)]),
+                                                  (64, 80, [(64, True, -1), (64, True, 14)]), (64, 65, [])])
+def test_the_warm_up_runs_each_local_prefill_path_once_and_leaves_the_pool_alone(monkeypatch, chunk, max_seq, pieces):
     """warm_local_prefill, which a CUDA engine runs at start (a kernel's first use there costs its module's load,
     cuBLAS's setup and Triton's compile; the first padded chunk held running streams ~26 ms over its device time):
     a whole prompt, then with a chunk a first piece and a padded piece on the fused ops, as prefill_job runs them."""
@@ -357,8 +358,8 @@ def test_the_warm_up_runs_each_local_prefill_path_once_and_leaves_the_pool_alone
             return real(model, ids, on_layer, cache, fused, row)
 
         monkeypatch.setattr(E, "prefill", spy)
-        E.warm_local_prefill(e.m.model, e.m.device, chunk)
-        assert calls == [(16, None, -1)] + ([(64, True, -1), (64, True, 31)] if chunk else [])
+        E.warm_local_prefill(e.m.model, e.m.device, chunk, max_seq)  # 1.5 chunks, at most max_seq - 1 tokens
+        assert calls == [(16, None, -1)] + pieces
         assert torch.equal(e.pool.kv, before)
     finally:
         e.close()

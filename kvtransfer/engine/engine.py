@@ -110,7 +110,8 @@ class DecodeEngine:
                 vocab, n, device=loaded.device)), loaded.geometry.bytes_per_token, probe)
             log.info("prefix cache: host tier %s", self.cache.speeds.describe())
         if loaded.device.type == "cuda":  # first uses at start, not beside the first streams
-            warm_local_prefill(loaded.model, loaded.device, 0 if options.mixed_prefill else options.prefill_chunk)
+            warm_local_prefill(loaded.model, loaded.device, 0 if options.mixed_prefill else options.prefill_chunk,
+                               options.max_seq_len)
         eos = getattr(loaded.model.config, "eos_token_id", None)
         self.eos = frozenset([eos] if isinstance(eos, int) else (eos or []))
         log.info("decode engine: batch <= %d, %d tokens per slot, step %s%s%s", options.max_batch,
@@ -217,19 +218,20 @@ def pad_chunk(piece: torch.Tensor, chunk: int) -> tuple[torch.Tensor, int]:
     return torch.cat([piece, piece[:, -1:].expand(1, chunk - m)], dim=1), m - 1  # (1, chunk)
 
 
-def warm_local_prefill(model, device: torch.device, chunk: int) -> None:
+def warm_local_prefill(model, device: torch.device, chunk: int, max_seq: int) -> None:
     """Run the local prefill's paths once on throwaway ids, before the server serves: a whole prompt (the fused
-    prefill) and, with `chunk` (a chunked local prefill: --prefill-chunk without --mixed-prefill), a prompt of 1.5
-    chunks on the chunk path, its second piece padded as prefill_job pads it.
+    prefill) and, with `chunk` (a chunked local prefill: --prefill-chunk without --mixed-prefill), a prompt of up to
+    1.5 chunks on the chunk path, its second piece padded as prefill_job pads it. No longer than a slot's prompt
+    (`max_seq` - 1), and no chunk part where no prompt can take two pieces.
 
     Why: on CUDA a kernel's first use costs its module's lazy loading, cuBLAS's setup for the shape and Triton's
     compile (or its disk cache's load). Left to the first requests, those costs land on the serving thread beside
     running streams: a fresh process's first chunk, and the first padded chunk, each held the streams well past its
     device time (bench/results/stall-h100-2026-12-07, call 11). Nothing reaches the pool."""
     vocab = model.config.vocab_size
-    prefill(model, random_prompt(vocab, 16, device=device))  # (1, 16): a whole prompt
-    if chunk:
-        n = chunk + max(1, chunk // 2)
+    prefill(model, random_prompt(vocab, min(16, max_seq - 1), device=device))  # (1, 16): a whole prompt
+    n = min(chunk + max(1, chunk // 2), max_seq - 1)  # the prompt a slot holds, its answer's first token after it
+    if chunk and n > chunk:
         ids = random_prompt(vocab, n, seed=1, device=device)  # (1, n)
         cache = chunk_cache(model, n + chunk - 1, None, device)  # as prefill_job's room for several pieces
         if cache is not None:  # a model the fused ops cannot run takes HF's forward, which has no such block
