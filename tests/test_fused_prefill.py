@@ -132,3 +132,27 @@ def test_a_model_the_fused_ops_cannot_run_gets_no_chunk_cache():
                             num_key_value_heads=2, vocab_size=128, sliding_window=window)
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa").eval()
         assert fp.chunk_cache(model, positions) is None
+
+
+def test_a_cache_layer_is_initialized_once_per_prompt_not_per_chunk(monkeypatch):
+    """DynamicLayer.lazy_initialization builds two empty device tensors from Python lists (host work); the fused path
+    ran it for every layer of every piece. Now once per layer: at the block's creation (chunk_cache) or at a whole
+    prompt's layer, then the layer is pointed at new views."""
+    from transformers.cache_utils import DynamicLayer
+
+    model = load_model(ModelSpec("tiny", "float32", 0))
+    layers = model.config.num_hidden_layers
+    inits = []
+    real = DynamicLayer.lazy_initialization
+    monkeypatch.setattr(DynamicLayer, "lazy_initialization", lambda self, k, v: inits.append(1) or real(self, k, v))
+    ids = random_prompt(model.config.vocab_size, 100, seed=3)
+    fp.fused_prefill(model, ids)
+    assert len(inits) == layers
+    inits.clear()
+    cache = fp.chunk_cache(model, 100 + 32 - 1)
+    for start in range(0, 100, 32):
+        piece = ids[:, start:start + 32]
+        fp.fused_chunk(model, piece, cache)
+        length = min(100, start + 32)
+        assert cache.get_seq_length() == length and cache.layers[0].keys.shape[-2] == length
+    assert len(inits) == layers

@@ -131,12 +131,19 @@ def _block(model, positions: int, device: torch.device) -> torch.Tensor:
     return torch.empty((geo.num_layers, 2, *geo.layer_shape(positions)), dtype=geo.dtype, device=device)
 
 
+def _bind(layer: DynamicLayer, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Point a cache layer at K/V views of the block. Its lazy_initialization runs once per layer only: it builds
+    two empty tensors on the device from Python lists (`torch.tensor([], device=...)`), host work that, run for
+    every layer of every chunk, came to ~100 tensor constructions per chunk."""
+    if not layer.is_initialized:
+        layer.lazy_initialization(k, v)
+    layer.keys, layer.values = k, v
+
+
 def _publish(cache: StreamingCache, length: int) -> None:
     """Each cache layer's K/V: the block's positions 0..length - 1 (views)."""
     for i, layer in enumerate(cache.layers):
-        kl, vl = cache.block[i, 0, :, :, :length], cache.block[i, 1, :, :, :length]
-        layer.lazy_initialization(kl, vl)
-        layer.keys, layer.values = kl, vl
+        _bind(layer, cache.block[i, 0, :, :, :length], cache.block[i, 1, :, :, :length])
 
 
 def _forward(model, ids: torch.Tensor, cache: StreamingCache, start: int, row: int,
@@ -164,8 +171,7 @@ def _forward(model, ids: torch.Tensor, cache: StreamingCache, start: int, row: i
         q = kernels.rope_store(q, k, v, cos, sin, kl, vl, to_slot0, pos)  # rotated q (m, Hq, D); K/V into the block
         kl, vl = kl[:, :, :end], vl[:, :, :end]  # (1, Hkv, end, D)
         if start == 0:  # a whole prompt: the cache as a prefill leaves it (fused_chunk sets its own after the piece)
-            cache.layers[i].lazy_initialization(kl, vl)
-            cache.layers[i].keys, cache.layers[i].values = kl, vl
+            _bind(cache.layers[i], kl, vl)
         if on_layer is not None:
             on_layer(i, kl, vl)
         with prompt_attention(end):
