@@ -4,8 +4,9 @@ Why: the fused prefill writes a prompt's K/V into a one-slot block of the prompt
 (kvtransfer/model/fused_prefill.py) through rope+store, the decode pool's kernel. A constexpr is part of a compiled
 kernel's key, and the slot layout's positions were one (PAGE): every prompt of a length not seen before compiled
 rope+store again, ~0.2 s on the serving thread (a 32k prompt's first chunk stalled 32 decoding streams 247 ms;
-bench/results/stall-h100-2026-12-07/ call 11). The GPU half, which counts compiled kernels, is
-tests/test_kernels_gpu.py::test_the_fused_prefill_compiles_nothing_for_a_new_prompt_length.
+bench/results/stall-h100-2026-12-07/ call 11). Through Triton's own binder and compiler (sm_90, no GPU):
+tests/test_kernels_sm90_compile.py::test_rope_store_compiles_for_sm90_once_for_every_block_length; on a GPU, counting
+compiled kernels: tests/test_kernels_gpu.py::test_the_fused_prefill_compiles_nothing_for_a_new_prompt_length.
 Runs on CPU: the kernel is replaced by a recorder of its launch arguments.
 """
 

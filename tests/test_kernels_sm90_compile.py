@@ -102,3 +102,42 @@ def test_fixed_split_attention_compiles_for_sm90_once_for_every_batch():
     res = subprocess.run([sys.executable, "-c", _INVARIANT_ATTENTION, support],
                          capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+
+
+# rope+store into the fused prefill's one-slot block, whose length is the prompt's own: block lengths of different
+# divisibility (Triton specializes ints on 16 | n) must bind one compiled kernel. A length that reached the kernel as
+# a constexpr (the slot layout's PAGE, until 2026-12-07) compiled it again for every new prompt length.
+_ROPE_BLOCK = """
+import sys
+import torch
+import triton.compiler
+sys.path.insert(0, sys.argv[1])
+from sm90_compile_check import _install, _run
+done = _install()
+compile_only, keys = triton.compiler.compile, []
+def keyed(src, target=None, options=None, _env_vars=None):
+    keys.append(src.hash())
+    return compile_only(src, target=target, options=options, _env_vars=_env_vars)
+triton.compiler.compile = keyed
+from kvtransfer.kernels import triton_rope as tr
+rows, hq, hkv, d = 8, 28, 4, 128
+q = torch.empty(rows, hq, d, dtype=torch.bfloat16)
+k = torch.empty(rows, hkv, d, dtype=torch.bfloat16)
+cs = torch.empty(rows, d, dtype=torch.float32)
+to_slot0, pos = torch.zeros(rows, dtype=torch.long), torch.arange(rows)
+for positions in (1535, 32511, 2048, 17):
+    block = torch.empty(1, hkv, positions, d, dtype=torch.bfloat16)
+    _run(lambda: tr.rope_store_triton(q, k, k, cs, cs, block, block, to_slot0, pos))
+if len(keys) != 4 or len(set(keys)) != 1:
+    sys.exit(f"block lengths 1535, 32511, 2048, 17 bound {len(set(keys))} kernels in {len(keys)} compiles")
+sys.exit(0)
+"""
+
+
+def test_rope_store_compiles_for_sm90_once_for_every_block_length():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    support = os.path.join(os.path.dirname(__file__), "support")
+    res = subprocess.run([sys.executable, "-c", _ROPE_BLOCK, support], capture_output=True, text=True, env=env,
+                         timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
