@@ -25,14 +25,19 @@ pytestmark = [
 ]
 
 
-def test_all_kernels_compile_for_sm90():
+SUPPORT = os.path.join(os.path.dirname(__file__), "support")
+
+
+def _run_alone(*args: str, timeout: int = 600) -> None:
+    """python ARGS in a process of its own (the check swaps Triton's driver), not under the interpreter."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(sys.path)
-    res = subprocess.run(
-        [sys.executable, os.path.join(os.path.dirname(__file__), "support", "sm90_compile_check.py")],
-        capture_output=True, text=True, env=env, timeout=900,
-    )
+    res = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=timeout)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+
+
+def test_all_kernels_compile_for_sm90():
+    _run_alone(os.path.join(SUPPORT, "sm90_compile_check.py"), timeout=900)
 
 
 # Through sm90_compile_check's stand-in driver; each compile's source key (signature, specializations, constants)
@@ -40,15 +45,10 @@ def test_all_kernels_compile_for_sm90():
 _INVARIANT_GEMM = """
 import sys
 import torch
-import triton.compiler
 sys.path.insert(0, sys.argv[1])
-from sm90_compile_check import _install, _run
+from sm90_compile_check import _install, _keys, _run
 done = _install()
-compile_only, keys = triton.compiler.compile, []
-def keyed(src, target=None, options=None, _env_vars=None):
-    keys.append(src.hash())
-    return compile_only(src, target=target, options=options, _env_vars=_env_vars)
-triton.compiler.compile = keyed
+keys = _keys()
 from kvtransfer.kernels.triton_matmul import matmul_triton
 for dtype in (torch.bfloat16, torch.float16, torch.float32):
     for bias in (None, torch.empty(4608, dtype=dtype)):
@@ -62,11 +62,7 @@ sys.exit(0 if len(done) == 18 else f"compiled {len(done)} of 18")
 
 
 def test_invariant_gemm_compiles_for_sm90_once_for_every_row_count():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(sys.path)
-    res = subprocess.run([sys.executable, "-c", _INVARIANT_GEMM, os.path.join(os.path.dirname(__file__), "support")],
-                         capture_output=True, text=True, env=env, timeout=600)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    _run_alone("-c", _INVARIANT_GEMM, SUPPORT)
 
 
 # The fixed-split decode attention: batch 1 (which Triton would specialize on, were it an argument), 7 and 64 must
@@ -74,15 +70,10 @@ def test_invariant_gemm_compiles_for_sm90_once_for_every_row_count():
 _INVARIANT_ATTENTION = """
 import sys
 import torch
-import triton.compiler
 sys.path.insert(0, sys.argv[1])
-from sm90_compile_check import _attention_fixed, _install
+from sm90_compile_check import _attention_fixed, _install, _keys
 done = _install()
-compile_only, keys = triton.compiler.compile, []
-def keyed(src, target=None, options=None, _env_vars=None):
-    keys.append((src.name, src.hash()))
-    return compile_only(src, target=target, options=options, _env_vars=_env_vars)
-triton.compiler.compile = keyed
+keys = _keys()
 from kvtransfer.kernels import triton_attention as ta, triton_attention_split as tas
 ta._upcast_dots = lambda q: q.dtype == torch.float32  # what CUDA tensors get
 for page in (None, 16):
@@ -96,12 +87,7 @@ sys.exit(0 if len(done) == 12 else f"compiled {len(done)} of 12")
 
 
 def test_fixed_split_attention_compiles_for_sm90_once_for_every_batch():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(sys.path)
-    support = os.path.join(os.path.dirname(__file__), "support")
-    res = subprocess.run([sys.executable, "-c", _INVARIANT_ATTENTION, support],
-                         capture_output=True, text=True, env=env, timeout=600)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    _run_alone("-c", _INVARIANT_ATTENTION, SUPPORT)
 
 
 # rope+store into the fused prefill's one-slot block, whose length is the prompt's own: block lengths of different
@@ -110,15 +96,10 @@ def test_fixed_split_attention_compiles_for_sm90_once_for_every_batch():
 _ROPE_BLOCK = """
 import sys
 import torch
-import triton.compiler
 sys.path.insert(0, sys.argv[1])
-from sm90_compile_check import _install, _run
+from sm90_compile_check import _install, _keys, _run
 done = _install()
-compile_only, keys = triton.compiler.compile, []
-def keyed(src, target=None, options=None, _env_vars=None):
-    keys.append(src.hash())
-    return compile_only(src, target=target, options=options, _env_vars=_env_vars)
-triton.compiler.compile = keyed
+keys = _keys()
 from kvtransfer.kernels import triton_rope as tr
 rows, hq, hkv, d = 8, 28, 4, 128
 q = torch.empty(rows, hq, d, dtype=torch.bfloat16)
@@ -135,9 +116,4 @@ sys.exit(0)
 
 
 def test_rope_store_compiles_for_sm90_once_for_every_block_length():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(sys.path)
-    support = os.path.join(os.path.dirname(__file__), "support")
-    res = subprocess.run([sys.executable, "-c", _ROPE_BLOCK, support], capture_output=True, text=True, env=env,
-                         timeout=600)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    _run_alone("-c", _ROPE_BLOCK, SUPPORT)

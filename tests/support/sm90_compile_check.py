@@ -59,6 +59,19 @@ def _install() -> list[str]:
     return done
 
 
+def _keys() -> list[tuple[str, str]]:
+    """After _install: each compile's (kernel name, source key: signature, specializations, constants), in order.
+    Two launches bind one kernel iff their keys are equal (the compile-once tests)."""
+    compile_only, keys = triton.compiler.compile, []
+
+    def keyed(src, target=None, options=None, _env_vars=None):
+        keys.append((src.name, src.hash()))
+        return compile_only(src, target=target, options=options, _env_vars=_env_vars)
+
+    triton.compiler.compile = keyed
+    return keys
+
+
 def _run(fn) -> None:
     try:
         fn()
