@@ -5,7 +5,7 @@
 # on the 32k prompt's first chunk: rope+store compiled for the block's length (a constexpr). This call: the GPU test
 # that counts compiled kernels, on this tree and on a884fa4 (it must fail there); then the interference chunked arm
 # with an empty Triton cache each (cold, as call 11's run 1): this tree, then 02dcfb7; then the chunk loop profiled
-# (bench/probes/chunked_prefill.py). Prepared 2026-12-07 (the device time ran out before it started); ~400 s.
+# (bench/probes/chunked_prefill.py). Prepared 2026-12-07; ran the next session on 3f5bc05 (COMMAND.md), 196 s.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1

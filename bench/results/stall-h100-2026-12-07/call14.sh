@@ -1,5 +1,5 @@
 #!/bin/bash
-# Call 14 (prepared 2026-12-07, not run), one GPU, carry [".whl"]: #39's first point on this tree (the rope+store
+# Call 14 (ran 2026-12-07 16:50 UTC on 3f5bc05, see COMMAND.md), one GPU, carry [".whl"]: #39's first point on this tree (the rope+store
 # length a runtime int, the local prefill's warm-up at start): the README serve workload with default flags at
 # c64 / c128 (output tok/s against the roofline measured in the run, ITL p50), then the decode step at 64 / 128 x 1k
 # (the ITL ratio's denominator). The same commands as bench/results/fused-h100-2026-12-07/call7.sh. ~300 s.
