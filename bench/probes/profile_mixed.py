@@ -48,12 +48,16 @@ def runner_side(st) -> bool:
     return st.runner.side.stream is not None
 
 
-def build(a):
+def build(a, model=None):
+    """The step for `a` (this probe's arguments) on `model` (None: --model loaded here): (Step, the decode rows'
+    bucket, their tokens, positions and slots, the prompt chunks)."""
     dev = torch.device(a.device)
     dtype = a.dtype or ("bfloat16" if dev.type == "cuda" else "float32")
-    model = load_model(ModelSpec(a.model, dtype, 0), dev)
+    model = model if model is not None else load_model(ModelSpec(a.model, dtype, 0), dev)
     b = next((x for x in buckets(a.max_batch) if x >= a.batch), 0)  # the engine's bucket for --batch decode rows
-    prompt = a.mixed - b
+    # the prompt tokens: the rows after the bucket, or (fill_bucket, as a served step lays them out: mixed.lay_out)
+    # every row after the decode rows, the bucket's free ones first
+    prompt = a.mixed - (a.batch if getattr(a, "fill_bucket", False) else b)
     if not 1 <= a.batch <= a.max_batch or 2 * b > a.mixed or not 1 <= a.pieces <= min(MAX_PIECES, prompt):
         raise SystemExit(f"--batch 1..--max-batch, --mixed {a.mixed} >= 2 x the bucket ({b}) of --batch {a.batch}, "
                          f"--pieces 1..{MAX_PIECES}")

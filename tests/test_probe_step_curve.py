@@ -1,0 +1,48 @@
+"""bench/probes/step_curve.py on CPU (`tiny`): each size's step carries the steady mix asked for (decode rows by the
+workload's ratio, every other row a prompt row, none padding), the ratios are priced against the decode step they
+name, and the efficiency is rows x t_r over the step's time."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from bench.probes import step_curve
+
+
+@pytest.mark.parametrize("rows, p, o, want", [(512, 1024, 128, 56), (1024, 1024, 128, 113), (256, 1024, 128, 28),
+                                              (24, 40, 8, 4), (8, 1000, 2, 1)])
+def test_the_steady_mix_feeds_o_minus_1_decode_rows_for_every_p_prompt_rows(rows, p, o, want):
+    assert step_curve.mix(rows, p, o) == want
+
+
+def test_efficiency_is_rows_times_t_r_over_the_step_and_the_ratio_is_over_each_decode_step():
+    r = {"steps": [{"rows": 500, "step_ms": 12.5}], "decode_step_ms": {"64": 7.5, "128": 10.0}}
+    step_curve.figures(r, SimpleNamespace(), 18.0)
+    s = r["steps"][0]
+    assert s["efficiency"] == pytest.approx(500 * 18.0 / 12_500)
+    assert s["itl_over_decode_step"] == pytest.approx({"64": 12.5 / 7.5, "128": 1.25})
+
+
+def test_the_curve_on_cpu_builds_each_size_at_the_steady_mix():
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        step_curve.main(["--model", "tiny", "--device", "cpu", "--sizes", "24,32", "--context", "48", "--input-len",
+                         "40", "--output-len", "8", "--itl-batches", "4,8", "--no-roofline", "--runs", "2"])
+    r = json.loads(out.getvalue().strip().splitlines()[-1])
+    assert r["bench"] == "step_curve" and set(r["decode_step_ms"]) == {"4", "8"}
+    for size, s in zip((24, 32), r["steps"]):
+        d = step_curve.mix(size, 40, 8)
+        assert (s["rows"], s["decode_rows"], s["prompt_rows"]) == (size, d, size - d)  # no padding rows
+        assert s["prompt_start"] + s["prompt_rows"] <= 40 and s["step_ms"] > 0 and s["decode_only_ms"] > 0
+        assert set(s["itl_over_decode_step"]) == {"4", "8"} and s["efficiency"] is None
+
+
+def test_bad_sizes_are_refused_naming_the_flag(capsys):
+    with pytest.raises(SystemExit) as e:
+        step_curve.main(["--model", "tiny", "--device", "cpu", "--sizes", "24,x", "--no-roofline"])
+    assert e.value.code == 2 and "--sizes" in capsys.readouterr().err
