@@ -46,3 +46,21 @@ def test_bad_sizes_are_refused_naming_the_flag(capsys):
     with pytest.raises(SystemExit) as e:
         step_curve.main(["--model", "tiny", "--device", "cpu", "--sizes", "24,x", "--no-roofline"])
     assert e.value.code == 2 and "--sizes" in capsys.readouterr().err
+
+
+def test_the_pool_rows_hold_a_servers_positions_with_only_the_blocks_the_step_uses():
+    """The kernels' grids follow the rows' length (the decode kernel's splits, whether the mixed attention fuses), so
+    the curve's pool has a server's rows: --pool-seq positions, blocks for --context / --input-len only."""
+    from bench.probes.profile_mixed import build
+    from kvtransfer.model.spec import ModelSpec, load_model
+
+    a = step_curve.build_parser().parse_args(["--model", "tiny", "--device", "cpu", "--context", "48",
+                                              "--input-len", "40", "--output-len", "8", "--pool-seq", "4096"])
+    a.dtype = "float32"
+    model = load_model(ModelSpec("tiny", "float32", 0), "cpu")
+    st, *_ = build(step_curve.step_args(a, 24, 4), model)
+    pool = st.runner.pool
+    assert (pool.max_seq, pool.width, pool.blocks) == (4096, 4096 // 64, (4 + 1) * -(-48 // 64))
+    a.pool_seq = 0  # as the probe's own pool: the step's positions
+    st, *_ = build(step_curve.step_args(a, 24, 4), model)
+    assert st.runner.pool.max_seq == 48

@@ -65,7 +65,12 @@ def build(a, model=None):
     if a.prompt_start + max(sizes) > a.prompt_len:
         raise SystemExit(f"a chunk of {max(sizes)} rows from position {a.prompt_start} runs past --prompt-len")
     max_seq = max(a.context, a.prompt_len)
-    pool = KVPool(CacheGeometry.from_config(model.config, DTYPES[dtype]), dev, a.batch + a.pieces, max_seq, a.page)
+    # pool_seq (> max_seq, paged): rows of a server's --max-seq-len, only the blocks these rows use (the kernels'
+    # grids follow the rows' length: the decode kernel's splits, whether the mixed step's attention fuses)
+    pool_seq = max(getattr(a, "pool_seq", 0) or 0, max_seq) if a.page else max_seq
+    blocks = (a.batch + a.pieces) * -(-max_seq // a.page) if pool_seq > max_seq else 0
+    pool = KVPool(CacheGeometry.from_config(model.config, DTYPES[dtype]), dev, a.batch + a.pieces, pool_seq, a.page,
+                  blocks)
     leases = [pool.try_lease(max_seq) for _ in range(a.batch + a.pieces)]
     pool.kv.normal_()
     runner = StepRunner(model, pool, gemv="off")  # the batch-1 GEMV never runs in a step of >= 2 rows

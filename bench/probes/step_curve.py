@@ -10,8 +10,9 @@ Both of #39's targets (>= 75% of the roofline; ITL p50 <= 1.5x the decode step a
 one curve, T(R), which this measures: for each size R, the graphed mixed step of d = R (O - 1) / (P + O - 1) decode
 rows at --context beside one chunk of the rest (its rows centred on position P / 2, a prompt's mean), built and
 timed as profile_mixed.py does (no profiler: median of --runs synchronized replays), with the decode-only step at
-d rows and at each --itl-batches, and the GEMM rate of the model's shapes measured first (bench/measure/roofline.py)
-for t_r. One model load for every size. Prints a table and one JSON line.
+d rows and at each --itl-batches, and the GEMM rate of the model's shapes measured after them, on a warm GPU
+(bench/measure/roofline.py), for t_r. The pool's rows hold --pool-seq positions (a server's, by default), so the
+kernels take the grids they take served. One model load for every size. Prints a table and one JSON line.
 
     python -m bench.probes.step_curve --model qwen2.5-7b --sizes 256,384,448,512,640,768,1024
     python -m bench.probes.step_curve --model tiny --device cpu --sizes 24,32 --context 48 --input-len 40 \
@@ -28,7 +29,9 @@ import torch
 
 from bench.measure import roofline
 from bench.probes.profile_mixed import build, timed
+from kvtransfer.engine import runner as runner_module
 from kvtransfer.engine.graphs import buckets
+from kvtransfer.engine.runner import MIXED_ATTENTIONS
 from kvtransfer.engine.sampler import first_token, next_tokens
 from kvtransfer.model.spec import ModelSpec, load_config, load_model
 
@@ -45,7 +48,7 @@ def step_args(a, rows: int, batch: int) -> SimpleNamespace:
     start = max(0, min(a.input_len - prompt, a.input_len // 2 - prompt // 2))
     return SimpleNamespace(model=a.model, device=a.device, dtype=a.dtype, mixed=rows, batch=batch, context=a.context,
                            pieces=1, prompt_start=start, prompt_len=max(a.input_len, prompt), max_batch=a.max_batch,
-                           page=a.page, eager=a.eager, no_side_stream=False, fill_bucket=True)
+                           page=a.page, eager=a.eager, no_side_stream=False, fill_bucket=True, pool_seq=a.pool_seq)
 
 
 def time_size(a, model, rows: int) -> dict:
@@ -86,7 +89,9 @@ def figures(r: dict, a, t_r_us: float | None) -> dict:
 
 def report(r: dict) -> None:
     batches = list(r["decode_step_ms"])
-    print(f"mixed steps at the steady mix of {r['input_len']} in / {r['output_len']} out on {r['device']} "
+    print(f"mixed steps ({r['attention']} attention, pool rows of {r['pool_seq']}) at the steady mix of "
+          f"{r['input_len']} in / {r['output_len']} out "
+          f"on {r['device']} "
           f"({r['gpu']}); t_r {r['t_r_us'] or float('nan'):.2f} us a fed token at {r['gemm_tflops'] or 0:.0f} TFLOP/s; "
           f"decode step " + ", ".join(f"{c} rows {ms:.2f} ms" for c, ms in r["decode_step_ms"].items()))
     print("| rows | decode + prompt | step ms | us a row | efficiency | "
@@ -111,7 +116,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--itl-batches", default="64,128", help="decode-only steps to price ITL against (concurrencies)")
     p.add_argument("--max-batch", type=int, default=256, help="the engine's --max-batch: its buckets")
     p.add_argument("--page", type=int, default=64, help="the pool's --kv-block-tokens (0: slots)")
+    p.add_argument("--pool-seq", type=int, default=0,
+                   help="the pool rows' positions, a server's --max-seq-len (0: the model's context, as a server with "
+                        "default flags; the rows use only the blocks they need); the kernels' grids follow it")
     p.add_argument("--eager", action="store_true", help="no CUDA graph (the engine's --no-cuda-graphs)")
+    p.add_argument("--attention", choices=MIXED_ATTENTIONS, default=None,
+                   help="the steps' attention (default: the engine's, runner.MIXED_ATTENTION, which fuses in this "
+                        "probe's pool of --context / --input-len positions; a server's pool of 32k-position rows "
+                        "runs the two kernels)")
     p.add_argument("--runs", type=int, default=10, help="timed steps per size (median, after 3 warm-up)")
     p.add_argument("--no-roofline", action="store_true", help="skip the GEMM rate (no efficiency column)")
     return p
@@ -130,18 +142,25 @@ def main(argv: list[str] | None = None) -> dict:
     dev = torch.device(a.device)
     a.dtype = a.dtype or ("bfloat16" if dev.type == "cuda" else "float32")
     spec = ModelSpec(a.model, a.dtype, 0)
+    model = load_model(spec, dev)
+    a.pool_seq = a.pool_seq or model.config.max_position_embeddings
+    saved = runner_module.MIXED_ATTENTION
+    runner_module.MIXED_ATTENTION = a.attention or saved  # read at each forward (and capture)
+    try:
+        with torch.inference_mode():
+            r = measure(a, model)
+    finally:
+        runner_module.MIXED_ATTENTION = saved
     measured = t_r = tflops = None
-    if not a.no_roofline:  # before the model: its tensors are freed, the GPU is the step's
+    if not a.no_roofline:  # after the steps, on a warm GPU (first thing in a cold process it read ~9% low once)
         dims = roofline.Dims.of(load_config(a.model))
         measured = roofline.measure_gemm(dims, a.device)
         fig = roofline.run_figures(measured, dims, [a.input_len], a.output_len, None)
         tflops = fig["gemm_tflops"]
         # the request's time at the roofline over the tokens it feeds: one fed token's share
         t_r = a.output_len / fig["roofline_output_tok_s"] / (a.input_len + a.output_len - 1) * 1e6
-    model = load_model(spec, dev)
-    with torch.inference_mode():
-        r = measure(a, model)
     r.update({"bench": "step_curve", "model": a.model, "device": str(dev), "input_len": a.input_len,
+              "attention": a.attention or saved, "pool_seq": a.pool_seq,
               "output_len": a.output_len, "context": a.context, "runs": a.runs, "graphed": not a.eager,
               "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "t_r_us": t_r,
               "gemm_tflops": tflops, "roofline": measured})
