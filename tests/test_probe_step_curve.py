@@ -40,6 +40,7 @@ def test_the_curve_on_cpu_builds_each_size_at_the_steady_mix():
         assert (s["rows"], s["decode_rows"], s["prompt_rows"]) == (size, d, size - d)  # no padding rows
         assert s["prompt_start"] + s["prompt_rows"] <= 40 and s["step_ms"] > 0 and s["decode_only_ms"] > 0
         assert set(s["itl_over_decode_step"]) == {"4", "8"} and s["efficiency"] is None
+        assert s["attention"] == "two"  # on CPU: no Triton, the two kernels' torch references
 
 
 def test_bad_sizes_are_refused_naming_the_flag(capsys):
@@ -64,3 +65,25 @@ def test_the_pool_rows_hold_a_servers_positions_with_only_the_blocks_the_step_us
     a.pool_seq = 0  # as the probe's own pool: the step's positions
     st, *_ = build(step_curve.step_args(a, 24, 4), model)
     assert st.runner.pool.max_seq == 48
+
+
+def test_the_attention_reported_is_what_the_runner_runs_not_what_was_asked(monkeypatch):
+    """--attention fused cannot fuse rows longer than the decode kernel's per-split cap (a server's 32k rows): the
+    curve must not label such steps fused."""
+    from kvtransfer.engine import runner as runner_module
+    from kvtransfer.kernels import ops
+
+    runner = SimpleNamespace(hq=28, hkv=4, device="cuda", pool=SimpleNamespace(max_seq=32768))
+    calls = []
+
+    def fuses(bucket, hq, hkv, device, max_seq=None, **_):
+        calls.append((bucket, max_seq))
+        return max_seq <= 1024
+
+    monkeypatch.setattr(ops, "mixed_attention_fuses", fuses)
+    monkeypatch.setattr(runner_module, "MIXED_ATTENTION", "fused")
+    assert step_curve.attention_ran(runner, 64) == "two" and calls == [(64, 32768)]
+    runner.pool.max_seq = 1024
+    assert step_curve.attention_ran(runner, 64) == "fused"
+    monkeypatch.setattr(runner_module, "MIXED_ATTENTION", "two")
+    assert step_curve.attention_ran(runner, 64) == "two"

@@ -33,6 +33,7 @@ from kvtransfer.engine import runner as runner_module
 from kvtransfer.engine.graphs import buckets
 from kvtransfer.engine.runner import MIXED_ATTENTIONS
 from kvtransfer.engine.sampler import first_token, next_tokens
+from kvtransfer.kernels import ops
 from kvtransfer.model.spec import ModelSpec, load_config, load_model
 
 
@@ -54,7 +55,7 @@ def step_args(a, rows: int, batch: int) -> SimpleNamespace:
 def time_size(a, model, rows: int) -> dict:
     """One size's step at the steady mix, and the decode-only step of its decode rows: medians in ms."""
     d = mix(rows, a.input_len, a.output_len)
-    st, _, tok, pos, slots, chunks = build(step_args(a, rows, d), model)
+    st, b, tok, pos, slots, chunks = build(step_args(a, rows, d), model)
     prompt = sum(c.ids.shape[0] for c in chunks)
 
     def body():  # as profile_mixed: the step, then the greedy picks of its decode rows and finished prompts
@@ -64,7 +65,14 @@ def time_size(a, model, rows: int) -> dict:
     step_ms, _ = timed(body, tok.device, a.runs)
     decode_ms, _ = timed(lambda: next_tokens(st(tok, pos, slots)), tok.device, a.runs)
     return {"rows": d + prompt, "decode_rows": d, "prompt_rows": prompt, "prompt_start": chunks[0].start,
-            "step_ms": step_ms, "decode_only_ms": decode_ms}
+            "attention": attention_ran(st.runner, b), "step_ms": step_ms, "decode_only_ms": decode_ms}
+
+
+def attention_ran(runner, bucket: int) -> str:
+    """What the step's attention ran, as the runner decides it (runner.py): "fused" (one launch) or "two" (the decode
+    and chunk kernels). --attention fused does not override the per-split cap: pool rows longer than it run two."""
+    fuses = ops.mixed_attention_fuses(bucket, runner.hq, runner.hkv, runner.device, max_seq=runner.pool.max_seq)
+    return "fused" if runner_module.MIXED_ATTENTION == "fused" and fuses else "two"
 
 
 def time_decode(a, model, batch: int) -> float:
@@ -89,7 +97,8 @@ def figures(r: dict, a, t_r_us: float | None) -> dict:
 
 def report(r: dict) -> None:
     batches = list(r["decode_step_ms"])
-    print(f"mixed steps ({r['attention']} attention, pool rows of {r['pool_seq']}) at the steady mix of "
+    ran = "/".join(sorted({s["attention"] for s in r["steps"]}))
+    print(f"mixed steps ({ran} attention, pool rows of {r['pool_seq']}) at the steady mix of "
           f"{r['input_len']} in / {r['output_len']} out "
           f"on {r['device']} "
           f"({r['gpu']}); t_r {r['t_r_us'] or float('nan'):.2f} us a fed token at {r['gemm_tflops'] or 0:.0f} TFLOP/s; "
@@ -160,7 +169,7 @@ def main(argv: list[str] | None = None) -> dict:
         # the request's time at the roofline over the tokens it feeds: one fed token's share
         t_r = a.output_len / fig["roofline_output_tok_s"] / (a.input_len + a.output_len - 1) * 1e6
     r.update({"bench": "step_curve", "model": a.model, "device": str(dev), "input_len": a.input_len,
-              "attention": a.attention or saved, "pool_seq": a.pool_seq,
+              "attention_asked": a.attention or saved, "pool_seq": a.pool_seq,
               "output_len": a.output_len, "context": a.context, "runs": a.runs, "graphed": not a.eager,
               "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "t_r_us": t_r,
               "gemm_tflops": tflops, "roofline": measured})
