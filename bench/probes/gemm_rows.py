@@ -4,8 +4,9 @@ Why: bench/results/curve-h100-2026-12-07 found 448- and 576-row mixed steps slow
 gate_up GEMM at (448, 37,888, 3,584) running 347 TFLOP/s against 748 at 512 rows: cuBLAS's heuristic picks its kernel
 by shape, and some row counts get a poor one. A step's rows come from a ladder (graphs.step_sizes), but a prompt
 prefilled whole has its own length as M. This times F.linear (bf16, the engine's fused shapes: bench/measure/
-roofline.Dims) at each --rows, median of --reps loops of --calls, and lists the row counts whose GEMM takes longer
-than at a larger row count (`slower_than_larger`): there, padding the rows up would be faster. CUDA only.
+roofline.Dims) at each --rows, median of --reps replays of a CUDA graph of --calls, and lists the row counts whose
+GEMM takes longer than at a larger row count (`slower_than_larger`): there, padding the rows up would be faster.
+CUDA only.
 
     python -m bench.probes.gemm_rows --model qwen2.5-7b --rows 16:2048:16
 """
@@ -48,10 +49,19 @@ def slower_than_larger(times: dict[int, float], margin: float = 0.05) -> list[di
 
 
 def time_rows(linear, x, w, calls: int, reps: int, loop_us) -> float:
-    """linear(x, w)'s median us (3 untimed calls first: cuBLAS picks and loads its kernel)."""
+    """linear(x, w)'s median us: `calls` of them captured in one CUDA graph, replayed (eager launches would time the
+    host: ~30 us a call on the device machine, longer than a small GEMM); 3 eager calls first (cuBLAS picks and
+    loads its kernel)."""
+    import torch
+
     for _ in range(3):
         linear(x, w)
-    return loop_us(lambda: linear(x, w), calls, reps)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            linear(x, w)
+    return loop_us(g.replay, 1, reps) / calls
 
 
 def sweep(dims: roofline.Dims, rows: list[int], calls: int, reps: int, device: str = "cuda") -> dict:
@@ -80,8 +90,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--model", default="qwen2.5-7b")
     p.add_argument("--device", default="cuda")
     p.add_argument("--rows", default="16:2048:16", help="row counts: a:b:step, or comma-separated")
-    p.add_argument("--calls", type=int, default=5, help="GEMMs per timed loop")
-    p.add_argument("--reps", type=int, default=5, help="timed loops per row count (median)")
+    p.add_argument("--calls", type=int, default=10, help="GEMMs per CUDA graph")
+    p.add_argument("--reps", type=int, default=5, help="timed replays per row count (median)")
     a = p.parse_args(argv)
     try:
         rows = parse_rows(a.rows)
