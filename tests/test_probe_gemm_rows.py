@@ -34,3 +34,26 @@ def test_off_cuda_it_is_refused_naming_the_flag(capsys):
     with pytest.raises(SystemExit) as e:
         gemm_rows.main(["--device", "cpu", "--rows", "16,32"])
     assert e.value.code == 2 and "--device cpu" in capsys.readouterr().err
+
+
+def test_time_rows_times_one_replay_of_the_captured_calls_per_call():
+    import contextlib
+
+    import torch
+
+    launched = []
+
+    class Graph:
+        def replay(self):
+            launched.append("replay")
+
+    def loop_us(fn, calls, reps):  # the timer: one replay a rep -> 120 us for the graph
+        assert calls == 1
+        fn()
+        return 120.0
+
+    x, w = torch.zeros(2, 3), torch.zeros(4, 3)
+    us = gemm_rows.time_rows(lambda x, w: launched.append("gemm"), x, w, 8, 5, loop_us, graph=Graph,
+                             capture=lambda g: contextlib.nullcontext())
+    assert us == 120.0 / 8  # per GEMM, not per replay
+    assert launched == ["gemm"] * 3 + ["gemm"] * 8 + ["replay"]  # 3 eager warm-ups, 8 captured, then the replay

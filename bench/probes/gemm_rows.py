@@ -6,7 +6,8 @@ by shape, and some row counts get a poor one. A step's rows come from a ladder (
 prefilled whole has its own length as M. This times F.linear (bf16, the engine's fused shapes: bench/measure/
 roofline.Dims) at each --rows, median of --reps replays of a CUDA graph of --calls, and lists the row counts whose
 GEMM takes longer than at a larger row count (`slower_than_larger`): there, padding the rows up would be faster.
-CUDA only.
+The same weights run every call, so qkv's and o's (26-33 MB) stay in L2 and their small-row times read low. CUDA
+only.
 
     python -m bench.probes.gemm_rows --model qwen2.5-7b --rows 16:2048:16
 """
@@ -48,23 +49,29 @@ def slower_than_larger(times: dict[int, float], margin: float = 0.05) -> list[di
     return sorted(out, key=lambda r: r["rows"])
 
 
-def time_rows(linear, x, w, calls: int, reps: int, loop_us) -> float:
+def time_rows(linear, x, w, calls: int, reps: int, loop_us, graph=None, capture=None) -> float:
     """linear(x, w)'s median us: `calls` of them captured in one CUDA graph, replayed (eager launches would time the
     host: ~30 us a call on the device machine, longer than a small GEMM); 3 eager calls first (cuBLAS picks and
-    loads its kernel)."""
+    loads its kernel). graph / capture: torch.cuda.CUDAGraph and torch.cuda.graph (None), or a test's stand-ins."""
     import torch
 
+    graph = graph or torch.cuda.CUDAGraph
+    capture = capture or torch.cuda.graph
     for _ in range(3):
         linear(x, w)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    if x.is_cuda:
+        torch.cuda.synchronize()
+    g = graph()
+    with capture(g):
         for _ in range(calls):
             linear(x, w)
     return loop_us(g.replay, 1, reps) / calls
 
 
-def sweep(dims: roofline.Dims, rows: list[int], calls: int, reps: int, device: str = "cuda") -> dict:
+def sweep(dims: roofline.Dims, rows: list[int], calls: int, reps: int, device: str = "cuda",
+          qkv_bias: bool = False) -> dict:
+    """Each layer GEMM's {"n", "k", "us", "tflops", "slower_than_larger"} by row count. qkv_bias: qkv with a bias, as
+    the engine runs it for models with one (Qwen2: cuBLAS then picks among its bias kernels)."""
     import torch
     import torch.nn.functional as F
 
@@ -76,8 +83,10 @@ def sweep(dims: roofline.Dims, rows: list[int], calls: int, reps: int, device: s
         if name not in roofline.LAYER_SHAPES:
             continue
         w = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
+        bias = torch.randn(n, device=dev, dtype=torch.bfloat16) if name == "qkv" and qkv_bias else None
         x_all = torch.randn(max(rows), k, device=dev, dtype=torch.bfloat16)
-        times = {m: time_rows(F.linear, x_all[:m], w, calls, reps, loop_us) for m in rows}
+        linear = (lambda x, w, bias=bias: F.linear(x, w, bias))
+        times = {m: time_rows(linear, x_all[:m], w, calls, reps, loop_us) for m in rows}
         out[name] = {"n": n, "k": k, "us": times,
                      "tflops": {m: 2 * m * n * k / (us * 1e-6) / 1e12 for m, us in times.items()},
                      "slower_than_larger": slower_than_larger(times)}
@@ -101,9 +110,11 @@ def main(argv: list[str] | None = None) -> dict:
 
     if not a.device.startswith("cuda") or not torch.cuda.is_available():
         p.error(f"cuBLAS's row counts are timed on a CUDA device only (got --device {a.device})")
+    config = load_config(a.model)
+    bias = bool(getattr(config, "attention_bias", config.model_type == "qwen2"))  # Qwen2's q, k, v carry one
     r = {"bench": "gemm_rows", "model": a.model, "device": torch.cuda.get_device_name(torch.device(a.device)),
-         "calls": a.calls, "reps": a.reps,
-         "shapes": sweep(roofline.Dims.of(load_config(a.model)), rows, a.calls, a.reps, a.device)}
+         "calls": a.calls, "reps": a.reps, "qkv_bias": bias,
+         "shapes": sweep(roofline.Dims.of(config), rows, a.calls, a.reps, a.device, bias)}
     for name, s in r["shapes"].items():
         bad = s["slower_than_larger"]
         print(f"{name} ({s['n']} x {s['k']}): {len(bad)} of {len(rows)} row counts slower than a larger one"

@@ -76,7 +76,9 @@ def build(a, model=None):
     runner = StepRunner(model, pool, gemv="off")  # the batch-1 GEMV never runs in a step of >= 2 rows
     if getattr(a, "no_side_stream", False):  # the prompt rows' attention after the decode rows', one stream
         runner.side = SideStream(dev, on=False)
-    st = Step(runner, b, dev.type == "cuda" and not a.eager, chunk=a.mixed, sampling=False)
+    # staged (off CUDA graphs): the eager step in the graphs' padded layout, as a graph lays the rows out
+    st = Step(runner, b, dev.type == "cuda" and not a.eager, chunk=a.mixed, sampling=False,
+              staged=getattr(a, "staged", False))
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
     tok = torch.randint(3, vocab, (a.batch,), generator=g).to(dev)

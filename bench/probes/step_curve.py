@@ -2,8 +2,9 @@
 
 Why: served closed-loop, each step carries d decode rows and p prompt rows, and in the steady state the prompt work
 keeps pace with the answers: p / d = P / (O - 1) for prompts of P tokens and O output tokens (each request feeds P
-prompt rows, the last of which gives the first token, and O - 1 decode rows). A step of R = p + d rows
-then yields d tokens per stream-step, so (docs/architecture.md, "What bounds serving against the compute roofline"):
+prompt rows, the last of which gives the first token, and O - 1 decode rows). A step of R = p + d rows then
+yields R O / (P + O - 1) tokens: one per decode row, and the first tokens of the prompts it finishes (d O / (O - 1)
+in all), so (docs/architecture.md, "What bounds serving against the compute roofline"):
   output tok/s / roofline = R x t_r / T(R)   (the step's efficiency; t_r = one fed token's time at the GEMM rate)
   ITL p50 ~ T(R)                               (each running stream gets one token per step)
 Both of #39's targets (>= 75% of the roofline; ITL p50 <= 1.5x the decode step at the concurrency) are then bounds on
@@ -49,7 +50,8 @@ def step_args(a, rows: int, batch: int) -> SimpleNamespace:
     start = max(0, min(a.input_len - prompt, a.input_len // 2 - prompt // 2))
     return SimpleNamespace(model=a.model, device=a.device, dtype=a.dtype, mixed=rows, batch=batch, context=a.context,
                            pieces=1, prompt_start=start, prompt_len=max(a.input_len, prompt), max_batch=a.max_batch,
-                           page=a.page, eager=a.eager, no_side_stream=False, fill_bucket=True, pool_seq=a.pool_seq)
+                           page=a.page, eager=a.eager, no_side_stream=False, fill_bucket=True, pool_seq=a.pool_seq,
+                           staged=True)
 
 
 def time_size(a, model, rows: int) -> dict:
@@ -64,8 +66,9 @@ def time_size(a, model, rows: int) -> dict:
 
     step_ms, _ = timed(body, tok.device, a.runs)
     decode_ms, _ = timed(lambda: next_tokens(st(tok, pos, slots)), tok.device, a.runs)
-    return {"rows": d + prompt, "decode_rows": d, "prompt_rows": prompt, "prompt_start": chunks[0].start,
-            "attention": attention_ran(st.runner, b), "step_ms": step_ms, "decode_only_ms": decode_ms}
+    return {"rows": d + prompt, "step_rows": st.rows_for(d, prompt), "decode_rows": d, "prompt_rows": prompt,
+            "prompt_start": chunks[0].start, "attention": attention_ran(st.runner, b), "step_ms": step_ms,
+            "decode_only_ms": decode_ms}
 
 
 def attention_ran(runner, bucket: int) -> str:
@@ -85,6 +88,12 @@ def time_decode(a, model, batch: int) -> float:
 def measure(a, model) -> dict:
     return {"steps": [time_size(a, model, rows) for rows in a.sizes],
             "decode_step_ms": {str(c): time_decode(a, model, c) for c in a.itl_batches}}
+
+
+def t_r_us(fig: dict, input_len: int, output_len: int) -> float:
+    """One fed token's time at the roofline (us): the request's time there (its output tokens over
+    roofline.run_figures' roofline_output_tok_s) over the P + O - 1 tokens it feeds."""
+    return output_len / fig["roofline_output_tok_s"] / (input_len + output_len - 1) * 1e6
 
 
 def figures(r: dict, a, t_r_us: float | None) -> dict:
@@ -130,9 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "default flags; the rows use only the blocks they need); the kernels' grids follow it")
     p.add_argument("--eager", action="store_true", help="no CUDA graph (the engine's --no-cuda-graphs)")
     p.add_argument("--attention", choices=MIXED_ATTENTIONS, default=None,
-                   help="the steps' attention (default: the engine's, runner.MIXED_ATTENTION, which fuses in this "
-                        "probe's pool of --context / --input-len positions; a server's pool of 32k-position rows "
-                        "runs the two kernels)")
+                   help="the steps' attention (default: the engine's, runner.MIXED_ATTENTION); fused only where the "
+                        "runner fuses: pool rows no longer than the decode kernel's per-split cap, so not in a "
+                        "server's 32k rows (--pool-seq); the table says what ran")
     p.add_argument("--runs", type=int, default=10, help="timed steps per size (median, after 3 warm-up)")
     p.add_argument("--no-roofline", action="store_true", help="skip the GEMM rate (no efficiency column)")
     return p
@@ -148,6 +157,16 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("--sizes and --itl-batches take comma-separated integers")
     if a.input_len < 2 or a.output_len < 2:
         parser.error("--input-len and --output-len must be >= 2 (a step needs decode and prompt rows)")
+    if not a.sizes or min(a.sizes) < 2:
+        parser.error("--sizes: every step needs >= 2 rows")
+    for rows in a.sizes:  # the decode rows' bucket must fit --max-batch and leave the step's other half to prompts
+        d = mix(rows, a.input_len, a.output_len)
+        b = next((x for x in buckets(a.max_batch) if x >= d), 0)
+        if not b or 2 * b > rows:
+            parser.error(f"--sizes {rows}: its {d} decode rows (bucket {b or 'none'}) need --max-batch >= {d} and "
+                         f"a step of >= 2x their bucket; raise the size or --max-batch, or lower --output-len")
+    if any(not 1 <= c <= a.max_batch for c in a.itl_batches):
+        parser.error(f"--itl-batches must lie in 1..--max-batch ({a.max_batch})")
     dev = torch.device(a.device)
     a.dtype = a.dtype or ("bfloat16" if dev.type == "cuda" else "float32")
     spec = ModelSpec(a.model, a.dtype, 0)
@@ -165,9 +184,7 @@ def main(argv: list[str] | None = None) -> dict:
         dims = roofline.Dims.of(load_config(a.model))
         measured = roofline.measure_gemm(dims, a.device)
         fig = roofline.run_figures(measured, dims, [a.input_len], a.output_len, None)
-        tflops = fig["gemm_tflops"]
-        # the request's time at the roofline over the tokens it feeds: one fed token's share
-        t_r = a.output_len / fig["roofline_output_tok_s"] / (a.input_len + a.output_len - 1) * 1e6
+        tflops, t_r = fig["gemm_tflops"], t_r_us(fig, a.input_len, a.output_len)
     r.update({"bench": "step_curve", "model": a.model, "device": str(dev), "input_len": a.input_len,
               "attention_asked": a.attention or saved, "pool_seq": a.pool_seq,
               "output_len": a.output_len, "context": a.context, "runs": a.runs, "graphed": not a.eager,
