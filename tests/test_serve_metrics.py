@@ -28,6 +28,30 @@ def test_steps_feed_the_batch_prompt_rows_and_device_time():
     assert (s["kvt_decode_batch_size_count"], s["kvt_decode_batch_size_sum"]) == (2, 8)
     assert s["kvt_decode_prompt_rows_total"] == 210 and s["kvt_decode_mixed_steps_total:256"] == 2
     assert abs(s["kvt_decode_device_seconds_total"] - 0.03) < 1e-9
+    assert s["kvt_decode_decode_only_steps_total"] == 1
+    assert abs(s["kvt_decode_step_device_seconds_total:256"] - 0.026) < 1e-9  # the two mixed steps
+    assert abs(s["kvt_decode_step_device_seconds_total:decode"] - 0.004) < 1e-9
+
+
+def test_the_bench_reports_each_kind_of_step_s_mean_device_time(monkeypatch):
+    """The served step's own time (#39: the probe prices a step alone; the served one is the figure to match), from
+    the restart on: decode-only steps apart from each mixed size."""
+    import bench.measure.serve_metrics as sm
+
+    m = Metrics("decode")
+    m.stepped(StepStats(rows=4, prompt_rows=100, step_rows=512, device_s=9.0))  # before the watch: not the run's
+    monkeypatch.setattr(sm, "scrape", lambda url: series(m))
+    watch = sm.BatchWatch("http://unused")
+    for device_s in (0.014, 0.016):
+        m.stepped(StepStats(rows=56, prompt_rows=456, step_rows=512, device_s=device_s))
+    m.stepped(StepStats(rows=60, prompt_rows=68, step_rows=128, device_s=0.005))
+    for _ in range(3):
+        m.stepped(StepStats(rows=64, prompt_rows=0, step_rows=64, device_s=0.007))
+    r = watch.report()
+    assert r["decode_only_steps"] == 3
+    assert set(r["step_ms_by_rows"]) == {"512", "128", "decode"}
+    for kind, ms in (("512", 15.0), ("128", 5.0), ("decode", 7.0)):
+        assert abs(r["step_ms_by_rows"][kind] - ms) < 1e-9, kind
 
 
 def test_the_bench_reports_the_runs_share_of_device_time(monkeypatch):
@@ -52,6 +76,7 @@ def test_no_device_time_reads_as_unknown_not_idle(monkeypatch):
     watch = sm.BatchWatch("http://unused")
     m.stepped(StepStats(rows=2, prompt_rows=0, step_rows=0, device_s=0.0))  # CPU: no CUDA events
     assert watch.report()["device_busy"] is None
+    assert watch.report()["step_ms_by_rows"] == {}  # no step time to average, not 0 ms
 
 
 def test_the_scheduler_reports_every_delivered_step_once():
@@ -163,3 +188,22 @@ def test_serve_restarts_the_watch_after_its_warm_up(monkeypatch):
     cfg = ServeConfig(addr="127.0.0.1:1", num_prompts=3, warmup=2, input_len=8, output_len=2, vocab_size=100)
     asyncio.run(sl._run(cfg, [[1, 2, 3]] * 3, lambda _: None, None, Watch()))
     assert order == ["send", "send", "restart", "send", "send", "send"]
+
+
+def test_the_serve_report_prints_each_kind_of_step_s_mean_time():
+    """On a real run's result (one H100, bench/results/stall-h100-2026-12-07/call14) with the new fields added."""
+    import json
+    from pathlib import Path
+
+    from bench.report.serve import run_tables
+
+    path = Path(__file__).parents[1] / "bench/results/stall-h100-2026-12-07/call14/serve/c64/result.json"
+    result = json.loads(path.read_text())
+    result["server_batch"].update(decode_only_steps=126, step_ms_by_rows={"128": 5.0, "512": 14.104, "decode": 7.0})
+    label = "server: mean step device ms, by rows (decode: no prompt rows)"
+    rows = {r[0]: r[1] for r in run_tables(result)[0].rows}
+    assert rows["server: steps without prompt rows"] == "126"
+    assert rows[label] == "128: 5.00, 512: 14.10, decode: 7.00"
+    del result["server_batch"]["step_ms_by_rows"], result["server_batch"]["decode_only_steps"]  # an older server's
+    rows = {r[0]: r[1] for r in run_tables(result)[0].rows}
+    assert (rows[label], rows["server: steps without prompt rows"]) == ("-", "-")

@@ -31,6 +31,8 @@ def parse(text: str) -> dict[str, float]:
     out = {m.group(1): float(m.group(2)) for m in re.finditer(r"^(kvt_(?:decode|kv_pool)_\w+) (\S+)$", text, re.M)}
     for m in re.finditer(r'^kvt_decode_mixed_steps_total{rows="(\d+)"} (\S+)$', text, re.M):
         out[f"kvt_decode_mixed_steps_total:{m.group(1)}"] = float(m.group(2))
+    for m in re.finditer(r'^kvt_decode_step_device_seconds_total{rows="(\w+)"} (\S+)$', text, re.M):
+        out[f"kvt_decode_step_device_seconds_total:{m.group(1)}"] = float(m.group(2))
     for key in ("sum", "count"):
         out[f"kvt_prefill_ms_{key}"] = sum(float(m.group(1)) for m in re.finditer(
             rf"^kvt_prefill_ms_{key}(?:{{[^}}]*}})? (\S+)$", text, re.M))
@@ -41,6 +43,20 @@ def mixed_steps(after: dict[str, float], before: dict[str, float]) -> dict[str, 
     """Steps that carried prompt rows during the run, by step size in rows."""
     key = "kvt_decode_mixed_steps_total:"
     return {k[len(key):]: v - before.get(k, 0.0) for k, v in after.items() if k.startswith(key)}
+
+
+def step_ms(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    """The run's mean step device time (ms) by kind: each mixed step size in rows, and "decode" (steps without
+    prompt rows); kinds with no steps or no device time (CPU: no CUDA events) left out."""
+    counts = mixed_steps(after, before)
+    counts["decode"] = after.get("kvt_decode_decode_only_steps_total", 0.0) - before.get(
+        "kvt_decode_decode_only_steps_total", 0.0)
+    key, out = "kvt_decode_step_device_seconds_total:", {}
+    for kind, n in counts.items():
+        seconds = after.get(key + kind, 0.0) - before.get(key + kind, 0.0)
+        if n > 0 and seconds > 0:
+            out[kind] = seconds / n * 1e3
+    return out
 
 
 class BatchWatch:
@@ -84,6 +100,9 @@ class BatchWatch:
                 "mixed_steps_by_rows": {k: int(v) for k, v in sorted(
                     mixed_steps(after, self.before).items(), key=lambda kv: int(kv[0])) if v},
                 "device_busy": busy / wall if busy > 0 and wall > 0 else None,  # None on CPU (no CUDA events)
+                "decode_only_steps": int(delta("kvt_decode_decode_only_steps_total")),
+                # the served steps' mean device ms, by kind: what bench/probes/step_curve.py prices alone
+                "step_ms_by_rows": step_ms(after, self.before),
                 "running_p50": float(np.median(running)), "running_max": float(running.max()),
                 # how often no prompt waited for a step's rows (then a step decodes only): sampled
                 "prompts_queued_p50": float(np.median(self.queued)) if self.queued else None,

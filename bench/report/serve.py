@@ -92,6 +92,9 @@ def run_tables(result: dict) -> list[Table]:
                       ["server: prompt tokens in decode steps", str(sb.get("prompt_rows_in_steps", 0))],
                       ["server: steps with prompt rows, by rows",
                        ", ".join(f"{k}: {v}" for k, v in (sb.get("mixed_steps_by_rows") or {}).items()) or "-"],
+                      ["server: steps without prompt rows", str(sb.get("decode_only_steps", "-"))],
+                      ["server: mean step device ms, by rows (decode: no prompt rows)",
+                       ", ".join(f"{k}: {v:.2f}" for k, v in (sb.get("step_ms_by_rows") or {}).items()) or "-"],
                       ["server: device busy (step time / wall)",
                        f"{sb['device_busy']:.0%}" if sb.get("device_busy") is not None else "-"],
                       ["server: running requests p50 / max", f"{num(sb['running_p50'])} / {num(sb['running_max'])}"]]

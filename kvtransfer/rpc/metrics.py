@@ -82,6 +82,12 @@ class Metrics:
         self.device_s = Counter("kvt_decode_device_seconds", "decode: device time of the decode steps, launch to "
                                 "end (CUDA events; over wall time: how busy the scheduler keeps the GPU; an eager "
                                 "step's span includes its host launches)", registry=r)
+        self.step_device_s = Counter("kvt_decode_step_device_seconds", "decode: the steps' device time by kind: a "
+                                     "mixed step's size in rows, or decode (no prompt rows); over "
+                                     "kvt_decode_mixed_steps / kvt_decode_decode_only_steps, a kind's mean step",
+                                     ["rows"], registry=r)
+        self.decode_only_steps = Counter("kvt_decode_decode_only_steps", "decode: steps without prompt rows",
+                                         registry=r)
         self.pairings = Counter("kvt_pairings", "pairings with the peer (the first one and every re-pairing)",
                                 registry=r)
 
@@ -113,7 +119,10 @@ class Metrics:
         self.prompt_rows.inc(stats.prompt_rows)
         if stats.prompt_rows:
             self.mixed_steps.labels(str(stats.step_rows)).inc()
+        else:
+            self.decode_only_steps.inc()
         self.device_s.inc(stats.device_s)
+        self.step_device_s.labels(str(stats.step_rows) if stats.prompt_rows else "decode").inc(stats.device_s)
 
 
 def check_metrics_flags(port: int, addr: str) -> None:
