@@ -25,7 +25,7 @@ timeout -k 10 100 python3 -m bench.cli serve --addr 127.0.0.1:50051 --model qwen
     --prompts-per-concurrency 8 --concurrency 64 --input-len 1024 --input-len-range 0.5 --output-len 128 \
     --warmup 4 --timeout 300 --max-duration 60 --server-metrics http://127.0.0.1:9101/metrics \
     --out $R/serve > $R/serve.log 2>&1; t serve $?; date -u +%T.%N >> $R/marks.txt
-grep -E "^\| 64 " $R/serve/report.md 2>/dev/null | head -2
+grep -E "^\| 64 |mean step device ms|without prompt rows" $R/serve/report.md $R/serve/c64/report.md 2>/dev/null | head -6
 kill -TERM $DPID 2>/dev/null; wait $DPID 2>/dev/null; kill $SMI 2>/dev/null
 awk -F', ' 'NR > 1 {print $2}' $R/clocks.csv | sort | uniq -c | sort -rn | head -6
 tar -C /tmp -czf $OUT/curve6.tgz curve6
