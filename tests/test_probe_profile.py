@@ -60,7 +60,7 @@ def test_eager_graph_runs_the_captured_forward_on_the_step_buffers():
     import torch
 
     from bench.probes.kernel_labels import EagerGraph
-    from bench.probes.profile_mixed import build
+    from bench.probes.mixed_step import build
     from kvtransfer.engine.mixed import mixed_forward
 
     a = argparse.Namespace(model="tiny", device="cpu", dtype="", mixed=32, batch=3, context=40, pieces=1,

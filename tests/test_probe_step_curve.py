@@ -70,7 +70,7 @@ def test_bad_sizes_are_refused_naming_the_flag(capsys):
 def test_the_pool_rows_hold_a_servers_positions_with_only_the_blocks_the_step_uses():
     """The kernels' grids follow the rows' length (the decode kernel's splits, whether the mixed attention fuses), so
     the curve's pool has a server's rows: --pool-seq positions, blocks for --context / --input-len only."""
-    from bench.probes.profile_mixed import build
+    from bench.probes.mixed_step import build
     from kvtransfer.model.spec import ModelSpec, load_model
 
     a = step_curve.build_parser().parse_args(["--model", "tiny", "--device", "cpu", "--context", "48",

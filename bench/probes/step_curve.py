@@ -10,10 +10,11 @@ in all), so (docs/architecture.md, "What bounds serving against the compute roof
 Both of #39's targets (>= 75% of the roofline; ITL p50 <= 1.5x the decode step at the concurrency) are then bounds on
 one curve, T(R), which this measures: for each size R, the graphed mixed step of d = R (O - 1) / (P + O - 1) decode
 rows at --context beside one chunk of the rest (its rows centred on position P / 2, a prompt's mean), built and
-timed as profile_mixed.py does (no profiler: median of --runs synchronized replays), with the decode-only step at
-d rows and at each --itl-batches, and the GEMM rate of the model's shapes measured after them, on a warm GPU
-(bench/measure/roofline.py), for t_r. The pool's rows hold --pool-seq positions (a server's, by default), so the
-kernels take the grids they take served. One model load for every size. Prints a table and one JSON line.
+timed by mixed_step.py as for profile_mixed.py (no profiler: median of --runs synchronized replays), with the
+decode-only step at d rows and at each --itl-batches, and the GEMM rate of the model's shapes measured after them,
+on a warm GPU (bench/measure/roofline.py), for t_r. The pool's rows hold --pool-seq positions (a server's, by
+default), so the kernels take the grids they take served. One model load for every size. Prints a table and one
+JSON line.
 
     python -m bench.probes.step_curve --model qwen2.5-7b --sizes 256,384,448,512,640,768,1024
     python -m bench.probes.step_curve --model tiny --device cpu --sizes 24,32 --context 48 --input-len 40 \
@@ -29,7 +30,7 @@ from types import SimpleNamespace
 import torch
 
 from bench.measure import roofline
-from bench.probes.profile_mixed import build, timed
+from bench.probes.mixed_step import build, timed
 from kvtransfer.engine import runner as runner_module
 from kvtransfer.engine.graphs import buckets
 from kvtransfer.engine.runner import MIXED_ATTENTIONS
@@ -44,7 +45,7 @@ def mix(rows: int, input_len: int, output_len: int) -> int:
 
 
 def step_args(a, rows: int, batch: int) -> SimpleNamespace:
-    """profile_mixed.build's arguments for a `rows`-row step of `batch` decode rows and one prompt chunk in every
+    """mixed_step.build's arguments for a `rows`-row step of `batch` decode rows and one prompt chunk in every
     other row (the bucket's free rows first, as a served step: mixed.lay_out), centred on position input_len / 2."""
     prompt = rows - batch
     start = max(0, min(a.input_len - prompt, a.input_len // 2 - prompt // 2))
