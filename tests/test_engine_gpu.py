@@ -203,3 +203,42 @@ def test_chunked_prefill_on_the_fused_ops_agrees_with_hf_chunks_and_the_whole_pr
         assert int(f_logits.argmax()) == int(whole.argmax())
     for (k, v), (hk, hv), layer in zip(fused, hf, whole_cache.layers):
         assert max(rel(k, hk), rel(v, hv), rel(k, layer.keys), rel(v, layer.values)) <= GPU_BATCH_TOL
+
+
+def test_each_graphed_steps_staging_is_a_part_of_its_device_time():
+    """The scheduler's StepStats on CUDA graphs (#39: the served step's device time split at its graph's replay):
+    every step, plain and mixed, reports staging_s < device_s and some > 0, so the metric reads the replay's own
+    event."""
+    import queue
+
+    from kvtransfer.engine.engine import DecodeEngine, EngineOptions
+    from kvtransfer.engine.queued import StepStats
+    from kvtransfer.engine.sequence import Ended, Sequence
+    from kvtransfer.geometry import CacheGeometry as Geometry
+    from kvtransfer.model.loaded import LoadedModel
+
+    spec = ModelSpec("smollm2-135m", "bfloat16", 0)
+    model = load_model(spec, "cuda")
+    lm = LoadedModel(spec, model, Geometry.from_config(model.config, torch.bfloat16), torch.device("cuda"))
+    stats: list[StepStats] = []
+    e = DecodeEngine(lm, EngineOptions(max_batch=4, max_seq_len=512, prefill_chunk=64, mixed_prefill=True),
+                     on_step=stats.append)
+    try:
+        q: queue.Queue = queue.Queue()
+        for n, steps in ((61, 200), (150, 6)):  # the 150-token prompt rides in the first one's decode steps
+            prompt = random_prompt(model.config.vocab_size, n, seed=n)[0].tolist()
+            lease = e.pool.try_lease()
+            first = e.prefill(prompt, lease, False).result(timeout=120).first
+            e.scheduler.add(Sequence(n, lease, n, first, steps, q.put))
+        done = 0
+        while done < 2:
+            item = q.get(timeout=120)
+            assert not isinstance(item, Ended), item
+            done += item.last
+    finally:
+        e.close()
+    graphed = [s for s in stats if s.rows and (s.step_rows or not s.prompt_rows)]
+    assert graphed and any(s.prompt_rows for s in graphed), [(s.rows, s.prompt_rows, s.step_rows) for s in stats]
+    assert any(s.staging_s > 0 for s in graphed), graphed
+    for s in graphed:
+        assert 0 <= s.staging_s < s.device_s, s

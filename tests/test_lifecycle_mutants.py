@@ -311,8 +311,8 @@ def test_a_transfer_records_its_bytes_milliseconds_and_gigabytes_per_second():
 def test_a_step_counts_a_mixed_step_only_when_it_carried_prompt_rows():
     """Caught: `if stats.prompt_rows` -> `if stats.rows` (every decode step counted as a mixed one)."""
     m = Metrics("decode")
-    m.stepped(SimpleNamespace(rows=8, prompt_rows=0, step_rows=8, device_s=0.01))
-    m.stepped(SimpleNamespace(rows=24, prompt_rows=16, step_rows=32, device_s=0.02))
+    m.stepped(SimpleNamespace(rows=8, prompt_rows=0, step_rows=8, device_s=0.01, staging_s=0.0))
+    m.stepped(SimpleNamespace(rows=24, prompt_rows=16, step_rows=32, device_s=0.02, staging_s=0.0))
     assert sample(m, "kvt_decode_mixed_steps_total", rows="8") == 0
     assert sample(m, "kvt_decode_mixed_steps_total", rows="32") == 1
     assert sample(m, "kvt_decode_prompt_rows_total") == 16

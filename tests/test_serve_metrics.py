@@ -61,11 +61,30 @@ def test_the_bench_reports_the_runs_share_of_device_time(monkeypatch):
     monkeypatch.setattr(sm, "scrape", lambda url: series(m))
     monkeypatch.setattr(sm.time, "perf_counter", lambda: next(clock))
     watch = sm.BatchWatch("http://unused")
-    m.stepped(StepStats(rows=4, prompt_rows=100, step_rows=512, device_s=1.5))
+    m.stepped(StepStats(rows=4, prompt_rows=100, step_rows=512, device_s=1.5, staging_s=0.3))
     r = watch.report()
     assert (r["steps"], r["mean_batch_per_step"], r["prompt_rows_in_steps"]) == (1, 4, 100)
     assert r["mixed_steps_by_rows"] == {"512": 1}
     assert r["device_busy"] == 0.75  # 1.5 s of steps in 2 s of wall
+    assert abs(r["staging_share"] - 0.2) < 1e-9  # 0.3 s of the 1.5 before the graphs' replays
+
+
+def test_a_steps_staging_is_its_start_to_its_graphs_replay():
+    """QueuedStep.staging_s: start -> the replay's event (the device's wait for the host's launches shows here,
+    #39), not start -> end, and 0 without a replay (an eager step) or off CUDA."""
+    from kvtransfer.engine.queued import QueuedStep
+
+    class Mark:  # a CUDA event's elapsed_time: ms from this mark to `other`
+        def __init__(self, ms: float):
+            self.ms = ms
+
+        def elapsed_time(self, other: "Mark") -> float:
+            return other.ms - self.ms
+
+    q = QueuedStep([], None, None, Mark(14.0), {}, [], start=Mark(1.0), replayed=Mark(1.5))
+    assert abs(q.staging_s() - 0.0005) < 1e-12 and abs(q.device_s() - 0.013) < 1e-12
+    assert QueuedStep([], None, None, Mark(14.0), {}, [], start=Mark(1.0)).staging_s() == 0.0
+    assert QueuedStep([], None, None, None, {}, []).staging_s() == 0.0
 
 
 def test_no_device_time_reads_as_unknown_not_idle(monkeypatch):

@@ -100,6 +100,9 @@ class BatchWatch:
                 "mixed_steps_by_rows": {k: int(v) for k, v in sorted(
                     mixed_steps(after, self.before).items(), key=lambda kv: int(kv[0])) if v},
                 "device_busy": busy / wall if busy > 0 and wall > 0 else None,  # None on CPU (no CUDA events)
+                # of the device time, the share before the steps' graph replays: input copies, and the device
+                # waiting on a host that fell behind (so a step's device ms is the GPU's own only when this is small)
+                "staging_share": (delta("kvt_decode_step_staging_seconds_total") / busy if busy > 0 else None),
                 "decode_only_steps": int(delta("kvt_decode_decode_only_steps_total")),
                 # the served steps' mean device ms, by kind: what bench/probes/step_curve.py prices alone
                 "step_ms_by_rows": step_ms(after, self.before),

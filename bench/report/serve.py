@@ -97,6 +97,8 @@ def run_tables(result: dict) -> list[Table]:
                        ", ".join(f"{k}: {v:.2f}" for k, v in (sb.get("step_ms_by_rows") or {}).items()) or "-"],
                       ["server: device busy (step time / wall)",
                        f"{sb['device_busy']:.0%}" if sb.get("device_busy") is not None else "-"],
+                      ["server: ... of it before the graphs' replays (input copies, waits on the host)",
+                       f"{sb['staging_share']:.1%}" if sb.get("staging_share") is not None else "-"],
                       ["server: running requests p50 / max", f"{num(sb['running_p50'])} / {num(sb['running_max'])}"]]
         if sb.get("prompts_queued_p50") is not None:
             head.rows += [["server: prompts queued for steps p50 / share of samples with none",

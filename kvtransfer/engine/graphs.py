@@ -65,6 +65,7 @@ class Step:
         self.mixed_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # (rows, bucket)
         self.buckets = buckets(max_batch)
         self.staged = False
+        self.replayed: torch.cuda.Event | None = None  # recorded just before the last graph replay (timing)
         if cuda_graphs and runner.device.type == "cuda":
             self._capture()
         elif staged and chunk:
@@ -157,6 +158,13 @@ class Step:
             self.positions[n:b].zero_()
             self.slots[n:b].fill_(self.runner.pool.scratch)
 
+    def _replay(self, g: torch.cuda.CUDAGraph) -> None:
+        """Replay `g` after an event (`replayed`): from a step's start event to it, the device ran the input copies
+        and waited for the host to launch them; the graph's own work comes after (queued.StepStats.staging_s)."""
+        self.replayed = torch.cuda.Event(enable_timing=True)
+        self.replayed.record()
+        g.replay()
+
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         n = tokens.shape[0]
         if not self.graphs:
@@ -164,7 +172,7 @@ class Step:
         b = self.bucket(n)
         self._fill(n, b, tokens, positions, slots)
         g, out = self.graphs[b]
-        g.replay()
+        self._replay(g)
         return out[:n]
 
     def mixed(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
@@ -183,7 +191,7 @@ class Step:
         self.pieces.copy_(p.table, non_blocking=True)
         if self.mixed_graphs:
             g, out = self.mixed_graphs[rows, b]
-            g.replay()
+            self._replay(g)
         else:  # staged: what the graph would replay, eagerly (the CPU tests' view of the graphs' layout)
             out = self.runner.forward(self.tokens[:rows], self.positions[:rows], self.slots[:rows],
                                       self.keep[:b + MAX_PIECES], (b, self.pieces))

@@ -29,6 +29,8 @@ class StepStats:
     prompt_rows: int  # prompt tokens that rode along (--mixed-prefill)
     step_rows: int  # the mixed step's size in rows, padding included (0: a plain decode step)
     device_s: float  # its device time from CUDA events, s (0 on CPU)
+    staging_s: float = 0.0  # of it, before the graph's replay: the inputs' copies, and the device waiting on the
+    # host's launches when the host fell behind (0 on CPU and for eager steps)
 
 
 @dataclass
@@ -49,6 +51,7 @@ class QueuedStep:
     # with their first tokens, in this order
     first_logits: list[torch.Tensor | None] = field(default_factory=list)  # (vocab,) each, kept when a digest is wanted
     start: torch.cuda.Event | None = None  # recorded just before the step's launch: start -> event is its device time
+    replayed: torch.cuda.Event | None = None  # recorded just before its graph's replay (graphs.Step._replay)
     prompt_rows: int = 0  # prompt tokens that rode in this step
     step_rows: int = 0  # the mixed step's size (Step.rows_for; 0: a plain step, or eager)
 
@@ -56,11 +59,18 @@ class QueuedStep:
         """The step's device time, s (0 on CPU); call after `event` completed."""
         return self.start.elapsed_time(self.event) / 1e3 if self.start is not None else 0.0
 
+    def staging_s(self) -> float:
+        """Of `device_s`, the time before the graph's replay, s (0: CPU or an eager step); after `event`."""
+        if self.start is None or self.replayed is None:
+            return 0.0
+        return self.start.elapsed_time(self.replayed) / 1e3
+
 
 def queue_step(step: Step, dev: torch.device, batch: list[Sequence], prev: QueuedStep | None,
                pieces: list[tuple[MixedPrefill, Chunk]] = ()) -> QueuedStep:
     """Queue one step for `batch` without waiting for the device. A row that was in the step still in flight
-    reads its next input token from that step's choice on the device (sampler.py); a row joining now reads it from the host.
+    reads its next input token from that step's choice on the device (sampler.py); a row joining now reads it from
+    the host.
     Positions and slots are the host's. Each row's lease is held until this step has been delivered, so no
     slot is handed to another request while a queued step may still write into it. With pieces (prompt chunks),
     one forward runs the decode rows and those chunks together (mixed.py); each chunk's slot is held the same
@@ -81,7 +91,7 @@ def queue_step(step: Step, dev: torch.device, batch: list[Sequence], prev: Queue
     done = [j for j, (_, c) in enumerate(pieces) if c.last]  # prompts whose first token this step makes
     lasts, chunks = None, [c for _, c in pieces]
     prompt_rows = sum(c.ids.shape[0] for c in chunks)
-    start = None
+    start = step.replayed = None
     if dev.type == "cuda":  # from here to `event`: the step's launch (a replay; eager: its launches too) and work
         start = torch.cuda.Event(enable_timing=True)
         start.record()
@@ -116,7 +126,7 @@ def queue_step(step: Step, dev: torch.device, batch: list[Sequence], prev: Queue
     return QueuedStep(batch, nxt, host, event, rows, [s.remaining for s in batch],
                     chunk_tasks=[task for task, _ in pieces], first_tasks=firsts,
                     first_logits=[lasts[j].clone() if t.want_digest else None for j, t in zip(done, firsts)],
-                    start=start, prompt_rows=prompt_rows,
+                    start=start, replayed=step.replayed, prompt_rows=prompt_rows,
                     step_rows=step.rows_for(n, prompt_rows) if pieces and step.mixed_graphs else 0)
 
 

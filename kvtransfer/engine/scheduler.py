@@ -277,7 +277,8 @@ class Scheduler:
         if done.batch:
             self.steps += 1
         if self.on_step is not None:
-            self.on_step(StepStats(len(done.batch), done.prompt_rows, done.step_rows, done.device_s()))
+            self.on_step(StepStats(len(done.batch), done.prompt_rows, done.step_rows, done.device_s(),
+                                   done.staging_s()))
         ends: list[tuple[Sequence, Token | Ended]] = []
         queued = {id(s) for s in newer.batch} if newer is not None else set()
         for j, s in enumerate(done.batch):

@@ -86,6 +86,9 @@ class Metrics:
                                      "mixed step's size in rows, or decode (no prompt rows); over "
                                      "kvt_decode_mixed_steps / kvt_decode_decode_only_steps, a kind's mean step",
                                      ["rows"], registry=r)
+        self.staging_s = Counter("kvt_decode_step_staging_seconds", "decode: of kvt_decode_device_seconds, the time "
+                                 "before each graph's replay: the step's input copies, and the device waiting on "
+                                 "the host's launches when the host falls behind (CUDA graphs only)", registry=r)
         self.decode_only_steps = Counter("kvt_decode_decode_only_steps", "decode: steps without prompt rows",
                                          registry=r)
         self.pairings = Counter("kvt_pairings", "pairings with the peer (the first one and every re-pairing)",
@@ -122,6 +125,7 @@ class Metrics:
         else:
             self.decode_only_steps.inc()
         self.device_s.inc(stats.device_s)
+        self.staging_s.inc(stats.staging_s)
         self.step_device_s.labels(str(stats.step_rows) if stats.prompt_rows else "decode").inc(stats.device_s)
 
 
