@@ -161,8 +161,9 @@ class Step:
     def _replay(self, g: torch.cuda.CUDAGraph) -> None:
         """Replay `g` after an event (`replayed`): from a step's start event to it, the device ran the input copies
         and waited for the host to launch them; the graph's own work comes after (queued.StepStats.staging_s)."""
-        self.replayed = torch.cuda.Event(enable_timing=True)
-        self.replayed.record()
+        if self.runner.device.type == "cuda":  # (a probe's stand-in for a graph replays on CPU: no event)
+            self.replayed = torch.cuda.Event(enable_timing=True)
+            self.replayed.record()
         g.replay()
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
