@@ -10,7 +10,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:.
 mkdir -p /tmp/call7 $OUT
 timeout -k 5 240 python3 -m pytest -q -p no:cacheprovider tests/test_serve_metrics.py \
-  tests/test_engine_gpu.py::test_each_graphed_steps_staging_is_a_part_of_its_device_time > /tmp/call7/pytest.log 2>&1; echo "pytest rc $?"; tail -3 /tmp/call7/pytest.log
+  tests/test_engine_gpu.py::test_each_graphed_steps_staging_is_a_part_of_its_device_time > $OUT/pytest.log 2>&1; echo "pytest rc $?"; tail -3 $OUT/pytest.log
 bash bench/results/curve-h100-2026-12-07/call6.sh
 grep -E "before the graphs' replays|mean step device ms|device busy" /tmp/curve6/serve/report.md /tmp/curve6/serve/c64/report.md 2>/dev/null | head -6
 R=/tmp/call7/switch; mkdir -p $R
@@ -24,5 +24,5 @@ timeout -k 10 100 python3 -m bench.cli serve --addr 127.0.0.1:50052 --model qwen
     --warmup 4 --timeout 300 --max-duration 60 --server-metrics http://127.0.0.1:9102/metrics \
     --out $R/serve > $R/serve.log 2>&1; echo "serve (switch 0.5 ms) rc $?"
 kill -TERM $DPID 2>/dev/null; wait $DPID 2>/dev/null
+tar -C /tmp -czf $OUT/call7-switch.tgz call7
 grep -E "^\| 64 |before the graphs' replays|mean step device ms|device busy" $R/serve/report.md $R/serve/c64/report.md 2>/dev/null | head -6
-tar -C /tmp -czf $OUT/call7.tgz call7
