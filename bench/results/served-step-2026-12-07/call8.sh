@@ -1,5 +1,5 @@
 #!/bin/bash
-# Call 8, one GPU, carry [".whl"], ~220 s: call 7 cut to what failed machine starts left device time for. (1) The GPU
+# Call 8, one GPU, carry [".whl"], ~250 s: call 7 cut to what failed machine starts left device time for. (1) The GPU
 # test of the staging split; (2) the probe's 512-row step alone at the steady mix, 10 timed steps (curve call 3's
 # command); (3) the README serve workload at c64 against a default server, reporting the served steps' device ms by
 # size and the share of it before the graphs' replays (input copies, waits on the host). The SM clock, power and
@@ -12,11 +12,11 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > $R/gpu.tx
 start=$(date +%s); t() { echo "$1 rc $2 at $(( $(date +%s) - start )) s"; }
 nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
   --format=csv -lms 100 > $R/clocks.csv 2>&1 & SMI=$!
+timeout -k 5 150 python3 -m bench.probes.step_curve --model qwen2.5-7b --sizes 512 --itl-batches 64 --runs 10 \
+  --no-roofline > $R/step-512.log 2>&1; t "step_curve 512" $?
+grep -E "^\| 512 " $R/step-512.log; date -u +%T.%N >> $R/marks.txt
 (exec python3 -m decode_server --colocated --model qwen2.5-7b --listen 127.0.0.1:50051 --metrics-port 9101 \
    > $R/decode-server.log 2>&1) & DPID=$!
-timeout -k 5 150 python3 -m bench.probes.step_curve --model qwen2.5-7b --sizes 512 --itl-batches 64 --runs 10 \
-  --no-roofline > $R/step-512.log 2>&1; t "step_curve 512 (beside the server's start)" $?
-grep -E "^\| 512 " $R/step-512.log; date -u +%T.%N >> $R/marks.txt
 python3 -c "from bench.measure.launch import wait_serving; wait_serving('127.0.0.1:50051', [], timeout=150)"
 t server $?; date -u +%T.%N >> $R/marks.txt
 timeout -k 10 100 python3 -m bench.cli serve --addr 127.0.0.1:50051 --model qwen2.5-7b --num-prompts 1 \
