@@ -2,8 +2,9 @@
 
 Why apart: queueing a step without waiting for the device is the scheduler's hot path and has its
 own invariants (next tokens gathered on the device from the step still in flight; every row's slot
-held until delivery; a prompt chunk riding along, --mixed-prefill); scheduler.py decides who runs
-and delivers what a step made.
+held until delivery; a prompt chunk riding along, --mixed-prefill), and so has its delivery (`hand_out`, then
+`release_delivered`: a row that hit EOS while still queued in the next step keeps its slot until that step is
+delivered); scheduler.py decides who runs, and when a step is delivered.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import torch
 from kvtransfer.engine.graphs import Step
 from kvtransfer.engine.mixed import Chunk, MixedPrefill
 from kvtransfer.engine.sampler import Draws, first_token, next_tokens
-from kvtransfer.engine.sequence import Sequence
+from kvtransfer.engine.sequence import LocalPrefill, Sequence, Token
+from kvtransfer.model.prefill import logits_digest
 
 log = logging.getLogger("kvtransfer.decode.scheduler")
 
@@ -149,3 +151,41 @@ def let_go(pending: QueuedStep | None, end) -> None:
             end(s, item)  # a last token stays valid: only the row queued after it failed
         pending.batch, pending.after, pending.chunk_tasks = [], [], []  # let go once
     return None
+
+
+def hand_out(done: QueuedStep, newer: QueuedStep | None, tokens: list[int], t: float) -> list[tuple[Sequence, Token]]:
+    """A delivered step's tokens (`tokens`, its host copy; `t`, when it came) to its rows' sinks. A row whose last
+    token it is is marked over; its token waits: in `newer.after` when `newer` still holds the row (it hit EOS
+    here: its stream ends once that step frees its slot), else in the list returned, for `release_delivered`."""
+    ends: list[tuple[Sequence, Token]] = []
+    queued = {id(s) for s in newer.batch} if newer is not None else set()
+    for j, s in enumerate(done.batch):
+        if s.over:  # ended at an earlier step (EOS, stopped): this row ran ahead of that news
+            continue
+        s.index += 1
+        s.last_token = tokens[j]
+        if s.tokens is not None:  # what a swap would store (preempt.py)
+            s.tokens.append(tokens[j])
+        last = done.left[j] == 0 or tokens[j] in s.eos
+        tok = Token(s.index, tokens[j], logits_digest(done.rows[j]) if s.want_digest else "", t, last)
+        if not last:
+            s.sink(tok)
+            continue
+        s.over = True
+        (newer.after if id(s) in queued else ends).append((s, tok))
+    return ends
+
+
+def release_delivered(done: QueuedStep, tokens: list[int], t: float, ends: list[tuple[Sequence, Token]],
+                      end) -> None:
+    """After `hand_out`: the step's holds on its rows' and chunks' slots let go, each prompt it finished told its
+    first token, then `end(seq, item)` for the sequences that ended with it (`done.after`, then `ends`)."""
+    for s in done.batch:
+        s.lease.release()  # the step's own hold
+    for task in done.chunk_tasks:
+        task.lease.release()  # the chunk's hold on its prompt's slot
+    for j, (task, first_logits) in enumerate(zip(done.first_tasks, done.first_logits)):
+        digest = logits_digest(first_logits) if first_logits is not None else ""
+        task.future.set_result(LocalPrefill(tokens[len(done.batch) + j], digest, (t - task.t0) * 1e3))
+    for s, item in done.after + ends:
+        end(s, item)

@@ -36,9 +36,8 @@ from kvtransfer.engine.graphs import Step
 from kvtransfer.engine.mixed import Chunk, MixedPrefill
 from kvtransfer.engine.preempt import make_room
 from kvtransfer.engine.prompt_queue import PromptQueue
-from kvtransfer.engine.queued import QueuedStep, StepStats, let_go, queue_step
-from kvtransfer.engine.sequence import EndCause, Ended, LocalPrefill, Sequence, Token
-from kvtransfer.model.prefill import logits_digest
+from kvtransfer.engine.queued import QueuedStep, StepStats, hand_out, let_go, queue_step, release_delivered
+from kvtransfer.engine.sequence import EndCause, Ended, Sequence, Token
 
 log = logging.getLogger("kvtransfer.decode.scheduler")
 
@@ -279,30 +278,7 @@ class Scheduler:
         if self.on_step is not None:
             self.on_step(StepStats(len(done.batch), done.prompt_rows, done.step_rows, done.device_s(),
                                    done.staging_s()))
-        ends: list[tuple[Sequence, Token | Ended]] = []
-        queued = {id(s) for s in newer.batch} if newer is not None else set()
-        for j, s in enumerate(done.batch):
-            if s.over:  # ended at an earlier step (EOS, stopped): this row ran ahead of that news
-                continue
-            s.index += 1
-            s.last_token = tokens[j]
-            if s.tokens is not None:  # what a swap would store (preempt.py)
-                s.tokens.append(tokens[j])
-            last = done.left[j] == 0 or tokens[j] in s.eos
-            tok = Token(s.index, tokens[j], logits_digest(done.rows[j]) if s.want_digest else "", t, last)
-            if not last:
-                s.sink(tok)
-                continue
-            s.over = True
-            (newer.after if id(s) in queued else ends).append((s, tok))
-        if ends or (newer is not None and newer.after):
+        ends = hand_out(done, newer, tokens, t)
+        if ends or (newer is not None and newer.after):  # sequences whose last token it was leave the batch
             self.running = [s for s in self.running if not s.over]
-        for s in done.batch:
-            s.lease.release()  # the step's own hold
-        for task in done.chunk_tasks:
-            task.lease.release()  # the chunk's hold on its prompt's slot
-        for j, (task, first_logits) in enumerate(zip(done.first_tasks, done.first_logits)):
-            digest = logits_digest(first_logits) if first_logits is not None else ""
-            task.future.set_result(LocalPrefill(tokens[len(done.batch) + j], digest, (t - task.t0) * 1e3))
-        for s, item in done.after + ends:
-            self._end(s, item)
+        release_delivered(done, tokens, t, ends, self._end)
