@@ -209,13 +209,11 @@ def test_each_graphed_steps_staging_is_a_part_of_its_device_time():
     """The scheduler's StepStats on CUDA graphs (#39: the served step's device time split at its graph's replay):
     every step, plain and mixed, reports staging_s < device_s and some > 0, so the metric reads the replay's own
     event."""
-    import queue
-
     from kvtransfer.engine.engine import DecodeEngine, EngineOptions
     from kvtransfer.engine.queued import StepStats
-    from kvtransfer.engine.sequence import Ended, Sequence
     from kvtransfer.geometry import CacheGeometry as Geometry
     from kvtransfer.model.loaded import LoadedModel
+    from support.enginekit import decode_prompts
 
     spec = ModelSpec("smollm2-135m", "bfloat16", 0)
     model = load_model(spec, "cuda")
@@ -223,18 +221,8 @@ def test_each_graphed_steps_staging_is_a_part_of_its_device_time():
     stats: list[StepStats] = []
     e = DecodeEngine(lm, EngineOptions(max_batch=4, max_seq_len=512, prefill_chunk=64, mixed_prefill=True),
                      on_step=stats.append)
-    try:
-        q: queue.Queue = queue.Queue()
-        for n, steps in ((61, 200), (150, 6)):  # the 150-token prompt rides in the first one's decode steps
-            prompt = random_prompt(model.config.vocab_size, n, seed=n)[0].tolist()
-            lease = e.pool.try_lease()
-            first = e.prefill(prompt, lease, False).result(timeout=120).first
-            e.scheduler.add(Sequence(n, lease, n, first, steps, q.put))
-        done = 0
-        while done < 2:
-            item = q.get(timeout=120)
-            assert not isinstance(item, Ended), item
-            done += item.last
+    try:  # the 150-token prompt rides in the first one's decode steps
+        decode_prompts(e, model.config.vocab_size, [(61, 200), (150, 6)], timeout=120)
     finally:
         e.close()
     graphed = [s for s in stats if s.rows and (s.step_rows or not s.prompt_rows)]

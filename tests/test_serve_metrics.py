@@ -103,16 +103,13 @@ def test_the_scheduler_reports_every_delivered_step_once():
     for 10 tokens while a 12-token prompt rides in its steps and decodes 6: the steps' prompt rows add up to the
     prompts, their decode rows to the tokens the steps made, and every step with decode rows is one of the
     scheduler's steps."""
-    import queue
-
     import torch
 
     from kvtransfer.engine.engine import DecodeEngine, EngineOptions
-    from kvtransfer.engine.sequence import Ended, Sequence
     from kvtransfer.geometry import CacheGeometry
     from kvtransfer.model.loaded import LoadedModel
-    from kvtransfer.model.prefill import random_prompt
     from kvtransfer.model.spec import ModelSpec, load_model
+    from support.enginekit import decode_prompts
 
     model = load_model(ModelSpec("tiny", "float32", 0))
     lm = LoadedModel(ModelSpec("tiny", "float32", 0), model, CacheGeometry.from_config(model.config, torch.float32),
@@ -121,17 +118,7 @@ def test_the_scheduler_reports_every_delivered_step_once():
     e = DecodeEngine(lm, EngineOptions(max_batch=4, max_seq_len=256, cuda_graphs=False, prefill_chunk=17,
                                        mixed_prefill=True), on_step=stats.append)
     try:
-        q: queue.Queue = queue.Queue()
-        for n, steps in ((61, 10), (12, 6)):
-            prompt = random_prompt(model.config.vocab_size, n, seed=n)[0].tolist()
-            lease = e.pool.try_lease()
-            first = e.prefill(prompt, lease, False).result(timeout=60).first
-            e.scheduler.add(Sequence(n, lease, n, first, steps, q.put))
-        done = 0
-        while done < 2:
-            item = q.get(timeout=60)
-            assert not isinstance(item, Ended), item
-            done += item.last
+        decode_prompts(e, model.config.vocab_size, [(61, 10), (12, 6)])
     finally:
         e.close()
     assert sum(s.prompt_rows for s in stats) == 61 + 12  # the 12 rode in a step of the first one's decode

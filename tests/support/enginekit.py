@@ -82,3 +82,22 @@ def serve_turn(e: DecodeEngine, prompt: list[int], new: int, reuse: bool = True,
     lease.release()
     return toks, lease.reuse, cache
 
+
+
+def decode_prompts(e: DecodeEngine, vocab: int, plan: list[tuple[int, int]], timeout: float = 60.0) -> None:
+    """For each (n, steps) of `plan` in order: a random n-token prompt (seed n) prefilled, then decoded for `steps`
+    more tokens; a later prompt's prefill rides in the earlier ones' decode steps (--mixed-prefill). Returns once
+    every stream ended with its last token; an Ended fails."""
+    from kvtransfer.model.prefill import random_prompt
+
+    q: queue.Queue = queue.Queue()
+    for n, steps in plan:
+        prompt = random_prompt(vocab, n, seed=n)[0].tolist()
+        lease = e.pool.try_lease()
+        first = e.prefill(prompt, lease, False).result(timeout=timeout).first
+        e.scheduler.add(Sequence(n, lease, n, first, steps, q.put))
+    done = 0
+    while done < len(plan):
+        item = q.get(timeout=timeout)
+        assert not isinstance(item, Ended), item
+        done += item.last
