@@ -59,6 +59,7 @@ class FakeStep:
 
     max_batch = 4
     mixed_graphs: dict = {}
+    replayed = None  # Step's event before a graph replay: none, eager
 
     def __init__(self, fail_at: int = 0):
         self.calls, self.fail_at, self.rows = 0, fail_at, []  # rows: each step's decode rows

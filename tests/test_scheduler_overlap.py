@@ -25,6 +25,7 @@ class FakeStep:
     """next token = (token * 3 + position) % VOCAB, as (n, VOCAB) one-hot logits."""
 
     max_batch = 4
+    replayed = None  # Step's event before a graph replay: none, eager
 
     def __init__(self):
         self.rows = []

@@ -65,7 +65,7 @@ class Step:
         self.mixed_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # (rows, bucket)
         self.buckets = buckets(max_batch)
         self.staged = False
-        self.replayed: torch.cuda.Event | None = None  # recorded just before the last graph replay (timing)
+        self.replayed: torch.cuda.Event | None = None  # the last call's event before its replay (None: eager)
         if cuda_graphs and runner.device.type == "cuda":
             self._capture()
         elif staged and chunk:
@@ -167,7 +167,7 @@ class Step:
         g.replay()
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        n = tokens.shape[0]
+        n, self.replayed = tokens.shape[0], None  # None: this step ran eagerly
         if not self.graphs:
             return self.runner.forward(tokens, positions, slots)
         b = self.bucket(n)
@@ -178,7 +178,7 @@ class Step:
 
     def mixed(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
               chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor]:
-        n = tokens.shape[0]
+        n, self.replayed = tokens.shape[0], None  # None: this step ran eagerly
         rows = self.rows_for(n, sum(c.ids.shape[0] for c in chunks))
         if not (self.mixed_graphs or self.staged) or not rows or len(chunks) > MAX_PIECES:
             return mixed_forward(self.runner, tokens, positions, slots, chunks)

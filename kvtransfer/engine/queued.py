@@ -93,7 +93,7 @@ def queue_step(step: Step, dev: torch.device, batch: list[Sequence], prev: Queue
     done = [j for j, (_, c) in enumerate(pieces) if c.last]  # prompts whose first token this step makes
     lasts, chunks = None, [c for _, c in pieces]
     prompt_rows = sum(c.ids.shape[0] for c in chunks)
-    start = step.replayed = None
+    start = None
     if dev.type == "cuda":  # from here to `event`: the step's launch (a replay; eager: its launches too) and work
         start = torch.cuda.Event(enable_timing=True)
         start.record()
