@@ -39,6 +39,7 @@ from kvtransfer.kernels._checks import (
 )
 from kvtransfer.kernels.backend import triton_available
 from kvtransfer.kernels.backend import pick_triton as _use_triton
+from kvtransfer.kernels.norms import add_rms_norm, rms_norm
 from kvtransfer.kernels.projections import GEMV_MAX_ROWS, gate_up_silu, invariant_linear, linear, silu_mul
 from kvtransfer.kernels.reference import (
     add_rms_norm_ref,
@@ -262,41 +263,6 @@ def rope_store(
 
     q, k, v, cos, sin = (last_dim_unit(t) for t in (q, k, v, cos, sin))
     return rope_store_triton(q, k, v, cos, sin, k_pool, v_pool, slots, positions, block_table)
-
-
-def _check_norm(x: torch.Tensor, weight: torch.Tensor) -> None:
-    check_float("x", x, 2)
-    check_float("weight", weight, 1)
-    require(weight.shape[0] == x.shape[1], f"weight has {weight.shape[0]} elements, x rows {x.shape[1]}")
-    require(weight.device == x.device, f"weight is on {weight.device}, x on {x.device}")
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, use_triton: bool | None = None) -> torch.Tensor:
-    """HF LlamaRMSNorm: x (B, H), weight (H,) -> (B, H) in promote(weight.dtype, x.dtype)."""
-    _check_norm(x, weight)
-    if not _use_triton(use_triton, x.device):
-        return rms_norm_ref(x, weight, eps)
-    from kvtransfer.kernels.triton_norm import rms_norm_triton
-
-    return rms_norm_triton(last_dim_unit(x), last_dim_unit(weight), eps)
-
-
-def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *, use_triton: bool | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """residual_out = residual + x (x's dtype); returns (rms_norm(residual_out), residual_out).
-
-    x, residual: (B, H) of one dtype; both outputs are new tensors (inputs untouched).
-    """
-    _check_norm(x, weight)
-    check_float("residual", residual, 2)
-    require(residual.shape == x.shape and residual.dtype == x.dtype, "residual must match x in shape and dtype")
-    require(residual.device == x.device, f"residual is on {residual.device}, x on {x.device}")
-    if not _use_triton(use_triton, x.device):
-        return add_rms_norm_ref(x, residual, weight, eps)
-    from kvtransfer.kernels.triton_norm import rms_norm_triton
-
-    return rms_norm_triton(last_dim_unit(x), last_dim_unit(weight), eps, residual=last_dim_unit(residual))
 
 
 # The decode attention's arguments in the batch-invariant mode (kvtransfer/engine/runner.py): every row cut at the

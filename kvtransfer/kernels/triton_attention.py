@@ -4,28 +4,27 @@ Why: a decode step is memory bound on reading K/V; one program per (row, head) c
 H200 when B is small and the rows are long, so each row's valid length is cut into
 `num_splits` chunks read in parallel (stage 1) and merged by log-sum-exp (stage 2).
 
-Design after SGLang's Triton decode attention (`_fwd_grouped_kernel_stage1` and
-`_fwd_kernel_stage2` in python/sglang/srt/layers/attention/triton_ops/decode_attention.py,
-Apache-2.0, itself after LightLLM), rewritten for this pool: row b finds its positions through
-`triton_paging.tile_offsets` (its slot's (max_seq, D) matrix, or its blocks through the block
-table). As there, one program takes all G query heads of one kv head (padded to BLOCK_H = 16 rows for tl.dot, masked), so
-K/V are read once per group and never repeated in memory; and a row's valid length is cut
-into num_splits equal chunks (rounded up to BLOCK_N), so every split of a long row does
-work. Splits whose chunk starts at or past the length (short rows, padded rows of length 1)
-exit at once and stage 2 (triton_attention_split.py) skips them. A split takes at most LONG_CHUNK positions: a
-row longer than count x LONG_CHUNK takes more splits (the grid holds the longest row's), so one long row among short
-ones is read by many programs, not held by a few. At one split in the grid (a batch that fills the SMs by itself,
-in a pool whose rows fit one chunk, or with the cap off) stage 1 writes the output and no merge runs: the merge of one split is exact, so the bits are
-the same, and a layer pays one launch, not two. The batch-invariant mode passes `split_size` instead: every row cut at
-multiples of it, so a row's splits depend on its own length only, merged by triton_attention_split.py.
+Design after SGLang's Triton decode attention (`_fwd_grouped_kernel_stage1` and `_fwd_kernel_stage2` in
+python/sglang/srt/layers/attention/triton_ops/decode_attention.py, Apache-2.0, itself after LightLLM), rewritten for
+this pool: row b finds its positions through `triton_paging.tile_offsets` (its slot's (max_seq, D) matrix, or its
+blocks through the block table). As there, one program takes all G query heads of one kv head (padded to BLOCK_H = 16
+rows for tl.dot, masked), so K/V are read once per group and never repeated in memory; and a row's valid length is cut
+into num_splits equal chunks (rounded up to BLOCK_N), so every split of a long row does work. Splits whose chunk starts
+at or past the length (short rows, padded rows of length 1) exit at once and stage 2 (triton_attention_split.py) skips
+them. A split takes at most LONG_CHUNK positions: a row longer than count x LONG_CHUNK takes more splits (the grid
+holds the longest row's), so one long row among short ones is read by many programs, not held by a few. At one split
+in the grid (a batch that fills the SMs by itself, in a pool whose rows fit one chunk, or with the cap off) stage 1
+writes the output and no merge runs: the merge of one split is exact, so the bits are the same, and a layer pays one
+launch, not two. The batch-invariant mode passes `split_size` instead: every row cut at multiples of it, so a row's
+splits depend on its own length only, merged by triton_attention_split.py. Each K/V tile goes through the online
+softmax step the chunk kernel shares (triton_softmax.py).
 
-num_splits is a Python int from static shapes only (B, kv heads, max_seq, SM count), so one
-captured CUDA graph stays valid for any lengths: see `choose_num_splits`. It is a runtime
-kernel argument, so batch buckets with different split counts share one compiled kernel.
-Scores and the softmax run in fp32 in the log2 domain (exp2); P is rounded to the KV dtype
-for the P @ V dot, as flash attention does and as HF rounds the fp32 softmax to the model
-dtype before @ V. fp32 pools use IEEE dots (no TF32); so do CPU tensors, which only run
-under the Triton interpreter (its tl.dot gives wrong results for bf16 inputs; Triton 3.6).
+num_splits is a Python int from static shapes only (B, kv heads, max_seq, SM count), so one captured CUDA graph stays
+valid for any lengths: see `choose_num_splits`. It is a runtime kernel argument, so batch buckets with different split
+counts share one compiled kernel. Scores and the softmax run in fp32 in the log2 domain (exp2); P is rounded to the KV
+dtype for the P @ V dot, as flash attention does and as HF rounds the fp32 softmax to the model dtype before @ V. fp32
+pools use IEEE dots (no TF32); so do CPU tensors, which only run under the Triton interpreter (its tl.dot gives wrong
+results for bf16 inputs; Triton 3.6).
 """
 
 from __future__ import annotations
@@ -44,6 +43,7 @@ from kvtransfer.kernels.triton_attention_split import (  # noqa: F401
     row_length_and_chunk,
 )
 from kvtransfer.kernels.triton_paging import table_args, tile_offsets
+from kvtransfer.kernels.triton_softmax import dot, online_softmax_step
 
 BLOCK_N = 64  # positions per inner step of stage 1
 BLOCK_H = 16  # query heads per stage-1 program (tl.dot needs M >= 16): G is padded / tiled by it
@@ -100,33 +100,6 @@ def capped_splits(max_seq: int, num_splits: int, block_n: int = BLOCK_N, max_chu
         raise ValueError(f"max_chunk {max_chunk} must be a positive multiple of {block_n} (or 0: no cap)")
     max_chunk = max(max_chunk, triton.cdiv(triton.cdiv(max_seq, MAX_SPLITS), block_n) * block_n)
     return max(num_splits, triton.cdiv(max_seq, max_chunk)), max_chunk
-
-
-@triton.jit
-def dot(a, b, UPCAST_DOT: tl.constexpr):
-    """a @ b in fp32: IEEE dots on fp32 copies when UPCAST_DOT (see _upcast_dots), else tensor cores."""
-    if UPCAST_DOT:
-        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        out = tl.dot(a, b)
-    return out
-
-
-@triton.jit
-def online_softmax_step(acc, l_i, m_i, s, v, UPCAST_DOT: tl.constexpr):
-    """One K/V tile of flash attention's online softmax, shared by the decode and the chunk kernel.
-
-    acc (M, D), l_i (M,), m_i (M,) fp32: the running output, sum and max; s (M, N) scores in log2 units, masked
-    to -inf (each row with >= 1 finite score, so the new max is finite); v (N, D). P is rounded to the KV
-    dtype before @ V, as flash attention does and as HF rounds the softmax. Returns the updated (acc, l_i, m_i).
-    """
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.math.exp2(m_i - m_new)
-    p = tl.math.exp2(s - m_new[:, None])  # (M, N)
-    pv = dot(p.to(v.dtype), v, UPCAST_DOT)  # (M, D)
-    acc = acc * alpha[:, None] + pv
-    l_i = l_i * alpha + tl.sum(p, 1)
-    return acc, l_i, m_new
 
 
 @triton.jit

@@ -15,7 +15,7 @@ written, as the step writes all before any row attends). The tiles of keys below
 every row's past: they are read without masks, and only the tiles from there to the last row's position
 compare positions. The output may be a slice of the step's attention output (the decode rows' kernel writes
 the rest, runner.py), so nothing is concatenated. The online softmax over each K/V tile is the
-decode kernel's own (`triton_attention.online_softmax_step`): the two kernels tile different axes (64
+decode kernel's own (`triton_softmax.online_softmax_step`): the two kernels tile different axes (64
 rows of one head here; one row's query heads over a split there) but round the same way.
 """
 
@@ -27,6 +27,7 @@ import triton.language as tl
 
 from kvtransfer.kernels import triton_attention
 from kvtransfer.kernels.triton_paging import table_args, tile_offsets
+from kvtransfer.kernels.triton_softmax import dot, online_softmax_step
 
 BLOCK_M = 64  # rows of one chunk per program (bench/probes/chunk_attention.py sweeps it with the warps and stages)
 BLOCK_N = 64  # keys per tile
@@ -52,7 +53,7 @@ def _tile(q, k_base, v_base, Table, slot, stride_tr, n0, end, pos, offs_d, mask_
         k = tl.load(k_ptrs, mask=mask_n[None, :] & mask_d[:, None], other=0.0)
         # causal: key n <= the row's position; key 0 always qualifies, so every row has a finite score
         s = tl.where((offs_n[None, :] <= pos[:, None]) & mask_n[None, :],
-                     triton_attention.dot(q, k, UPCAST_DOT) * qk_scale_log2, float("-inf"))  # (BLOCK_M, BLOCK_N)
+                     dot(q, k, UPCAST_DOT) * qk_scale_log2, float("-inf"))  # (BLOCK_M, BLOCK_N)
         v = tl.load(v_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
     else:
         if EVEN_D:
@@ -61,8 +62,8 @@ def _tile(q, k_base, v_base, Table, slot, stride_tr, n0, end, pos, offs_d, mask_
         else:
             k = tl.load(k_ptrs, mask=mask_d[:, None], other=0.0)
             v = tl.load(v_ptrs, mask=mask_d[None, :], other=0.0)
-        s = triton_attention.dot(q, k, UPCAST_DOT) * qk_scale_log2  # (BLOCK_M, BLOCK_N)
-    return triton_attention.online_softmax_step(acc, l_i, m_i, s, v, UPCAST_DOT)
+        s = dot(q, k, UPCAST_DOT) * qk_scale_log2  # (BLOCK_M, BLOCK_N)
+    return online_softmax_step(acc, l_i, m_i, s, v, UPCAST_DOT)
 
 
 @triton.jit
