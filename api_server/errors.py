@@ -99,8 +99,14 @@ def from_rpc(e: grpc.aio.AioRpcError, backend: str, tokens: int = 0) -> ApiError
             status, code = 503, "backend_connection_lost"
             message = f"the connection to the decode server at {backend} was lost ({message}); retry the request"
         message = f"the decode worker's stream ended after {tokens} tokens, before the answer was complete: {message}"
-    elif e.code() == grpc.StatusCode.UNAVAILABLE and "failed to connect" in message:
+    elif e.code() == grpc.StatusCode.UNAVAILABLE and message.lower().startswith("failed to connect"):  # this
+        # channel's own (a router that answered with its workers' "failed to connect" is reachable)
         message = f"the decode server at {backend} is unreachable (--backend): {message}"
+    elif e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL) and \
+            any(t in message for t in TRANSPORT_TEXTS):  # e.g. a decode server that stopped answering pings
+        status, code = 503, "backend_connection_lost"
+        message = f"the connection to the decode server at {backend} was lost before the first token ({message}); " \
+                  "retry the request"
     elif e.code() == grpc.StatusCode.UNAUTHENTICATED:  # the front's own credentials, not the client's API key
         message = f"the decode server refused this front's credentials (--backend-auth-token*): {message}"
     return ApiError(status, message, code=code)

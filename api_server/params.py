@@ -82,11 +82,15 @@ def params(req: CompletionRequest | ChatCompletionRequest) -> Params:
             if req.max_completion_tokens is not None else (req.max_tokens, "max_tokens")
     else:
         max_tokens, name = req.max_tokens, "max_tokens"
-    if max_tokens is not None and not 1 <= max_tokens <= UINT32_MAX:
+    if max_tokens is not None and max_tokens < 1:
         raise bad_request(f"{name} is {max_tokens}; use 1 or more (the decode server's --max-new-tokens caps it)",
                           name)
+    if max_tokens is not None and max_tokens > UINT32_MAX:
+        raise bad_request(f"{name} is {max_tokens}; use at most {UINT32_MAX} (the decode server's --max-new-tokens "
+                          "caps it further)", name)
     return Params(max_tokens, sampling(req), stop_strings(req.stop), token_ids(req.stop_token_ids or [],
-                                                                                "stop_token_ids"), req.ignore_eos)
+                                                                                "stop_token_ids"),
+                  bool(req.ignore_eos))
 
 
 def _f32(x: float) -> float:

@@ -33,9 +33,9 @@ class _Sampled(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # vLLM
-    ignore_eos: bool = False  # vLLM; the inverse of GenerateRequest.stop_on_eos
-    return_token_ids: bool = False  # vLLM: each choice also carries its generated ids
-    stream: bool = False
+    ignore_eos: bool | None = False  # vLLM; the inverse of GenerateRequest.stop_on_eos (null: false, as every flag)
+    return_token_ids: bool | None = False  # vLLM: each choice also carries its generated ids
+    stream: bool | None = False  # OpenAI's schema: boolean or null
     stream_options: StreamOptions | None = None
     user: str | None = None
     # refused unless trivial (params.refusals)

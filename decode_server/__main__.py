@@ -10,7 +10,7 @@ from grpc_health.v1 import health_pb2
 from decode_server.config import DecodeConfig
 from decode_server.peer.handshake import HandshakeRefused
 from decode_server.peer.pairing import DecodePairing
-from decode_server.peer.peers import PrefillPeers
+from decode_server.peer.peers import DECODE_SERVICE, PrefillPeers
 from decode_server.server import DecodeService, create_server
 from decode_server.sizing import plan_engine
 from kvtransfer.engine.engine import DecodeEngine
@@ -77,7 +77,8 @@ async def serve(config: DecodeConfig) -> None:
                  config.on_failure)
         paired = await stop.wait_or(_first_pairing(peers))
     else:
-        await service.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        for name in ("", DECODE_SERVICE):  # as a pair's once paired (peers.publish)
+            await service.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         paired = True
     if paired:
         log.info("decode server ready on port %d (%s; front door %s%s)", port,

@@ -189,7 +189,7 @@ def plan_engine(config, loaded, receive_slots: int):
             f"{plan.slots} x {plan.max_seq} tokens")
     line = (f"engine defaults on {loaded.device}: dtype {loaded.spec.dtype}"
             f"{' (auto)' if config.dtype == 'auto' else ''}; prefill: {prefill_why}; KV pool {pool} x "
-            f"{g.bytes_per_token} B = {tokens * g.bytes_per_token / GIB:.2f} GiB ({plan.why})")
+            f"{g.bytes_per_token} B/token = {tokens * g.bytes_per_token / GIB:.2f} GiB ({plan.why})")
     return options, line
 
 

@@ -31,7 +31,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvtransfer.rpc.security import ClientSecurity
-from kvtransfer.rpc.server import grpc_options
+from kvtransfer.rpc.server import grpc_options, keepalive_options
 from proto import kvtransfer_pb2 as pb
 from proto import kvtransfer_pb2_grpc as pbg
 from router.metrics import RouterMetrics
@@ -42,9 +42,7 @@ INFO_TIMEOUT_S = 5.0
 
 
 def worker_channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    return grpc_options(max_message_bytes) + [
-        ("grpc.keepalive_time_ms", 2000), ("grpc.keepalive_timeout_ms", 2000),
-        ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0),
+    return grpc_options(max_message_bytes) + keepalive_options(2000) + [
         ("grpc.initial_reconnect_backoff_ms", 500), ("grpc.min_reconnect_backoff_ms", 500),
         ("grpc.max_reconnect_backoff_ms", 1000)]
 

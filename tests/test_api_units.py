@@ -143,6 +143,29 @@ def test_each_grpc_status_has_its_http_code_and_keeps_the_servers_words(code):
     assert set(HTTP_OF_GRPC) <= set(CASES)
 
 
+def test_only_this_fronts_own_failed_connect_is_called_unreachable():
+    """A router in front (--backend) that has no healthy worker answers UNAVAILABLE with its workers' states, which
+    may say "failed to connect": it is reachable, and the front said "the decode server at <router> is unreachable"."""
+    def message(details):
+        return from_rpc(grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None, details=details), "h:1").message
+    own = message("failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:1: Connection refused")
+    assert "the decode server at h:1 is unreachable (--backend)" in own
+    router = message("no healthy decode worker behind this router (127.0.0.1:50051 down: failed to connect to all "
+                     "addresses); retry later")
+    assert "unreachable" not in router and router.startswith("no healthy decode worker")
+
+
+@pytest.mark.parametrize("details", ["Stream removed (ping timeout)", "Socket closed"])
+def test_a_connection_lost_before_the_first_token_says_so(details):
+    """A decode server frozen past --backend-keepalive-s: the call fails UNAVAILABLE "Stream removed (ping
+    timeout)", which was passed on as the reason with code UNAVAILABLE; after a first token it already read as a
+    lost connection."""
+    e = from_rpc(grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None, details=details), "h:1")
+    assert (e.status, e.code) == (503, "backend_connection_lost")
+    assert e.message.startswith("the connection to the decode server at h:1 was lost before the first token")
+    assert details in e.message and "retry" in e.message
+
+
 def _refused(req) -> ApiError:
     with pytest.raises(ApiError) as e:
         params(req)
@@ -179,6 +202,28 @@ def test_the_defaults_and_vllm_extensions_reach_the_request():
     chat = params(ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], max_tokens=5,
                                         max_completion_tokens=7, response_format={"type": "text"}))
     assert chat.max_tokens == 7
+
+
+def test_null_flags_are_false_as_openais_schema_allows():
+    """`"stream": null` (OpenAI: boolean or null) was a 400 "Input should be a valid boolean", as were
+    ignore_eos and return_token_ids: every other optional field took null. Null reads as the default, false."""
+    req = CompletionRequest.model_validate({"prompt": [1], "stream": None, "ignore_eos": None,
+                                            "return_token_ids": None})
+    assert not req.stream and not req.return_token_ids
+    r = params(req).request([1], 4, eos_token_ids=[3])
+    assert r.stop_on_eos and list(r.stop_token_ids) == [3]
+    chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "stream": None})
+    assert not chat.stream
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_a_max_tokens_too_large_for_the_wire_names_the_upper_bound(field):
+    """10^12 was told "use 1 or more", the wrong bound."""
+    body = {"prompt": [1]} if field == "max_tokens" else {"messages": [{"role": "user", "content": "x"}]}
+    cls = CompletionRequest if field == "max_tokens" else ChatCompletionRequest
+    e = _refused(cls.model_validate({**body, field: 10 ** 12}))
+    assert e.param == field and "at most 4294967295" in e.message and "1 or more" not in e.message
+    assert "1 or more" in _refused(cls.model_validate({**body, field: 0})).message
 
 
 # ---- the app in-process, against a scripted decode server (support.apifront.FakeBackend) ----

@@ -41,11 +41,22 @@ class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+class ServerHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """The servers' --help: every flag's default, except an empty string (nothing to show: "(default: )") and where
+    the help says what its default means itself."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default == "" or "(default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
 class Parser(argparse.ArgumentParser):
     """argparse with defaults in --help, errors as one line (`prog: error: ... (see --help)`), no abbreviations."""
 
     def __init__(self, *args, **kwargs):
-        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        kwargs.setdefault("formatter_class", ServerHelp)
         kwargs.setdefault("allow_abbrev", False)  # `--lis` is not --listen: a launcher refusing --listen sees it all
         super().__init__(*args, **kwargs)
 

@@ -42,10 +42,19 @@ def peer_channel_options(max_message_bytes: int, keepalive_s: float) -> list[tup
     fails every call on it (and the liveness watch) with UNAVAILABLE, instead of hanging until a deadline;
     a peer that comes back is reconnected to within about 2 s."""
     ms = max(int(keepalive_s * 1000), 1000)
-    return grpc_options(max_message_bytes) + [
-        ("grpc.keepalive_time_ms", ms), ("grpc.keepalive_timeout_ms", ms), ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.max_pings_without_data", 0), ("grpc.initial_reconnect_backoff_ms", 500),
-        ("grpc.min_reconnect_backoff_ms", 500), ("grpc.max_reconnect_backoff_ms", 2000)]
+    return grpc_options(max_message_bytes) + keepalive_options(ms) + [
+        ("grpc.initial_reconnect_backoff_ms", 500), ("grpc.min_reconnect_backoff_ms", 500),
+        ("grpc.max_reconnect_backoff_ms", 2000)]
+
+
+def keepalive_options(ms: int) -> list[tuple[str, int]]:
+    """A client channel's pings: one every `ms`, calls or none, and a ping unanswered for `ms` fails the channel's
+    calls UNAVAILABLE. The wait for the answer is set twice: recent gRPC core (grpc/grpc#34647) waits
+    `grpc.http2.ping_timeout_ms` (60 s by default) and no longer `grpc.keepalive_timeout_ms`, so with the latter
+    alone a peer whose process hangs (its kernel still acknowledging TCP: SIGSTOP, a stuck loop) went unnoticed for
+    a minute; a link that drops packets fails sooner either way (TCP_USER_TIMEOUT)."""
+    return [("grpc.keepalive_time_ms", ms), ("grpc.keepalive_timeout_ms", ms), ("grpc.http2.ping_timeout_ms", ms),
+            ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
 
 
 def add_typed_service(server: grpc.aio.Server, service, servicer) -> None:
