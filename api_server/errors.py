@@ -116,9 +116,11 @@ def _loc(error: dict) -> list[str]:
     return [str(p) for p in error.get("loc", ()) if p != "body"]
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+def _validation_message(exc: RequestValidationError, content_type: str = "application/json"
+                        ) -> tuple[str, str | None]:
     """One line naming the field (OpenAI's `param` is the top-level field); a value of none of a field's accepted
-    types (the prompt) is said once, not once per type tried."""
+    types (the prompt) is said once, not once per type tried. A body that is no object at all under another
+    Content-Type was never parsed as JSON (FastAPI reads only application/json): the message names the header."""
     errors = exc.errors()
     if not errors:
         return "the request body is not valid", None
@@ -127,6 +129,10 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}", None
     loc = _loc(first)
     if not loc:
+        kind = content_type.split(";")[0].strip().lower()
+        if kind != "application/json" and not kind.endswith("+json"):
+            return (f"the request body was not read as JSON: its Content-Type is {kind or 'missing'!r}; send a JSON "
+                    "object with Content-Type: application/json"), None
         return f"the request body: {first.get('msg', 'invalid')} (send a JSON object)", None
     field = loc[0]
     tried = sorted({e.get("msg", "") for e in errors if _loc(e)[:1] == [field]})
@@ -152,8 +158,8 @@ def install(app: FastAPI) -> None:
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_request: Request, exc: RequestValidationError):
-        message, param = _validation_message(exc)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        message, param = _validation_message(exc, request.headers.get("content-type", ""))
         return bad_request(message, param).response()
 
     @app.exception_handler(json.JSONDecodeError)

@@ -82,18 +82,24 @@ def _encode_checked(codec: TextCodec, text: str, param: str) -> list[int]:
 
 
 async def completion_prompts(codec: TextCodec | None, prompt, max_prompts: int) -> list[list[int]]:
-    """/v1/completions' `prompt` (a string, ids, or a list of either) as one id list per prompt."""
+    """/v1/completions' `prompt` (a string, ids, or a list of either) as one id list per prompt, none empty."""
     check_prompt_count(prompt_count(prompt), max_prompts)
-    if isinstance(prompt, str):
-        return [await _off_loop(len(prompt), _encode_checked, need_codec(codec, "prompt"), prompt, "prompt")]
-    if not prompt:
+    if not isinstance(prompt, str) and not prompt:
         raise bad_request("prompt is empty: send text, token ids, or a list of either", "prompt")
-    if isinstance(prompt[0], int):
-        return [token_ids(prompt, "prompt", low=-(1 << 63))]
-    if isinstance(prompt[0], str):
+    if isinstance(prompt, str):
+        out = [await _off_loop(len(prompt), _encode_checked, need_codec(codec, "prompt"), prompt, "prompt")]
+    elif isinstance(prompt[0], int):
+        out = [token_ids(prompt, "prompt", low=-(1 << 63))]
+    elif isinstance(prompt[0], str):
         codec = need_codec(codec, "prompt")
-        return [await _off_loop(len(p), _encode_checked, codec, p, "prompt") for p in prompt]
-    return [token_ids(p, "prompt", low=-(1 << 63)) for p in prompt]
+        out = [await _off_loop(len(p), _encode_checked, codec, p, "prompt") for p in prompt]
+    else:
+        out = [token_ids(p, "prompt", low=-(1 << 63)) for p in prompt]
+    for i, ids in enumerate(out):  # "" (or text the tokenizer makes nothing of), [[]]: the front says so, by name
+        if not ids:
+            where = "prompt" if isinstance(prompt, str) or isinstance(prompt[0], int) else f"prompt[{i}]"
+            raise bad_request(f"{where} is empty (no tokens): send text, token ids, or a list of either", "prompt")
+    return out
 
 
 def chat_messages(req: ChatCompletionRequest) -> list[dict]:

@@ -133,7 +133,8 @@ async def _exchange(app, path: str, body: bytes | list[bytes], headers=(), metho
     left = [{"type": "http.request", "body": p, "more_body": i + 1 < len(pieces)} for i, p in enumerate(pieces)]
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
              "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
-             "headers": [(b"content-type", b"application/json"), *headers],
+             "headers": [*headers] if any(k == b"content-type" for k, _ in headers) else
+             [(b"content-type", b"application/json"), *headers],
              "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
     start, chunks, done = {}, [], asyncio.Event()
 
@@ -381,3 +382,16 @@ def test_a_stop_matcher_sends_nothing_after_its_match_and_flushes_held_text_once
     assert m.feed("D more") == ("D more", False)  # "EN" was flushed: no match across it
     assert m.feed("xEND after") == ("x", True)
     assert m.feed("more text") == ("", True)
+
+
+@pytest.mark.parametrize("content_type", [b"text/plain", b"application/x-www-form-urlencoded"])
+def test_a_json_body_under_another_content_type_is_told_to_send_that_header(content_type):
+    """`curl -d '{...}'` without `-H 'Content-Type: application/json'` sends a form type: FastAPI never parses the
+    body, and the 400 said "Input should be a valid dictionary or object ... (send a JSON object)" of a JSON
+    object. Now it names the header (a new user's pass)."""
+    body = json.dumps({"prompt": [1, 2], "max_tokens": 2}).encode()
+    app = _app(FakeBackend(lambda _req: [5, (6, LENGTH)]))
+    status, _, text, _ = asyncio.run(_exchange(app, "/v1/completions", body, [(b"content-type", content_type)]))
+    err = json.loads(text)["error"]
+    assert status == 400 and "Content-Type: application/json" in err["message"], err
+    assert content_type.decode() in err["message"], err

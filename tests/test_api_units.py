@@ -465,3 +465,20 @@ def test_a_prompt_over_the_decode_servers_context_is_refused_by_the_front_naming
     assert backend.calls == []
     assert _post(_app(backend), {"prompt": [1] * bound, "max_tokens": 1})[0] == 200  # at the bound: sent
     assert len(backend.calls) == 1
+
+
+@pytest.mark.parametrize("prompt,where", [("", "prompt "), ([[1, 2], []], "prompt[1] "), (["w5", ""], "prompt[1] ")],
+                         ids=["empty-text", "empty-ids-in-list", "empty-text-in-list"])
+def test_a_prompt_of_no_tokens_is_refused_by_the_front_naming_it(prompt, where):
+    """"" went on to the decode server, whose "empty prompt: send at least one token id" came back with param null
+    and code INVALID_ARGUMENT, while [] got the front's own 400 naming `prompt`: now every empty prompt gets that.
+    (A tokenizer without a BOS, as the README's, encodes "" to nothing; the tests' own adds one.)"""
+    from api_server import prompts
+
+    class NoBos:
+        def encode(self, text: str) -> list[int]:
+            return [5] * len(text.split())
+
+    with pytest.raises(ApiError) as e:
+        asyncio.run(prompts.completion_prompts(NoBos(), prompt, 64))
+    assert (e.value.status, e.value.param) == (400, "prompt") and e.value.message.startswith(where + "is empty")
