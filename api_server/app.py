@@ -29,7 +29,7 @@ from api_server.config import ApiConfig
 from api_server.errors import ApiError
 from api_server.generation import Generation
 from api_server.metrics import ApiMetrics
-from api_server.limits import BodyLimit, check_message_size, check_prompt_tokens
+from api_server.limits import BodyLimit, check_max_tokens, check_message_size, check_prompt_tokens
 from api_server.params import Params, params
 from api_server.prompts import chat_prompt, completion_prompts, need_codec
 from api_server.protocol import (
@@ -155,11 +155,14 @@ class Front:
             info = await self.backend.info()
             most, max_seq = info.max_prompt_tokens, min((x for x in (info.context_length, info.max_seq_len) if x),
                                                         default=0)  # the decode server's bound: the smaller
+            most_new = info.max_new_tokens
         except ApiError:  # not reachable: its Generate call will say so
-            most = max_seq = 0
+            most = max_seq = most_new = 0
         out = []
         for ids, n in zip(prompts, max_tokens):
             check_prompt_tokens(len(ids), most, param, max_seq)
+            if p.max_tokens is not None:  # the client's (a filled-in one fits by construction: _fill)
+                check_max_tokens(len(ids), n, most_new, max_seq, p.max_tokens_param)
             request = p.request(ids, n, eos) if len(ids) <= limit else None
             check_message_size(len(ids), None if request is None else request.ByteSize(), limit, param)
             out.append(request)

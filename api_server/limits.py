@@ -121,6 +121,19 @@ def check_prompt_tokens(n: int, most: int, param: str, max_seq: int = 0) -> None
                           param, code="prompt_too_large")
 
 
+def check_max_tokens(prompt: int, asked: int, most: int, max_seq: int, param: str) -> None:
+    """A client's max_tokens (`param`, its field's name) against the decode server's --max-new-tokens (`most`) and
+    the tokens one request holds there (`max_seq`; both from its Info, 0: not known), for a prompt of `prompt`
+    tokens: refused here, naming the client's field, instead of the decode server's words about `max_new_tokens`."""
+    if most and asked > most:
+        raise bad_request(f"{param} is {asked}; the decode server generates at most {most} tokens a request (its "
+                          f"--max-new-tokens): ask for at most {most}", param)
+    if max_seq and prompt < max_seq and prompt + asked > max_seq:
+        raise bad_request(f"{param} is {asked}; with the prompt's {prompt} tokens that is {prompt + asked}, over the "
+                          f"{max_seq} tokens the decode server holds a request (prompt and answer): ask for at most "
+                          f"{max_seq - prompt}", param)
+
+
 def check_message_size(n: int, size: int | None, limit: int, param: str) -> None:
     """A prompt of `n` ids whose GenerateRequest is `size` bytes (None: not built, more than `limit` for sure)."""
     if size is None or size > limit:

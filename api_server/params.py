@@ -29,6 +29,7 @@ class Params:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    max_tokens_param: str = "max_tokens"  # the client's field that set max_tokens (chat: max_completion_tokens too)
 
     def request(self, prompt: list[int], max_tokens: int, eos_token_ids: list[int]) -> pb.GenerateRequest:
         """The GenerateRequest; the tokenizer's EOS (a chat template's end of turn) stops it too, unless
@@ -90,7 +91,7 @@ def params(req: CompletionRequest | ChatCompletionRequest) -> Params:
                           "caps it further)", name)
     return Params(max_tokens, sampling(req), stop_strings(req.stop), token_ids(req.stop_token_ids or [],
                                                                                 "stop_token_ids"),
-                  bool(req.ignore_eos))
+                  bool(req.ignore_eos), name)
 
 
 def _f32(x: float) -> float:

@@ -482,3 +482,24 @@ def test_a_prompt_of_no_tokens_is_refused_by_the_front_naming_it(prompt, where):
     with pytest.raises(ApiError) as e:
         asyncio.run(prompts.completion_prompts(NoBos(), prompt, 64))
     assert (e.value.status, e.value.param) == (400, "prompt") and e.value.message.startswith(where + "is empty")
+
+
+@pytest.mark.parametrize("body,param,words,fits", [
+    ({"prompt": [1, 2], "max_tokens": 65}, "max_tokens", "at most 64 tokens a request (its --max-new-tokens)", 64),
+    ({"prompt": [1] * 100, "max_tokens": 29}, "max_tokens", "that is 129, over the 128 tokens", 28),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "max_completion_tokens": 65},
+     "max_completion_tokens", "ask for at most 64", 8),
+], ids=["over-max-new-tokens", "over-the-context", "chat-max_completion_tokens"])
+def test_max_tokens_over_the_decode_servers_bounds_is_refused_naming_the_clients_field(codec, body, param, words,
+                                                                                      fits):
+    """The decode server refused in its words, naming its own field ("max_new_tokens is 5000; use 1..4096"), with
+    param null; the front knows both bounds from its Info and names the field the client sent. No call goes out."""
+    calls = []
+    backend = FakeBackend(lambda req: calls.append(req) or [5, (6, LAST)],
+                          pb.InfoResponse(model="fake", max_new_tokens=64, context_length=128, max_seq_len=128))
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    status, text = _post(_app(backend, codec), body, path)
+    err = json.loads(text)["error"]
+    assert (status, err["param"]) == (400, param) and words in err["message"], err
+    assert not calls
+    assert _post(_app(backend, codec), {**body, param: fits}, path)[0] == 200  # at the bound: served
