@@ -121,12 +121,13 @@ def test_chat_requests_not_implemented_are_400(url, body, param):
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
-def test_a_prompt_over_the_context_is_400_in_the_decode_servers_words(url, stream):
+def test_a_prompt_and_max_tokens_over_the_context_is_400_naming_max_tokens(url, stream):
     """Streaming too: a refusal before the first token is an HTTP error, not an error event in a 200 stream. The
-    prompt fits; with its max_tokens it does not: the decode server's refusal (a prompt that alone leaves no room
-    is the front's own, below)."""
+    prompt fits; with its max_tokens it does not: the front refuses it from the decode server's Info, naming the
+    client's field (it passed on the decode server's words about max_new_tokens, param null, until 2026-12-07; the
+    decode server's own check stays behind it, decode_server/validate.py)."""
     got = post(url, "/v1/completions", {"prompt": [5] * 4000, "max_tokens": 200, "stream": stream})
-    assert refused(got, 400, None, "context")["code"] == "INVALID_ARGUMENT"
+    assert refused(got, 400, "max_tokens", "that is 4200", "ask for at most 96")["code"] == "invalid_request"
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
@@ -141,7 +142,8 @@ def test_a_token_id_outside_the_vocabulary_is_400(url):
 
 
 def test_max_tokens_over_the_decode_servers_limit_is_400(url):
-    refused(post(url, "/v1/completions", {"prompt": [1, 2], "max_tokens": 5000}), 400, None, "max_new_tokens")
+    refused(post(url, "/v1/completions", {"prompt": [1, 2], "max_tokens": 5000}), 400, "max_tokens",
+            "at most 4096 tokens a request (its --max-new-tokens)")
 
 
 @pytest.mark.parametrize("raw", [b"{not json", b'{"prompt": "x",}', b"", b"[1, 2]"],
