@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import grpc
@@ -45,8 +46,13 @@ def frozen_peer():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.Popen([sys.executable, "-c", _SERVER], stdout=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": root})
+    guard = threading.Timer(60, proc.kill)  # a server that never prints its port must not hang the test
+    guard.start()
     try:
-        port = int(proc.stdout.readline())
+        line = proc.stdout.readline()
+        guard.cancel()
+        assert line.strip().isdigit(), f"the health server did not start (printed {line!r})"
+        port = int(line)
         yield f"127.0.0.1:{port}", lambda: os.kill(proc.pid, signal.SIGSTOP)
     finally:
         proc.kill()  # SIGKILL ends a stopped process too
