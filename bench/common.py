@@ -10,6 +10,8 @@ import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from kvtransfer.model.loaded import pick_device
 
 Step = Callable[[str], None]  # called once per finished step with a short description (the progress bar)
@@ -37,3 +39,22 @@ def ints(text: str) -> list[int]:
 def default_device() -> str:
     """The servers' own rule for --device auto (cuda with its index when there is one, else cpu)."""
     return str(pick_device("auto"))
+
+
+CUDA_TRANSPORTS = ("nccl", "cuda_ipc")
+
+
+def check_devices(devices: dict[str, str | None], transport: str | None = None) -> None:
+    """A run's devices (flag -> device, None: not used) and its transport, checked before any server starts: a
+    usage error in one line (bench.cli: exit 2), not a server's traceback after seconds of other work. Each CUDA
+    device named must exist here; nccl and cuda_ipc need CUDA."""
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for flag, device in devices.items():
+        if device is None or device == "auto":
+            continue
+        d = torch.device(device)
+        if d.type == "cuda" and (d.index or 0) >= count:
+            raise ValueError(f"{flag} {device}: this machine has {count} CUDA device{'s' if count != 1 else ''}"
+                             + ("" if count else " (no CUDA here: use cpu)"))
+    if transport in CUDA_TRANSPORTS and not count:
+        raise ValueError(f"--transport {transport} needs CUDA devices, and this machine has none: use gloo or grpc")

@@ -271,7 +271,22 @@ BAD_FLAGS = [
     ("decode_server.client", ["--ids", f"1,{2**63}"], "--ids"),
     ("decode_server.client", ["--ids", "1", "--addr", "nonsense::::"], "--addr"),
     ("bench.cli", ["serve", "--concurrency", "x"], "--concurrency"),
+    # a device this machine lacks: one line before any server starts (a traceback after ~20 s of runs, before)
+    ("bench.cli", ["ttft", "--prefill-device", "cuda:99"], "--prefill-device cuda:99"),
+    ("bench.cli", ["interference", "--device", "cuda:99", "--streams", "1", "--arrivals", "64"], "--device cuda:99"),
+    ("bench.cli", ["offload", "--peer-device", "cuda:99", "--lengths", "16"], "--peer-device cuda:99"),
 ]
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the refusal is for machines without CUDA")
+@pytest.mark.parametrize("run", ["ttft", "interference"])
+def test_a_cuda_transport_without_cuda_is_a_usage_error(run, capsys):
+    from bench.cli import main
+    with pytest.raises(SystemExit) as e:
+        extra = ["--device", "cpu", "--streams", "1", "--arrivals", "64"] if run == "interference" else []
+        main([run, "--transport", "cuda_ipc", *extra])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and "--transport cuda_ipc needs CUDA" in err, err
 
 
 @pytest.mark.parametrize("module,argv,flag", BAD_FLAGS, ids=lambda x: x if isinstance(x, str) else None)

@@ -25,7 +25,7 @@ import grpc
 import numpy as np
 import torch
 
-from bench.common import Job, Step, csv, ints
+from bench.common import Job, Step, check_devices, csv, ints
 from bench.measure.interference_stats import arm_figures
 from bench.measure.launch import colocated_server, server_pair
 from decode_server.client import MODES
@@ -290,4 +290,5 @@ def config(args: argparse.Namespace) -> InterferenceConfig:
 
 def job(args: argparse.Namespace) -> Job:
     cfg = config(args)
+    check_devices({"--device": cfg.device, "--prefill-device": cfg.prefill_device}, cfg.transport)
     return Job(total_steps(cfg), lambda step: run_interference(cfg, step))

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 import torch
 import transformers
 
-from bench.common import Job, Step, csv, default_device, ints
+from bench.common import Job, Step, check_devices, csv, default_device, ints
 from bench.measure.copies import filesystem, gbps, measure_links, stats
 from bench.measure.reference_decode import decode
 from bench.measure.stats import clock
@@ -210,6 +210,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def job(args: argparse.Namespace) -> Job:
     device = args.device or default_device()
+    check_devices({"--device": device, "--peer-device": args.peer_device})
     dtype = args.dtype or ("bfloat16" if torch.device(device).type == "cuda" else "float32")
     models = [m for item in (args.model or ["tiny"]) for m in csv(item)]
     cfg = OffloadConfig(models=tuple(models), lengths=tuple(args.lengths), dtype=dtype, device=device,

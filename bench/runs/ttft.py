@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from bench.common import Job, Step, csv, ints
+from bench.common import Job, Step, check_devices, csv, ints
 from bench.measure.launch import colocated_server, server_pair
 from bench.measure.p2p import cache_patterns, measure_p2p
 from bench.measure.stats import median, spread_ms
@@ -206,10 +206,12 @@ def job_for(cfg: TtftConfig) -> Job:
 
 def job(args: argparse.Namespace) -> Job:
     cuda = torch.cuda.is_available()
-    return job_for(TtftConfig(model=args.model, dtype=args.dtype or ("bfloat16" if cuda else "float32"),
-                              lengths=tuple(args.lengths), modes=tuple(args.modes), runs=args.runs,
-                              warmup=args.warmup, decode_tokens=args.decode_tokens,
-                              prefill_device=args.prefill_device or ("cuda:0" if cuda else "cpu"),
-                              decode_device=args.decode_device or ("cuda:1" if cuda else "cpu"),
-                              layers_per_message=args.layers_per_message, transport=args.transport,
-                              verify=args.verify, log_dir=args.log_dir))
+    cfg = TtftConfig(model=args.model, dtype=args.dtype or ("bfloat16" if cuda else "float32"),
+                     lengths=tuple(args.lengths), modes=tuple(args.modes), runs=args.runs,
+                     warmup=args.warmup, decode_tokens=args.decode_tokens,
+                     prefill_device=args.prefill_device or ("cuda:0" if cuda else "cpu"),
+                     decode_device=args.decode_device or ("cuda:1" if cuda else "cpu"),
+                     layers_per_message=args.layers_per_message, transport=args.transport,
+                     verify=args.verify, log_dir=args.log_dir)
+    check_devices({"--prefill-device": cfg.prefill_device, "--decode-device": cfg.decode_device}, cfg.transport)
+    return job_for(cfg)
