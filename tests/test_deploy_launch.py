@@ -191,3 +191,12 @@ def test_bad_input_is_one_line_and_exit_2(args, words):
     p = run(*args, "--dry-run")
     assert p.returncode == 2 and p.stdout == "", (p.stdout, p.stderr)
     assert p.stderr.count("\n") == 1 and words in p.stderr, p.stderr
+
+
+def test_torchrun_pair_takes_a_lone_flag_as_a_servers_extra_flags():
+    """`--decode-args "--no-prefix-cache"` exited 2 ("expected one argument"): argparse took the lone flag for an
+    option of its own (an operator's pass); launch_xpyd's parser already took it as the value."""
+    from deploy.torchrun_pair import parse
+    known, shared = parse(["--model", "tiny", "--decode-args", "--no-prefix-cache", "--prefill-args", "--seed 3"])
+    assert known.decode_args == "--no-prefix-cache" and known.prefill_args == "--seed 3"
+    assert shared == ["--model", "tiny"] and not known.deterministic

@@ -1,6 +1,6 @@
 #!/bin/bash
 # Two-GPU call 3 of 3 (issue #14 item 3): serve, the pair on two GPUs (prefill cuda:0, decode cuda:1, nccl)
-# against colocated on one (cuda:1), concurrency 8/32/64, input 1024 +-50% with 5% of the prompts 16k-32k,
+# against colocated on one (cuda:1), concurrency 8/32/48, input 1024 +-50% with 5% of the prompts 16k-32k,
 # output 128, each arm against its --max-batch 1 baseline. ~8 min. Preamble and $OUT as in two-gpu-1-smoke.sh.
 # result.json is rewritten after every run, so a cut-short sweep keeps what it finished. --max-batch 48: a KV
 # pool of 49 slots x 32,768 tokens x 57,344 B is 86 GiB beside 14 GiB of weights (64 slots would be 114 GiB).
