@@ -255,3 +255,32 @@ def test_the_servers_checksum_setting_reaches_the_link(receiver, checksum):
         contract.expect_error(lambda: r.finish(timeout=10), "data_loss")
     t.join(10)
     s_link.close()
+
+
+@pytest.mark.skipif(__import__("shutil").which("openssl") is None, reason="openssl makes the test certificates")
+def test_a_tls_name_mismatch_fails_the_connect_at_once_saying_tls(receiver, tmp_path):
+    """The decode side listening on an address its certificate does not name (127.0.0.2; make_test_ca.sh names
+    localhost and 127.0.0.1): the sender waited its whole connect timeout and said "no gRPC receiver", while the
+    two sides re-handshook until the decode side gave up, neither naming TLS (an operator's pass). Now the first
+    second's failed handshake ends it, saying what to fix. The same certificate at 127.0.0.1 connects."""
+    import os
+    import subprocess
+
+    from support.servers import ROOT
+    subprocess.run(["bash", os.path.join(ROOT, "deploy", "make_test_ca.sh"), str(tmp_path), "1"], check=True,
+                   capture_output=True)
+    read = lambda n: (tmp_path / n).read_bytes()  # noqa: E731
+    server_creds = grpc.ssl_server_credentials([(read("server.key"), read("server.pem"))])
+    client_creds = grpc.ssl_channel_credentials(read("ca.pem"))
+    r_link = ReceiverLink("127.0.0.2:0", credentials=server_creds)
+    s_link = SenderLink(f"127.0.0.2:{r_link.port}", connect_timeout_s=30, credentials=client_creds)
+    err = contract.expect_error(lambda: s_link.open(contract.header(60, 2)), "peer")
+    s_link.close()
+    assert "TLS handshake" in str(err) and "--data-tls-cert" in str(err), err  # before: after 30 s, no word of TLS
+    ok = receiver(credentials=server_creds)
+    s_ok = SenderLink(f"127.0.0.1:{ok.port}", connect_timeout_s=30, credentials=client_creds)
+    try:
+        s_ok._connect()
+    finally:
+        s_ok.close()
+        r_link.close()

@@ -53,6 +53,19 @@ def receiver_link(device, options: GrpcOptions, address: str, max_bytes: int, ma
                         credentials=server_credentials(o.tls_cert, o.tls_key, o.tls_ca))
 
 
+TLS_FAILURES = ("ssl", "tls", "handshake", "certificate", "verification")  # in gRPC's reason for a channel not ready
+
+
+def _why_not_ready(channel: grpc.Channel) -> str:
+    """gRPC's reason a channel is not connected: the details of one call that cannot connect (a method nobody
+    serves, so a channel that did connect answers UNIMPLEMENTED at once); "" when it connected meanwhile."""
+    try:
+        channel.unary_unary("/kvtransfer.data.Probe/Connect")(b"", timeout=1.0)
+    except grpc.RpcError as e:
+        return "" if e.code() == grpc.StatusCode.UNIMPLEMENTED else (e.details() or e.code().name)
+    return ""
+
+
 class SenderLink(base.SenderLink):
     """Connects `channels` gRPC channels to a ReceiverLink at `address` ("host:port").
 
@@ -81,17 +94,32 @@ class SenderLink(base.SenderLink):
                           else grpc.secure_channel(address, credentials, options=wire.CHANNEL_OPTIONS)
                           for _ in range(channels)]
         self._push = [ch.stream_unary(wire.PUSH_PATH) for ch in self._channels]  # no (de)serializers: raw bytes
+        self.tls = credentials is not None
         self._connected = False
         self.stager = D2HStager()
 
     def _connect(self) -> None:
+        """Every channel ready, within connect_timeout_s. A channel not ready within a second is asked why (one
+        call's failure carries gRPC's reason): a failed TLS handshake will not heal by waiting, so it ends the
+        wait at once, saying so; anything else (nothing listening yet) is waited out, and the timeout names the
+        last reason."""
         deadline = time.monotonic() + self.connect_timeout_s
         for ch in self._channels:
-            try:
-                grpc.channel_ready_future(ch).result(timeout=max(deadline - time.monotonic(), 0.001))
-            except grpc.FutureTimeoutError:
-                raise TransferError("peer", f"no gRPC receiver at {self.address} after "
-                                    f"{self.connect_timeout_s} s") from None
+            while True:
+                left = deadline - time.monotonic()
+                try:
+                    grpc.channel_ready_future(ch).result(timeout=max(min(left, 1.0), 0.001))
+                    break
+                except grpc.FutureTimeoutError:
+                    why = _why_not_ready(ch)
+                if self.tls and any(w in why.lower() for w in TLS_FAILURES):
+                    raise TransferError("peer", f"the TLS handshake with the gRPC receiver at {self.address} "
+                                        f"failed ({why}): the decode side's --data-tls-cert must name the address "
+                                        "this side connects to (its --data-listen host), signed by this side's "
+                                        "--data-tls-ca")
+                if left <= 1.0:
+                    raise TransferError("peer", f"no gRPC receiver at {self.address} after "
+                                        f"{self.connect_timeout_s} s" + (f" ({why})" if why else ""))
         self._connected = True
 
     def open(self, header: TransferHeader) -> "GrpcSender":
