@@ -33,6 +33,7 @@ import threading
 import grpc
 
 from kvtransfer.transport import Cause, TransferError
+from kvtransfer.transport.errors import TlsRefused
 from kvtransfer.transport.registry import Rendezvous
 from prefill_server.pair import Pair, needs_place
 from prefill_server.peer_health import PeerHealth, watch_token
@@ -100,7 +101,9 @@ class PrefillPairing:
         try:
             await self.loop.run_in_executor(self.gpu, self._reconnect, pair, request.data_address, epoch, gone)
         except (TransferError, ValueError, OSError) as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
+            log.warning("pairing epoch %d: cannot reach the data plane at %s: %s", epoch, request.data_address, e)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION if isinstance(e, TlsRefused) else
+                                grpc.StatusCode.UNAVAILABLE,  # TLS will not heal by retrying: the decode side stops
                                 f"cannot reach the data plane at {request.data_address}: {e}")
         return resp
 

@@ -229,3 +229,18 @@ def test_no_pickle_or_eval_in_the_code():
                             and not any(k.arg == "weights_only" for k in node.keywords)):
                         found.append(f"{path}:{node.lineno}: torch.load without weights_only")
     assert not found, found
+
+
+def test_a_data_plane_certificate_that_does_not_name_its_address_stops_the_decode_server_saying_so(tmp_path, pki):
+    """The decode side's data plane on 127.0.0.2, its certificate naming 127.0.0.1 (make_test_ca.sh): the prefill
+    side waited out its connect timeout and the two re-handshook, neither naming TLS, until --handshake-timeout-s
+    (an operator's pass). Now the prefill side refuses the pairing (FAILED_PRECONDITION) and the decode server exits
+    2 at once, naming the TLS failure and the flag to fix."""
+    c = pki["ca"]
+    with server_pair(tmp_path, prefill_args=["--transport", "grpc", "--data-tls-ca", c["ca.pem"]],
+                     decode_args=["--transport", "grpc", "--data-listen", "127.0.0.2:0", "--data-tls-cert",
+                                  c["server.pem"], "--data-tls-key", c["server.key"], "--handshake-timeout-s", "120"],
+                     wait=False) as run:
+        assert run.procs[1].wait(timeout=100) == 2  # before: 120 s, then DEADLINE_EXCEEDED
+        log = open(run.logs[1]).read()
+    assert "refused the handshake" in log and "TLS handshake" in log and "--data-tls-cert" in log, log[-2000:]

@@ -22,3 +22,11 @@ class TransferError(RuntimeError):
     def __init__(self, cause: Cause | str, message: str):
         self.cause = Cause(cause)
         super().__init__(f"{self.cause.value}: {message}")
+
+
+class TlsRefused(TransferError):
+    """The data plane's TLS handshake failed (a certificate that does not name the address, or another CA): no retry
+    can heal it, so the pairing that met it is refused, not retried."""
+
+    def __init__(self, message: str):
+        super().__init__(Cause.PEER, message)

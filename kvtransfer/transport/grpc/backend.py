@@ -27,6 +27,7 @@ import grpc
 
 from kvtransfer.transport import base
 from kvtransfer.transport.base import TransferError, TransferHeader
+from kvtransfer.transport.errors import TlsRefused
 from kvtransfer.transport.grpc import frames as wire
 from kvtransfer.transport.grpc.listener import ReceiverLink
 from kvtransfer.transport.grpc.staging import D2HStager, wait_event
@@ -113,7 +114,7 @@ class SenderLink(base.SenderLink):
                 except grpc.FutureTimeoutError:
                     why = _why_not_ready(ch)
                 if self.tls and any(w in why.lower() for w in TLS_FAILURES):
-                    raise TransferError("peer", f"the TLS handshake with the gRPC receiver at {self.address} "
+                    raise TlsRefused(f"the TLS handshake with the gRPC receiver at {self.address} "
                                         f"failed ({why}): the decode side's --data-tls-cert must name the address "
                                         "this side connects to (its --data-listen host), signed by this side's "
                                         "--data-tls-ca")
