@@ -6,8 +6,9 @@ Why: the decode server's channel to its prefill peer (--peer-keepalive-s), the O
 calls UNAVAILABLE after about one period. A new-user pass found a SIGSTOPped peer noticed only after ~60 s: recent
 gRPC core waits for a ping's answer `grpc.http2.ping_timeout_ms` (60 s by default), not `grpc.keepalive_timeout_ms`
 (kvtransfer/rpc/server.keepalive_options sets both). A killed peer closes its sockets and is seen at once; a frozen
-one is seen only by the pings, so the server here is stopped, not killed. Each watch has a 20 s deadline: without
-the fix it ends DEADLINE_EXCEEDED there, not UNAVAILABLE.
+one is seen only by the pings, so the server here is stopped, not killed: an unanswered ping is awaited
+max(keepalive, 10 s) (PING_ANSWER_MIN_MS), so ~11-12 s here. Each watch has a 30 s deadline: without the fix it
+ends DEADLINE_EXCEEDED there, not UNAVAILABLE.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def test_a_frozen_peer_fails_the_channels_calls_within_the_keepalive(frozen_peer
     address, freeze = frozen_peer
     period_s = dict(options)["grpc.keepalive_time_ms"] / 1000
     with grpc.insecure_channel(address, options=options) as channel:
-        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""), timeout=20)
+        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""), timeout=30)
         assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
         freeze()
         t0 = time.monotonic()

@@ -38,22 +38,28 @@ SERVER_KEEPALIVE = [("grpc.so_reuseport", 0), ("grpc.http2.min_ping_interval_wit
 
 
 def peer_channel_options(max_message_bytes: int, keepalive_s: float) -> list[tuple[str, int]]:
-    """The decode server's channel to its prefill peer: a link that stops answering pings for `keepalive_s`
-    fails every call on it (and the liveness watch) with UNAVAILABLE, instead of hanging until a deadline;
-    a peer that comes back is reconnected to within about 2 s."""
+    """The decode server's channel to its prefill peer: a link that drops packets for `keepalive_s`, or a peer
+    process that answers no ping for max(`keepalive_s`, 10 s), fails every call on it (and the liveness watch) with
+    UNAVAILABLE, instead of hanging until a deadline; a peer that comes back is reconnected to within about 2 s."""
     ms = max(int(keepalive_s * 1000), 1000)
     return grpc_options(max_message_bytes) + keepalive_options(ms) + [
         ("grpc.initial_reconnect_backoff_ms", 500), ("grpc.min_reconnect_backoff_ms", 500),
         ("grpc.max_reconnect_backoff_ms", 2000)]
 
 
+PING_ANSWER_MIN_MS = 10_000  # the least a ping's answer is awaited: see keepalive_options
+
+
 def keepalive_options(ms: int) -> list[tuple[str, int]]:
-    """A client channel's pings: one every `ms`, calls or none, and a ping unanswered for `ms` fails the channel's
-    calls UNAVAILABLE. The wait for the answer is set twice: recent gRPC core (grpc/grpc#34647) waits
-    `grpc.http2.ping_timeout_ms` (60 s by default) and no longer `grpc.keepalive_timeout_ms`, so with the latter
-    alone a peer whose process hangs (its kernel still acknowledging TCP: SIGSTOP, a stuck loop) went unnoticed for
-    a minute; a link that drops packets fails sooner either way (TCP_USER_TIMEOUT)."""
-    return [("grpc.keepalive_time_ms", ms), ("grpc.keepalive_timeout_ms", ms), ("grpc.http2.ping_timeout_ms", ms),
+    """A client channel's pings: one every `ms`, calls or none. A link that drops packets fails the channel's calls
+    UNAVAILABLE after `ms` (`grpc.keepalive_timeout_ms`, which gRPC core turns into TCP_USER_TIMEOUT). A peer whose
+    process hangs while its kernel still acknowledges TCP (SIGSTOP, a stuck loop) is caught only by a ping left
+    unanswered, which recent gRPC core (grpc/grpc#34647) waits for `grpc.http2.ping_timeout_ms`, 60 s by default: a
+    new user's pass saw a frozen peer noticed after a minute. Set here to `ms`, but at least PING_ANSWER_MIN_MS: at
+    2 s, an xpyd fleet starved of CPU on a loaded 2-core CI machine re-paired mid-load (CI run 76; the likeliest
+    cause), and a process that answers no ping for 10 s is as good as gone."""
+    return [("grpc.keepalive_time_ms", ms), ("grpc.keepalive_timeout_ms", ms),
+            ("grpc.http2.ping_timeout_ms", max(ms, PING_ANSWER_MIN_MS)),
             ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
 
 
