@@ -217,7 +217,8 @@ def test_each_graphed_steps_staging_is_a_part_of_its_device_time():
 
     spec = ModelSpec("smollm2-135m", "bfloat16", 0)
     model = load_model(spec, "cuda")
-    lm = LoadedModel(spec, model, Geometry.from_config(model.config, torch.bfloat16), torch.device("cuda", 0))  # an index: the scheduler thread sets it
+    cuda0 = torch.device("cuda", 0)  # with its index: the scheduler thread's torch.cuda.set_device refuses "cuda"
+    lm = LoadedModel(spec, model, Geometry.from_config(model.config, torch.bfloat16), cuda0)
     stats: list[StepStats] = []
     e = DecodeEngine(lm, EngineOptions(max_batch=4, max_seq_len=512, prefill_chunk=64, mixed_prefill=True),
                      on_step=stats.append)
