@@ -34,18 +34,28 @@ def parse_error(argv: list[str]) -> str | None:
     return None
 
 
-@pytest.mark.parametrize("name,calls", RUNBOOKS.items())
-def test_a_runbooks_commands_parse(tmp_path, name, calls):
+def run_runbook(tmp_path, name: str, gpus: int) -> subprocess.CompletedProcess:
+    """`name` run with python3 standing in (each call recorded in tmp_path/calls.jsonl) and an nvidia-smi whose -L
+    lists `gpus` GPUs."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     shim = bin_dir / "python3"
     shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{ROOT}/tests/support/runbook_checker.py" "$@"\n')
     shim.chmod(0o755)
-    record = tmp_path / "calls.jsonl"
+    smi = bin_dir / "nvidia-smi"
+    listing = "".join(f"GPU {i}: NVIDIA H200 (UUID: GPU-{i})\\n" for i in range(gpus))
+    smi.write_text(f'#!/bin/sh\n[ "$1" = -L ] && printf "{listing}"\nexit 0\n')
+    smi.chmod(0o755)
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", OUT=str(tmp_path / "out"),
-               RUNBOOK_CALLS=str(record), PYTHONPATH=ROOT)
-    p = subprocess.run(["bash", os.path.join(ROOT, "bench", "runbooks", name)], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=120)
+               RUNBOOK_CALLS=str(tmp_path / "calls.jsonl"), PYTHONPATH=ROOT)
+    return subprocess.run(["bash", os.path.join(ROOT, "bench", "runbooks", name)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("name,calls", RUNBOOKS.items())
+def test_a_runbooks_commands_parse(tmp_path, name, calls):
+    p = run_runbook(tmp_path, name, gpus=2)
+    record = tmp_path / "calls.jsonl"
     assert p.returncode == 0, p.stdout + p.stderr
     ran = [json.loads(line) for line in record.read_text().splitlines()] if record.exists() else []
     assert len(ran) == calls, (ran, p.stdout, p.stderr)
@@ -54,6 +64,14 @@ def test_a_runbooks_commands_parse(tmp_path, name, calls):
         (tmp_path / "out" / f).read_text() for f in os.listdir(tmp_path / "out") if f.endswith(".log"))
     errors = [e for e in map(parse_error, ran) if e]
     assert not errors, "\n".join(errors)
+
+
+@pytest.mark.parametrize("name", [n for n in RUNBOOKS if n.startswith("two-gpu")])
+def test_a_two_gpu_runbook_on_one_gpu_stops_at_once_and_says_why(tmp_path, name):
+    p = run_runbook(tmp_path, name, gpus=1)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "needs 2 GPUs" in p.stderr and "lists 1" in p.stderr, p.stderr
+    assert not (tmp_path / "calls.jsonl").exists()  # no bench ran
 
 
 def test_the_checker_refuses_a_bad_flag_and_an_unexpected_command():

@@ -4,6 +4,7 @@
 # the usual preamble (PYTHONPATH with the grpcio wheels, NCCL_NVLS_ENABLE=0); everything lands under $OUT.
 # Each step has a hard `timeout`: a bench stopped by it prints its stacks and its servers' (kvtransfer/rpc/stacks.py).
 set -u
+source "$(dirname "$0")/need_gpus.sh" 2
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN} NCCL_NVLS_ENABLE=0
 mkdir -p "$OUT"
 { git log -1 --format=%h; nvidia-smi topo -m; nvidia-smi --query-gpu=name,memory.total --format=csv; } > "$OUT/machine.txt" 2>&1

@@ -3,6 +3,7 @@
 # decode cuda:1) over nccl and over cuda_ipc, beside colocated and chunked on cuda:1 of the same machine, the
 # workload of ../results/interference-h200-2026-12-01/. ~8 min (hard limits 450 s). Preamble and $OUT as in two-gpu-1-smoke.sh.
 set -u
+source "$(dirname "$0")/need_gpus.sh" 2
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN} NCCL_NVLS_ENABLE=0
 mkdir -p "$OUT"
 step() {

@@ -6,6 +6,7 @@
 # pool of 49 slots x 32,768 tokens x 57,344 B is 86 GiB beside 14 GiB of weights (64 slots would be 114 GiB).
 # Long prompts end at 32,640 so that with 128 output tokens they fit Qwen2.5-7B's 32,768 context.
 set -u
+source "$(dirname "$0")/need_gpus.sh" 2
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN} NCCL_NVLS_ENABLE=0
 mkdir -p "$OUT"
 timeout -k 40 440 python3 -m bench.runs.serve_sweep --model qwen2.5-7b --device cuda:1 --prefill-device cuda:0 \
