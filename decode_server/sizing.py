@@ -136,7 +136,11 @@ def plan_pool(bytes_per_token: int, context: int, max_batch: int, max_seq_len: i
         seq = min(context, tokens // max_batch)
         return PoolPlan(max_batch, seq, f"{source}: {max_batch} slots (--max-batch) of {seq} tokens")
     seq = max_seq_len or min(context, tokens)
-    slots = max(1, min(batch_cap, tokens // seq))
+    if tokens < seq:  # not one slot of the context asked for: one anyway would overrun the budget
+        raise ValueError(f"no room for one slot of --max-seq-len {seq} tokens: {source} leaves "
+                         f"{max(budget, 0) / GIB:.2f} GiB, {tokens} tokens; lower --max-seq-len, raise "
+                         "--gpu-memory-utilization or --kv-pool-gib, or use the paged pool (--kv-block-tokens)")
+    slots = min(batch_cap, tokens // seq)
     capped = " (the cap)" if slots == batch_cap and tokens // seq > batch_cap else ""
     return PoolPlan(slots, seq, f"{source}: {slots} slots{capped} of {seq} tokens"
                     + ("" if max_seq_len else " (the model's context)" if seq == context else " (all the pool holds)"))

@@ -32,6 +32,21 @@ from proto import kvtransfer_pb2 as pb
 # --- the KV pool's size (decode_server/sizing.py) ---
 
 
+def test_a_slot_pool_that_cannot_hold_one_max_seq_len_slot_is_refused_naming_the_flag():
+    """A bug this pass found (mutant S10's clean behaviour): --kv-block-tokens 0 with --max-seq-len and no --max-batch
+    on a budget under one slot of it returned one slot anyway, a pool over the budget asked for (--kv-pool-gib 0.01
+    gave a 32,768-token slot, 3.2x over). Refused now, naming --max-seq-len; a budget of exactly one slot holds one."""
+    bpt = 1000
+    budget_gib = 10_000 * bpt / GIB  # 10,000 tokens
+    try:
+        plan_pool(bpt, 32768, 0, 32768, budget_gib, 0.9, None, 0, 128)
+    except ValueError as e:
+        assert "--max-seq-len 32768" in str(e) and "10000 tokens" in str(e), e
+    else:
+        raise AssertionError("a pool over its budget was planned")
+    assert plan_pool(bpt, 32768, 0, 10_000, budget_gib, 0.9, None, 0, 128).slots == 1
+
+
 def test_a_paged_pool_on_the_gpu_is_cut_to_max_batch_rows_of_max_seq_len():
     """kills plan_blocks' `max_batch x (max_seq_len or context)` made `max_batch x context` (--max-batch 2
     --max-seq-len 1024 on a 4096-token model took blocks for 2 x 4096 tokens: four times what its rows can fill, out
