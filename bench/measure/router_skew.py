@@ -119,8 +119,9 @@ async def run_skew(router: str, workers: list[str], requests=None, every_s: floa
     seconds = time.monotonic() - t0
     done.set()
     samples = await sampler
-    placed = {w: {"long": sum(1 for r in results if r["worker"] == w and r["max_new_tokens"] > SHORT_NEW),
-                  "short": sum(1 for r in results if r["worker"] == w and r["max_new_tokens"] <= SHORT_NEW)}
+    short_new = min((n for _, n in requests), default=0)  # the requests' own short answer, however built
+    placed = {w: {"long": sum(1 for r in results if r["worker"] == w and r["max_new_tokens"] > short_new),
+                  "short": sum(1 for r in results if r["worker"] == w and r["max_new_tokens"] <= short_new)}
               for w in workers}
     return {"seconds": round(seconds, 2), "requests": len(requests), "codes": sorted({r["code"] for r in results}),
             "placed": placed, "figures": figures(samples), "samples": samples, "results": results}
