@@ -3,8 +3,8 @@ serve's roofline measures.
 
 Why: serve's roofline (bench/measure/roofline.measure_gemm) times 7 x 10 calls of each GEMM, a few hundred ms on a GPU
 idle since the server started. bench/results/served-step-2026-12-07 (call 12) logged the SM clock through serve at c64
-on an H100: 1,980 MHz before the load, 1,500-1,590 MHz through it, with the software power cap as the reason. So the
-rate serve's steps get may sit below the rate its roofline is measured at. This replays the layer mix (qkv, o,
+on an H100: it fell under load, with the software power cap as the reason. So the rate serve's steps get may sit
+below the rate its roofline is measured at. This replays the layer mix (qkv, o,
 gate_up, down at --rows rows, each once: one token's mix, as the roofline's layer rate) in a CUDA graph for --hold-s
 seconds and reports the rate in each --window-s window: the first window (the burst), the median of the second half
 (sustained), and measure_gemm's rate before and after the hold. CUDA only.

@@ -2,7 +2,7 @@
 # Call 13, one GPU, carry [".whl"], ~100 s (limit 150): the layer GEMMs held back to back (bench/probes/gemm_sustained.py)
 # at the roofline's 2,048 rows for 30 s, then at the served step's 512 rows for 20 s, with the SM clock, power and
 # clock-event reasons logged every 100 ms: is serve's roofline (a few hundred ms of GEMMs on an idle GPU) a rate a
-# sustained load keeps? Call 12 saw the SM clock at 1,500-1,590 MHz through serve (software power cap) against 1,980.
+# sustained load keeps? Call 12 saw the SM clock at ~1,530 MHz through serve (software power cap) against 1,980.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:.
